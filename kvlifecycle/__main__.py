@@ -1,0 +1,5 @@
+import sys
+
+from kvlifecycle.cli import main
+
+sys.exit(main())

@@ -1,0 +1,35 @@
+"""``kvlifecycle bench NAME``: benchmarks that print ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# benchmark -> (module under kvlifecycle.cli, help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "lifecycle": ("bench_lifecycle", "full P and D block lifecycles with the event log on"),
+    "transport": ("bench_transport", "raw NIXL vs kvlifecycle's NIXL transport, two processes, DRAM"),
+    "gpu": ("bench_gpu", "same-node GPU fast path vs NIXL vs torch vs a contiguous copy (needs CUDA)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        bench_parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+        try:
+            module = importlib.import_module(f"kvlifecycle.cli.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kvlifecycle.cli.{module_name}":
+                raise
+            continue
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(_bench=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = getattr(args, "_bench", None)
+    if bench is None:
+        raise SystemExit(f"benchmark {args.benchmark!r} is not available in this build")
+    return int(bench(args) or 0)

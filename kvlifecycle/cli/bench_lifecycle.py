@@ -1,0 +1,157 @@
+"""``kvlifecycle bench lifecycle``: the full P and D block lifecycles with the event log on.
+
+P side, per request: allocate → prefill_done → grant (lease) → heartbeat → consumer_done → free.
+D side, per request: reserve → start_load → part_done → finish.
+Requests overlap (a window of in-flight handoffs), logs use batched fsync, one commit per "scheduler step".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--blocks", type=int, default=256, help="blocks per request")
+    parser.add_argument("--window", type=int, default=32, help="handoffs in flight at once")
+    parser.add_argument("--fsync", default="10ms", help="always | never | <N>ms (default 10ms)")
+    parser.add_argument("--dir", help="keep the logs here (default: a temporary directory)")
+
+
+def run_source(ledger, requests: int, blocks: int, window: int) -> float:  # noqa: ANN001
+    import numpy as np
+
+    slots = [np.arange(i * blocks, (i + 1) * blocks, dtype=np.int32) for i in range(window)]
+    in_flight: list[tuple[str, object]] = []
+    start = time.perf_counter()
+    for i in range(requests):
+        if len(in_flight) == window:
+            name, grant = in_flight.pop(0)
+            ledger.consumer_done(grant.transfer, grant.generation)
+            ledger.take_released()
+            ledger.free(name)
+        name = f"req-{i}"
+        ledger.allocate(name, slots[i % window])
+        ledger.prefill_done(name)
+        grant = ledger.grant(name)
+        ledger.heartbeat(grant.transfer, grant.generation)
+        in_flight.append((name, grant))
+        if i % window == 0:
+            ledger.commit()
+    for name, grant in in_flight:
+        ledger.consumer_done(grant.transfer, grant.generation)
+        ledger.free(name)
+    ledger.log.close()
+    return time.perf_counter() - start
+
+
+def run_target(ledger, requests: int, blocks: int, window: int) -> float:  # noqa: ANN001
+    import numpy as np
+
+    slots = [np.arange(i * blocks, (i + 1) * blocks, dtype=np.int32) for i in range(window)]
+    in_flight: list[tuple[str, str]] = []
+    start = time.perf_counter()
+    for i in range(requests):
+        if len(in_flight) == window:
+            name, transfer = in_flight.pop(0)
+            ledger.part_done(transfer, 0)
+            ledger.finish(name)
+        name = f"req-{i}"
+        ledger.reserve(name, slots[i % window])
+        transfer = f"p0.0.{i + 1}"
+        ledger.start_load(name, transfer, generation=i + 1, peer="p0", peer_epoch=1)
+        in_flight.append((name, transfer))
+        if i % window == 0:
+            ledger.commit()
+    for name, transfer in in_flight:
+        ledger.part_done(transfer, 0)
+        ledger.finish(name)
+    ledger.log.close()
+    return time.perf_counter() - start
+
+
+def measure(requests: int, blocks: int, window: int, fsync: str, root: Path) -> dict:
+    from kvlifecycle.eventlog import EventLog, LogReader
+    from kvlifecycle.invariants import check_quiescent
+    from kvlifecycle.ledger import open_ledger
+    from kvlifecycle.replay import check, replay
+
+    num_blocks = blocks * window
+    p = open_ledger("source", num_blocks, str(root / "p"), fsync=fsync, worker="p0")
+    d = open_ledger("target", num_blocks, str(root / "d"), fsync=fsync, worker="d0")
+    p_s = run_source(p, requests, blocks, window)
+    d_s = run_target(d, requests, blocks, window)
+    assert not check_quiescent(p) and not check_quiescent(d)
+
+    # append throughput: the P log's own events appended again into a fresh log
+    events = list(LogReader(root / "p"))
+    sink = EventLog(root / "append", header={"side": "source", "num_blocks": num_blocks}, fsync=fsync)
+    t0 = time.perf_counter()
+    for event in events:
+        sink.append(event)
+    sink.close()
+    append_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    replayed = [replay(root / "p"), replay(root / "d")]
+    replay_s = time.perf_counter() - t0
+    replay_events = sum(len(r.events) for r in replayed)
+    violations = [str(v) for r in replayed for v in check(r, quiescent=True)]
+    return {
+        "requests": requests,
+        "blocks_per_request": blocks,
+        "window": window,
+        "fsync": fsync,
+        "us_per_request_p": p_s / requests * 1e6,
+        "us_per_request_d": d_s / requests * 1e6,
+        "events_p": p.log.appended,
+        "events_d": d.log.appended,
+        "append_events_per_s": len(events) / append_s,
+        "replay_events_per_s": replay_events / replay_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "replay_clean": not violations,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvl-bench-"))
+    try:
+        result = measure(args.requests, args.blocks, args.window, args.fsync, root)
+        try:
+            from kvlifecycle.telemetry import measure_tracing_overhead
+        except ImportError:
+            pass
+        else:
+            overhead = measure_tracing_overhead()
+            result["tracing_noop_over_untraced"] = overhead.ratio
+            if overhead.sdk_ratio is not None:
+                result["tracing_sdk_over_untraced"] = overhead.sdk_ratio
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"lifecycle benchmark: {result['requests']} requests x {result['blocks_per_request']} blocks, "
+              f"window {result['window']}, fsync {result['fsync']}")
+        rows = [
+            ("P side, µs per request", f"{result['us_per_request_p']:.1f}", "≤ 50"),
+            ("D side, µs per request", f"{result['us_per_request_d']:.1f}", "≤ 50"),
+            ("events appended per s", f"{result['append_events_per_s']:,.0f}", "≥ 500,000"),
+            ("events replayed per s", f"{result['replay_events_per_s']:,.0f}", "≥ 500,000"),
+            ("peak RSS, MB", f"{result['peak_rss_mb']:.0f}", ""),
+            ("replay --check clean", str(result["replay_clean"]), "True"),
+        ]
+        for key in sorted(k for k in result if k.startswith("tracing_")):
+            rows.append((key, f"{result[key]:.3f}", ""))
+        width = max(len(r[0]) for r in rows)
+        print(f"{'metric':<{width}}  {'value':>14}  target")
+        for name, value, target in rows:
+            print(f"{name:<{width}}  {value:>14}  {target}")
+    return 0 if result["replay_clean"] else 1

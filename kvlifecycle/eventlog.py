@@ -1,0 +1,425 @@
+"""Append-only, crash-safe event log in segment files on local disk (the embedded default: no service needed).
+
+Layout of a log directory::
+
+    seg-00000000.kvl   MAGIC | frame(header) | frame(event) | frame(event) | ...
+    seg-00000001.kvl   ...
+
+A frame is ``<u32 length><u32 crc32(length bytes + payload)><payload>``; the header frame is a msgpack map with the
+schema version and the ledger's configuration (side, worker, number of blocks), so a log replays on its own.
+
+Durability: appends go into an in-memory batch; the batch is written (one ``write``) and fsynced according to the
+:class:`FsyncPolicy` — every commit, every N ms, or never. Crash safety: on open for append, a torn or corrupt tail of
+the last segment is detected, reported and truncated to the last good record; a corrupt record with good records
+after it (or in an earlier segment) is a :class:`CorruptLogError` naming the segment and offset, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import time
+import warnings
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvlifecycle.events import SCHEMA_VERSION, Event, decode, encode
+
+MAGIC = b"KVLLOG\x01\n"
+FRAME = struct.Struct("<II")
+FRAME_SIZE = FRAME.size
+MAX_RECORD = 16 << 20  # a frame claiming more than this is corrupt, not big
+SEGMENT_GLOB = "seg-*.kvl"
+
+
+class LogError(Exception):
+    """Base class for event-log errors."""
+
+
+class CorruptLogError(LogError):
+    """A record that is not a torn tail failed its checks: the log needs a human, not a silent skip."""
+
+    def __init__(self, segment: Path, offset: int, reason: str) -> None:
+        super().__init__(f"corrupt event log: {segment} at byte offset {offset}: {reason}")
+        self.segment = segment
+        self.offset = offset
+        self.reason = reason
+
+
+class TornTailWarning(UserWarning):
+    """The last segment ended in a partial or corrupt record; it was (or would be) truncated."""
+
+
+@dataclass(frozen=True, slots=True)
+class FsyncPolicy:
+    """When committed batches reach the disk: ``always`` (every commit), ``interval`` (at most every
+    ``interval_ms``), or ``never`` (leave it to the OS)."""
+
+    mode: str = "interval"
+    interval_ms: float = 10.0
+
+    @classmethod
+    def always(cls) -> FsyncPolicy:
+        return cls("always", 0.0)
+
+    @classmethod
+    def every(cls, interval_ms: float) -> FsyncPolicy:
+        return cls("interval", float(interval_ms))
+
+    @classmethod
+    def never(cls) -> FsyncPolicy:
+        return cls("never", 0.0)
+
+    @classmethod
+    def parse(cls, text: str) -> FsyncPolicy:
+        """``always`` | ``never`` | ``<N>ms``."""
+        if text in ("always", "never"):
+            return getattr(cls, text)()
+        if text.endswith("ms"):
+            return cls.every(float(text[:-2]))
+        raise ValueError(f"fsync policy must be 'always', 'never' or '<N>ms', got {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TailRecovery:
+    segment: Path
+    offset: int  # where the last good record ends
+    dropped_bytes: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    segment: int  # segment index
+    offset: int  # byte offset of the frame in its segment
+    index: int  # position of the event in the whole log (0-based)
+    event: Event
+    incarnation: int = 0  # the writing ledger's incarnation: a change marks a restart of the worker
+
+
+def _frame(payload: bytes) -> bytes:
+    length = len(payload)
+    crc = zlib.crc32(payload, zlib.crc32(length.to_bytes(4, "little")))
+    return FRAME.pack(length, crc) + payload
+
+
+def _frame_ok(buf: Any, pos: int, end: int) -> int:
+    """Length of the valid frame at ``pos`` or -1."""
+    if pos + FRAME_SIZE > end:
+        return -1
+    length, crc = FRAME.unpack_from(buf, pos)
+    if length > MAX_RECORD or pos + FRAME_SIZE + length > end:
+        return -1
+    payload = buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length]
+    if zlib.crc32(payload, zlib.crc32(length.to_bytes(4, "little"))) != crc:
+        return -1
+    return length
+
+
+def _any_valid_frame_after(buf: Any, start: int, end: int) -> int:
+    """Offset of a valid frame anywhere in ``[start, end)``, or -1: tells mid-log corruption from a torn tail."""
+    for pos in range(start, end - FRAME_SIZE + 1):
+        if _frame_ok(buf, pos, end) >= 0:
+            return pos
+    return -1
+
+
+def segment_paths(directory: Path) -> list[Path]:
+    return sorted(Path(directory).glob(SEGMENT_GLOB))
+
+
+def _segment_index(path: Path) -> int:
+    return int(path.stem.split("-")[1])
+
+
+@dataclass
+class _ScannedSegment:
+    path: Path
+    header: dict
+    records: list[tuple[int, bytes]]  # (offset, payload) — only filled when asked
+    good_end: int
+    size: int
+    tail_problem: str | None  # why the bytes after good_end are not records (None: clean)
+
+
+def _scan_segment(path: Path, *, is_last: bool, keep_payloads: bool) -> Iterator[tuple[str, Any]]:
+    """Stream a segment: yields ("header", dict), ("record", (offset, payload)) ..., then ("end", info).
+
+    Raises :class:`CorruptLogError` for corruption that is not a torn tail of the last segment.
+    """
+    size = path.stat().st_size
+    if size == 0:
+        if is_last:
+            yield "end", (0, size, "empty segment (crashed while creating it)")
+            return
+        raise CorruptLogError(path, 0, "empty segment in the middle of the log")
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if size < len(MAGIC) or buf[: len(MAGIC)] != MAGIC:
+            if is_last and size < len(MAGIC) and MAGIC.startswith(bytes(buf[:size])):
+                yield "end", (0, size, "torn segment magic")
+                return
+            raise CorruptLogError(path, 0, "not a kvlifecycle log segment (bad magic)")
+        pos = len(MAGIC)
+        length = _frame_ok(buf, pos, size)
+        if length < 0:
+            if is_last and _any_valid_frame_after(buf, pos + 1, size) < 0:
+                yield "end", (0, size, "torn segment header")
+                return
+            raise CorruptLogError(path, pos, "segment header failed its checksum")
+        try:
+            header = msgspec.msgpack.decode(bytes(buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length]))
+        except msgspec.DecodeError as exc:
+            raise CorruptLogError(path, pos, f"segment header does not decode: {exc}") from exc
+        if header.get("schema") != SCHEMA_VERSION:
+            raise CorruptLogError(path, pos, f"schema version {header.get('schema')} != {SCHEMA_VERSION}")
+        yield "header", header
+        pos += FRAME_SIZE + length
+        unpack_from = FRAME.unpack_from
+        crc32 = zlib.crc32
+        while pos < size:
+            ok = pos + FRAME_SIZE <= size
+            if ok:
+                length, crc = unpack_from(buf, pos)
+                start = pos + FRAME_SIZE
+                ok = length <= MAX_RECORD and start + length <= size
+                if ok:
+                    payload = buf[start : start + length]
+                    ok = crc32(payload, crc32(length.to_bytes(4, "little"))) == crc
+            if not ok:
+                reason = _describe_bad_frame(buf, pos, size)
+                if not is_last:
+                    raise CorruptLogError(path, pos, reason)
+                after = _any_valid_frame_after(buf, pos + 1, size)
+                if after >= 0:
+                    raise CorruptLogError(
+                        path, pos, f"{reason}; a valid record follows at offset {after}, so this is not a torn tail"
+                    )
+                yield "end", (pos, size, reason)
+                return
+            yield "record", (pos, bytes(payload) if keep_payloads else payload)
+            pos = start + length
+        yield "end", (pos, size, None)
+
+
+def _describe_bad_frame(buf: Any, pos: int, size: int) -> str:
+    if pos + FRAME_SIZE > size:
+        return f"partial frame header ({size - pos} of {FRAME_SIZE} bytes)"
+    length, _ = FRAME.unpack_from(buf, pos)
+    if length > MAX_RECORD:
+        return f"implausible record length {length}"
+    if pos + FRAME_SIZE + length > size:
+        return f"record of {length} bytes runs past the end of the segment ({size - pos - FRAME_SIZE} left)"
+    return "record checksum mismatch"
+
+
+class LogReader:
+    """Streams the events of a log directory in order. A torn tail of the last segment is reported in
+    :attr:`tail` (the reader never modifies files); anything else corrupt raises :class:`CorruptLogError`."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise LogError(f"no event log at {self.directory} (not a directory)")
+        self.segments = segment_paths(self.directory)
+        if not self.segments:
+            raise LogError(f"no event log segments (seg-*.kvl) in {self.directory}")
+        self.header: dict = {}
+        self.tail: TailRecovery | None = None
+
+    def records(self) -> Iterator[Record]:
+        index = 0
+        last = len(self.segments) - 1
+        incarnation = 0
+        for i, path in enumerate(self.segments):
+            seg_index = _segment_index(path)
+            for kind, value in _scan_segment(path, is_last=i == last, keep_payloads=False):
+                if kind == "header":
+                    if not self.header:
+                        self.header = value
+                    incarnation = int(value.get("incarnation", 0))
+                elif kind == "record":
+                    offset, payload = value
+                    try:
+                        event = decode(payload)
+                    except msgspec.DecodeError as exc:
+                        raise CorruptLogError(path, offset, f"record does not decode: {exc}") from exc
+                    yield Record(seg_index, offset, index, event, incarnation)
+                    index += 1
+                else:
+                    good_end, size, problem = value
+                    if problem is not None:
+                        self.tail = TailRecovery(path, good_end, size - good_end, problem)
+
+    def __iter__(self) -> Iterator[Event]:
+        for record in self.records():
+            yield record.event
+
+    def read_header(self) -> dict:
+        for kind, value in _scan_segment(self.segments[0], is_last=len(self.segments) == 1, keep_payloads=False):
+            if kind == "header":
+                self.header = value
+                return value
+        raise LogError(f"{self.segments[0]} has no readable header")
+
+
+def read_events(directory: str | os.PathLike[str]) -> list[Event]:
+    return list(LogReader(directory))
+
+
+class EventLog:
+    """Appends events to segment files with group commit. One writer per directory.
+
+    ``append`` only encodes and frames into an in-memory batch (no I/O on the hot path); the batch is written when
+    it grows past ``batch_bytes``, when the fsync interval has passed, or on :meth:`commit` / :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        header: dict | None = None,
+        fsync: FsyncPolicy | str = FsyncPolicy(),
+        segment_bytes: int = 64 << 20,
+        batch_bytes: int = 256 << 10,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.policy = FsyncPolicy.parse(fsync) if isinstance(fsync, str) else fsync
+        self.segment_bytes = segment_bytes
+        self.batch_bytes = batch_bytes
+        self.header = {"schema": SCHEMA_VERSION, **(header or {})}
+        self.recovered: TailRecovery | None = None
+        self._lock = threading.Lock()
+        self._batch = bytearray()
+        self._fh: Any = None
+        self._segment_size = 0
+        self._last_sync = time.monotonic()
+        self._unsynced = False
+        self.appended = 0
+        self._closed = False
+        existing = segment_paths(self.directory)
+        self._next_segment = _segment_index(existing[-1]) + 1 if existing else 0
+        if existing:
+            self._recover(existing)
+        self._open_segment()
+
+    # -- recovery -------------------------------------------------------------------------------------------------
+    def _recover(self, existing: list[Path]) -> None:
+        for i, path in enumerate(existing):
+            is_last = i == len(existing) - 1
+            for kind, value in _scan_segment(path, is_last=is_last, keep_payloads=False):
+                if kind == "header" and i == 0:
+                    self._check_header_compatible(path, value)
+                if kind == "end":
+                    good_end, size, problem = value
+                    if problem is not None:
+                        self.recovered = TailRecovery(path, good_end, size - good_end, problem)
+                        warnings.warn(
+                            f"event log {path}: {problem} at offset {good_end}; "
+                            f"truncated {size - good_end} bytes, every record before it is kept",
+                            TornTailWarning,
+                            stacklevel=3,
+                        )
+                        if good_end == 0:  # not even a whole header survived: the segment holds nothing
+                            path.unlink()
+                            continue
+                        with open(path, "r+b") as fh:
+                            fh.truncate(good_end)
+                            os.fsync(fh.fileno())
+
+    def _check_header_compatible(self, path: Path, found: dict) -> None:
+        for key in ("side", "worker", "num_blocks"):
+            if key in self.header and key in found and self.header[key] != found[key]:
+                raise LogError(
+                    f"{path}: log belongs to {key}={found[key]!r}, refusing to append as {key}={self.header[key]!r}"
+                )
+
+    # -- writing --------------------------------------------------------------------------------------------------
+    def _open_segment(self) -> None:
+        path = self.directory / f"seg-{self._next_segment:08d}.kvl"
+        self._next_segment += 1
+        self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - held open for the writer's lifetime
+        head = MAGIC + _frame(msgspec.msgpack.encode({**self.header, "segment": self._next_segment - 1}))
+        self._fh.write(head)
+        self._segment_size = len(head)
+        self._sync()
+        self.path = path
+
+    def append(self, event: Event) -> None:
+        self.append_payload(encode(event))
+
+    def append_payload(self, payload: bytes) -> None:
+        frame = _frame(payload)
+        with self._lock:
+            if self._closed:
+                raise LogError("append to a closed event log")
+            self._batch += frame
+            self.appended += 1
+            if self.policy.mode == "always":
+                self._write_batch()
+                self._sync()
+            elif len(self._batch) >= self.batch_bytes or (
+                self.policy.mode == "interval"
+                and (time.monotonic() - self._last_sync) * 1000.0 >= self.policy.interval_ms
+            ):
+                self._write_batch()
+                self._maybe_sync()
+
+    def commit(self) -> None:
+        """Write the batch and apply the fsync policy (``interval``: sync if the interval has passed)."""
+        with self._lock:
+            self._write_batch()
+            self._maybe_sync()
+
+    def flush(self) -> None:
+        """Write and fsync now, whatever the policy (``never`` excepted)."""
+        with self._lock:
+            self._write_batch()
+            if self.policy.mode != "never":
+                self._sync()
+
+    def _write_batch(self) -> None:
+        if not self._batch:
+            return
+        if self._segment_size + len(self._batch) > self.segment_bytes and self._segment_size > 64:
+            self._sync()
+            self._fh.close()
+            self._open_segment()
+        self._fh.write(self._batch)
+        self._segment_size += len(self._batch)
+        self._batch.clear()
+        self._unsynced = True
+
+    def _maybe_sync(self) -> None:
+        if self.policy.mode == "interval" and self._unsynced:
+            now = time.monotonic()
+            if (now - self._last_sync) * 1000.0 >= self.policy.interval_ms:
+                self._sync()
+
+    def _sync(self) -> None:
+        if self.policy.mode != "never":
+            os.fsync(self._fh.fileno())
+        self._last_sync = time.monotonic()
+        self._unsynced = False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._write_batch()
+            self._sync()
+            self._fh.close()
+            self._closed = True
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,158 @@
+"""Compatibility and agent epochs: what P and D check before any request moves.
+
+- :class:`CompatInfo` is hashed (model id, dtype, layers, KV heads, head size, block size, KV layout, TP size,
+  wire version). Equal hashes are accepted at once; otherwise :func:`negotiate` compares field by field: the
+  model fields must match exactly, a TP size or block size difference is accepted only when a descriptor mapping
+  exists (:mod:`kvlifecycle.layout`), and everything else is refused with one line per differing field.
+- Agent epochs: every start of a worker gets a new epoch. A peer seen again on the same host:port with a new epoch
+  restarted: its old metadata is void (:class:`EpochTracker` says so; the caller removes and re-adds the NIXL agent
+  and tells the ledger).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+
+import msgspec
+
+from kvlifecycle import layout as L
+from kvlifecycle.transport import WIRE_VERSION, BlockView, PeerMetadata
+
+STRICT_FIELDS = ("wire_version", "model_id", "dtype", "num_layers", "num_kv_heads", "head_size", "kv_layout")
+
+
+class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int  # total over all TP ranks
+    head_size: int
+    block_size: int  # tokens per block
+    kv_layout: str  # "NHD" | "HND"
+    tp_size: int = 1
+    wire_version: int = WIRE_VERSION
+
+    def compat_hash(self) -> str:
+        fields = [getattr(self, f) for f in self.__struct_fields__]
+        return hashlib.sha256(msgspec.msgpack.encode([list(self.__struct_fields__), fields])).hexdigest()[:32]
+
+
+class CompatMismatchError(Exception):
+    """Raised at handshake; ``fields`` lists (field, local, remote) for every difference that matters."""
+
+    def __init__(self, message: str, fields: list[tuple[str, object, object]]) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakePlan:
+    """How a D rank reads from P: one entry per P rank it reads, the views, and the counts both ledgers need."""
+
+    reads: tuple[L.TPRead, ...]
+    consumers_per_p_rank: int  # P's grant(consumers=...)
+    parts: int  # D's start_load(parts=...)
+    local_split: int = 1  # block size mapping: D sub-blocks per D block
+    remote_split: int = 1
+
+
+def diff_fields(local: CompatInfo, remote: CompatInfo) -> list[tuple[str, object, object]]:
+    return [(f, getattr(local, f), getattr(remote, f)) for f in local.__struct_fields__
+            if getattr(local, f) != getattr(remote, f)]
+
+
+def _mismatch(local: CompatInfo, remote: CompatInfo, fields: list[tuple[str, object, object]], why: str) -> str:
+    lines = [f"incompatible peer ({why}); local hash {local.compat_hash()}, remote hash {remote.compat_hash()}:"]
+    lines += [f"  {name}: local={mine!r} remote={theirs!r}" for name, mine, theirs in fields]
+    return "\n".join(lines)
+
+
+def negotiate(d: CompatInfo, p: CompatInfo, *, d_rank: int = 0) -> HandshakePlan:
+    """D's view of a P peer: the read plan, or :class:`CompatMismatchError` with a field-by-field message."""
+    fields = diff_fields(d, p)
+    strict = [f for f in fields if f[0] in STRICT_FIELDS]
+    if strict:
+        raise CompatMismatchError(_mismatch(d, p, strict, "fields that must match"), strict)
+    if not fields:
+        return HandshakePlan((L.TPRead(d_rank, BlockView(), BlockView()),), 1, 1)
+    tp_differs = d.tp_size != p.tp_size
+    bs_differs = d.block_size != p.block_size
+    if tp_differs and bs_differs:
+        raise CompatMismatchError(_mismatch(d, p, fields, "TP size and block size both differ: unsupported"), fields)
+    # bytes per block and rank, in units of one head × one token × head_size (the dtype is the same on both sides)
+    try:
+        if tp_differs:
+            p_heads, d_heads = d.num_kv_heads // p.tp_size, d.num_kv_heads // d.tp_size
+            plan = L.tp_plan(p_tp=p.tp_size, d_tp=d.tp_size, d_rank=d_rank,
+                             p_block_bytes=p_heads * p.block_size, d_block_bytes=d_heads * d.block_size,
+                             num_kv_heads=d.num_kv_heads, kv_layout=d.kv_layout)
+            return HandshakePlan(plan.reads, plan.consumers_per_p_rank, plan.parts)
+        views = L.block_size_views(local_block_size=d.block_size, remote_block_size=p.block_size,
+                                   kv_layout=d.kv_layout)
+        read = L.TPRead(d_rank, views.remote_view, views.local_view)
+        return HandshakePlan((read,), 1, 1, views.local_split, views.remote_split)
+    except L.UnsupportedMappingError as exc:
+        raise CompatMismatchError(_mismatch(d, p, fields, str(exc)), fields) from exc
+
+
+def scale_view(view: BlockView, unit_bytes: int) -> BlockView:
+    """A view computed in (head × token) units, scaled to bytes (``unit_bytes`` = head_size × dtype size,
+    times 2 for a fused K+V region where K and V of one block are laid out like two halves)."""
+    return BlockView(view.offset * unit_bytes, view.length * unit_bytes, view.split)
+
+
+# --- handshake messages ------------------------------------------------------------------------------------------
+
+
+class GetMeta(msgspec.Struct, frozen=True, tag=True):
+    """D → P: who I am, what I run; answer with your metadata (for ``tp_rank``)."""
+
+    compat: CompatInfo
+    tp_rank: int
+    agent: str
+    epoch: int
+    meta: PeerMetadata | None = None  # D's own metadata, for push mode (P writes into D)
+
+
+class MetaReply(msgspec.Struct, frozen=True, tag=True):
+    compat: CompatInfo
+    tp_rank: int
+    meta: PeerMetadata
+
+
+# --- agent epochs ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EpochChange:
+    kind: str  # "new" | "same" | "restarted" | "stale"
+    peer: str
+    epoch: int
+    previous: int | None
+
+
+class EpochTracker:
+    """Remembers the agent epoch last seen per peer key (host:port, or agent name)."""
+
+    def __init__(self) -> None:
+        self._epochs: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, peer: str, epoch: int) -> EpochChange:
+        with self._lock:
+            known = self._epochs.get(peer)
+            if known is None:
+                self._epochs[peer] = epoch
+                return EpochChange("new", peer, epoch, None)
+            if epoch == known:
+                return EpochChange("same", peer, epoch, known)
+            if epoch < known:
+                return EpochChange("stale", peer, epoch, known)
+            self._epochs[peer] = epoch
+            return EpochChange("restarted", peer, epoch, known)
+
+    def current(self, peer: str) -> int | None:
+        with self._lock:
+            return self._epochs.get(peer)

@@ -1,0 +1,864 @@
+"""The ledgers: block state, epochs, ownership tokens and leases for each side of a handoff.
+
+Each command validates against the compiled machine (:mod:`kvlifecycle.machines`), then records exactly one event:
+the change itself, or a :class:`~kvlifecycle.events.Refused` saying why nothing changed. State is a fold over the
+events (:meth:`SourceLedger.fold`), so a log replays to the very state the live ledger had.
+
+Tokens: every (re)allocation of a block bumps its epoch; a lease (transfer) records the epochs of the blocks it pins
+and a ledger-wide ``generation``. Completions, heartbeats and failures name ``(transfer, generation)``; anything stale
+— an unknown or released transfer, an old generation, a block whose epoch moved on — is refused, never applied.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvlifecycle import events as ev
+from kvlifecycle.clock import Clock, HybridLogicalClock, MonotonicClock
+from kvlifecycle.machines import INVALID, SOURCE, TARGET, SourceState, TargetState
+
+BLOCK_DTYPE = ev.BLOCK_DTYPE
+DEFAULT_TTL_S = 30.0
+
+
+class LedgerError(Exception):
+    """Base class of the ledger's refusals that the caller must act on."""
+
+
+class BlockBusyError(LedgerError):
+    """An allocator tried to hand out a block that is not free (e.g. still pinned for a transfer)."""
+
+
+class InvalidTransitionError(LedgerError):
+    """A command whose edge does not exist from the blocks' current state."""
+
+
+class UnknownRequestError(LedgerError):
+    pass
+
+
+class ReplayError(LedgerError):
+    """A log holds an event that cannot have come from a ledger (edited, or from another ledger)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What P publishes for a request's handoff (inside ``kv_transfer_params`` or a bootstrap message)."""
+
+    request: str
+    transfer: str
+    generation: int
+    worker: str
+    block_ids: np.ndarray
+    epochs: np.ndarray
+    consumers: int
+    ttl_s: float
+    expires_at: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "request": self.request,
+            "transfer": self.transfer,
+            "generation": self.generation,
+            "worker": self.worker,
+            "block_ids": self.block_ids.tolist(),
+            "consumers": self.consumers,
+            "ttl_s": self.ttl_s,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A lease that ended; the engine may now free (or cache) the request's blocks."""
+
+    request: str
+    transfer: str
+    reason: str
+
+
+@dataclass(slots=True)
+class _SourceRequest:
+    blocks: np.ndarray
+    epochs: np.ndarray
+    leases: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Lease:
+    transfer: str
+    request: str
+    generation: int
+    blocks: np.ndarray
+    epochs: np.ndarray
+    consumers: int
+    expires_at: float
+    ttl_s: float
+    peer: str
+    granted_at: float
+    done: set[int] = field(default_factory=set)
+    claimed: bool = False  # a consumer heartbeated: it may be reading right now
+    cancel_deferred: bool = False
+
+
+@dataclass(slots=True)
+class _TargetRequest:
+    blocks: np.ndarray
+    epochs: np.ndarray
+    transfer: str | None = None
+    cancel_pending: bool = False
+
+
+@dataclass(slots=True)
+class Load:
+    transfer: str
+    request: str
+    parts: int
+    generation: int
+    peer: str
+    peer_epoch: int
+    started_at: float
+    done: set[int] = field(default_factory=set)
+
+
+Listener = Callable[[ev.Event], None]
+
+
+class _Ledger:
+    side = ""
+    _machine = SOURCE
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        log: Any | None = None,
+        clock: Clock | None = None,
+        hlc: HybridLogicalClock | None = None,
+        worker: str = "",
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        self.num_blocks = int(num_blocks)
+        self.worker = worker or f"{self.side}-{os.getpid()}"
+        # transfer ids must never repeat across restarts of a worker that keeps its name
+        self.incarnation = int.from_bytes(os.urandom(4), "little")
+        self.log = log
+        self.clock = clock or MonotonicClock()
+        self.hlc = hlc or HybridLogicalClock()
+        self.state = np.zeros(self.num_blocks, dtype=np.uint8)
+        self.epoch = np.zeros(self.num_blocks, dtype=np.uint32)
+        self.refusals: dict[str, int] = {}
+        self.peer_epochs: dict[str, int] = {}
+        self.listeners: list[Listener] = []
+        self._lock = threading.RLock()
+        self._replaying = False
+        self._handlers: dict[type, Callable[[Any], None]] = {}
+
+    # -- events ---------------------------------------------------------------------------------------------------
+    def _record(self, event: ev.Event) -> None:
+        self._handlers[type(event)](event)
+        if self.log is not None:
+            self.log.append(event)
+        for listener in self.listeners:
+            listener(event)
+
+    def apply(self, event: ev.Event) -> None:
+        """Fold one event into the state (replay). Raises :class:`ReplayError` for an impossible event."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise ReplayError(f"{type(event).__name__} does not belong in a {self.side} log")
+        observed = getattr(event, "hlc", 0)
+        if observed > self.hlc.last:
+            self.hlc.observe(observed)
+        handler(event)
+
+    def _stamp(self) -> tuple[int, float]:
+        return self.hlc.tick(), self.clock.now()
+
+    def _refuse(self, command: str, reason: str, request: str = "", transfer: str = "") -> None:
+        hlc, at = self._stamp()
+        self._record(ev.Refused(hlc, at, command, reason, request, transfer))
+
+    def _on_refused(self, event: ev.Refused) -> None:
+        key = f"{event.command}: {event.reason.split(':')[0]}"
+        self.refusals[key] = self.refusals.get(key, 0) + 1
+
+    def _on_observed(self, event: ev.TransferObserved) -> None:
+        pass
+
+    def _on_peer_epoch(self, event: ev.PeerEpochChanged) -> None:
+        self.peer_epochs[event.peer] = event.epoch
+
+    def _step(self, trigger: str, block_ids: np.ndarray, guard: np.ndarray | bool | None = None) -> np.ndarray:
+        nxt = self._machine.step(trigger, self.state[block_ids], guard)
+        if self._replaying and nxt.min() < 0:
+            bad = int(block_ids[int(np.argmin(nxt))])
+            raise ReplayError(
+                f"{trigger} is not an edge from {self._state_enum(int(self.state[bad])).name} (block {bad})"
+            )
+        return nxt
+
+    def _first_invalid(self, trigger: str, block_ids: np.ndarray, nxt: np.ndarray) -> str:
+        i = int(np.argmin(nxt))
+        block = int(block_ids[i])
+        return f"block {block} is {self._state_enum(int(self.state[block])).name}, no {trigger!r} edge from there"
+
+    def _state_enum(self, value: int) -> Any:
+        raise NotImplementedError
+
+    def _as_blocks(self, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=BLOCK_DTYPE)
+        if ids.ndim != 1:
+            raise ValueError("block ids must be a 1-D sequence")
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        return ids
+
+    def observe_transfer(
+        self,
+        transfer: str,
+        *,
+        t_post_s: float,
+        t_xfer_s: float,
+        nbytes: int,
+        descriptors: int,
+        backend: str,
+        ok: bool,
+    ) -> None:
+        """Record data-plane facts of a transfer (metrics, timelines). Changes no block state."""
+        with self._lock:
+            hlc, at = self._stamp()
+            self._record(ev.TransferObserved(hlc, at, transfer, t_post_s, t_xfer_s, nbytes, descriptors, backend, ok))
+
+    def counts(self) -> dict[str, int]:
+        values = np.bincount(self.state, minlength=len(self._machine.spec.states))
+        return {s.name: int(values[s.value]) for s in self._machine.spec.states}
+
+    def commit(self) -> None:
+        """Group-commit boundary: call once per scheduler step."""
+        if self.log is not None:
+            self.log.commit()
+
+    @classmethod
+    def fold(cls, events: Iterable[ev.Event], num_blocks: int, **kwargs: Any) -> Any:
+        """A ledger rebuilt from ``events`` (no log attached)."""
+        ledger = cls(num_blocks, **kwargs)
+        ledger._replaying = True
+        for event in events:
+            ledger.apply(event)
+        ledger._replaying = False
+        return ledger
+
+    def header(self) -> dict[str, Any]:
+        """What a log needs in its header to replay on its own."""
+        return {"side": self.side, "worker": self.worker, "num_blocks": self.num_blocks,
+                "incarnation": self.incarnation}
+
+
+class SourceLedger(_Ledger):
+    """Prefill-side ledger: ALLOCATED → READY → PINNED_FOR_TRANSFER → RELEASABLE → FREE | PREFIX_CACHED."""
+
+    side = "source"
+    _machine = SOURCE
+
+    def __init__(self, num_blocks: int, *, default_ttl_s: float = DEFAULT_TTL_S, **kwargs: Any) -> None:
+        super().__init__(num_blocks, **kwargs)
+        self.default_ttl_s = float(default_ttl_s)
+        self.pins = np.zeros(self.num_blocks, dtype=np.uint16)
+        self.refs = np.zeros(self.num_blocks, dtype=np.uint16)  # requests referencing a block (prefix sharing)
+        self.requests: dict[str, _SourceRequest] = {}
+        self.leases: dict[str, Lease] = {}
+        self.generation = 0
+        self.stats = {"granted": 0, "renewed": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
+                      "peer_restarted": 0}
+        self._released: list[Released] = []
+        self._handlers = {
+            ev.SrcAllocated: self._on_allocated,
+            ev.SrcShared: self._on_shared,
+            ev.SrcPrefillDone: self._on_prefill_done,
+            ev.SrcGranted: self._on_granted,
+            ev.SrcLeaseRenewed: self._on_renewed,
+            ev.SrcCancelDeferred: self._on_cancel_deferred,
+            ev.SrcConsumerDone: self._on_consumer_done,
+            ev.SrcLeaseReleased: self._on_released,
+            ev.SrcFreed: self._on_freed,
+            ev.SrcAborted: self._on_aborted,
+            ev.SrcEvicted: self._on_evicted,
+            ev.PeerEpochChanged: self._on_peer_epoch,
+            ev.TransferObserved: self._on_observed,
+            ev.Refused: self._on_refused,
+        }
+
+    def _state_enum(self, value: int) -> Any:
+        return SourceState(value)
+
+    # -- commands -------------------------------------------------------------------------------------------------
+    def allocate(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        """The engine's allocator gives ``block_ids`` to ``request``. Returns the blocks' new epochs.
+
+        Raises :class:`BlockBusyError` (after recording the refusal) when a block is not free — in particular when
+        it is still pinned for a transfer: the allocator must not reuse it.
+        """
+        ids = self._as_blocks(block_ids)
+        with self._lock:
+            if request in self.requests:
+                self._refuse("allocate", "duplicate request id", request)
+                raise BlockBusyError(f"request {request!r} already holds blocks")
+            nxt = self._machine.triggers["allocate"].when_true[self.state[ids]]
+            if ids.size and nxt.min() < 0:
+                reason = self._first_invalid("allocate", ids, nxt)
+                self._refuse("allocate", reason, request)
+                raise BlockBusyError(reason)
+            hlc, at = self._stamp()
+            self._record(ev.SrcAllocated(hlc, at, request, ev.pack_blocks(ids)))
+            return self.requests[request].epochs
+
+    def share(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        """``request`` references blocks another request already holds (a prefix-cache hit): no new epoch."""
+        ids = self._as_blocks(block_ids)
+        with self._lock:
+            if request in self.requests:
+                self._refuse("share", "duplicate request id", request)
+                raise BlockBusyError(f"request {request!r} already holds blocks")
+            held = self.state[ids]
+            if ids.size and (held == SourceState.FREE).any():
+                self._refuse("share", "a shared block is FREE: allocate it instead", request)
+                raise InvalidTransitionError("cannot share a FREE block")
+            hlc, at = self._stamp()
+            self._record(ev.SrcShared(hlc, at, request, ev.pack_blocks(ids)))
+            return self.requests[request].epochs
+
+    def prefill_done(self, request: str) -> None:
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse("prefill_done", "unknown request", request)
+                raise UnknownRequestError(request)
+            hlc, at = self._stamp()
+            self._record(ev.SrcPrefillDone(hlc, at, request))
+
+    def grant(
+        self,
+        request: str,
+        *,
+        consumers: int = 1,
+        ttl_s: float | None = None,
+        transfer: str | None = None,
+        peer: str = "",
+    ) -> Grant:
+        """Pin the request's blocks for ``consumers`` readers under a lease (the descriptor may be published)."""
+        if consumers < 1:
+            raise ValueError("consumers must be >= 1")
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse("grant", "unknown request", request)
+                raise UnknownRequestError(request)
+            ids = req.blocks
+            nxt = self._machine.triggers["grant"].when_true[self.state[ids]]
+            if ids.size and nxt.min() < 0:
+                reason = self._first_invalid("grant", ids, nxt)
+                self._refuse("grant", reason, request)
+                raise InvalidTransitionError(reason)
+            generation = self.generation + 1
+            transfer = transfer or f"{self.worker}.{self.incarnation:08x}.{generation}"
+            if transfer in self.leases:
+                self._refuse("grant", "transfer id already has a lease", request, transfer)
+                raise InvalidTransitionError(f"transfer {transfer!r} already has a lease")
+            ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
+            hlc, at = self._stamp()
+            self._record(ev.SrcGranted(hlc, at, request, transfer, generation, consumers, at + ttl, peer))
+            lease = self.leases[transfer]
+            return Grant(request, transfer, generation, self.worker, ids, lease.epochs, consumers, ttl, at + ttl)
+
+    def heartbeat(self, transfer: str, generation: int) -> bool:
+        """Renew (and claim) a lease. A consumer claims the lease with a heartbeat before it posts a read, so that a
+        cancel racing the read defers the release. A lease already past its expiry is not renewed: it is released
+        as expired, and the consumer must not read."""
+        with self._lock:
+            lease = self._live_lease("heartbeat", transfer, generation)
+            if lease is None:
+                return False
+            hlc, at = self._stamp()
+            if at >= lease.expires_at:
+                self._refuse("heartbeat", "lease already expired", lease.request, transfer)
+                self._release(lease, "expired", "heartbeat arrived after expiry")
+                return False
+            self._record(ev.SrcLeaseRenewed(hlc, at, transfer, at + lease.ttl_s))
+            return True
+
+    def consumer_done(self, transfer: str, generation: int, consumer: int = 0) -> bool:
+        """A consumer finished reading (pull) or P's write completed (push). The last one releases the lease."""
+        with self._lock:
+            lease = self._live_lease("consumer_done", transfer, generation)
+            if lease is None:
+                return False
+            if not 0 <= consumer < lease.consumers:
+                self._refuse("consumer_done", f"consumer {consumer} not in [0, {lease.consumers})",
+                             lease.request, transfer)
+                return False
+            if consumer in lease.done:
+                self._refuse("consumer_done", f"duplicate completion from consumer {consumer}", lease.request,
+                             transfer)
+                return False
+            hlc, at = self._stamp()
+            self._record(ev.SrcConsumerDone(hlc, at, transfer, consumer))
+            if len(lease.done) == lease.consumers:
+                self._release(lease, "cancelled" if lease.cancel_deferred else "completed")
+            return True
+
+    def fail(self, transfer: str, generation: int, reason: str = "") -> bool:
+        with self._lock:
+            lease = self._live_lease("fail", transfer, generation)
+            if lease is None:
+                return False
+            self._release(lease, "failed", reason)
+            return True
+
+    def cancel(self, request: str) -> bool:
+        """Cancel a request wherever it is: before grant (abort), during a transfer (leases released), or after
+        completion (nothing left to cancel: refused, recorded)."""
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse("cancel", "unknown request", request)
+                return False
+            if req.leases:
+                for transfer in list(req.leases):
+                    lease = self.leases[transfer]
+                    if lease.cancel_deferred:
+                        continue
+                    if lease.claimed:
+                        hlc, at = self._stamp()
+                        self._record(ev.SrcCancelDeferred(hlc, at, transfer))
+                    else:
+                        self._release(lease, "cancelled")
+                return True
+            states = self.state[req.blocks]
+            if req.blocks.size and (self._machine.triggers["abort"].when_true[states] >= 0).all():
+                hlc, at = self._stamp()
+                self._record(ev.SrcAborted(hlc, at, request))
+                return True
+            self._refuse("cancel", "nothing in flight to cancel (already released)", request)
+            return False
+
+    def sweep(self) -> list[str]:
+        """Release every lease whose TTL ran out; returns their transfer ids."""
+        with self._lock:
+            now = self.clock.now()
+            expired = [lease for lease in self.leases.values() if lease.expires_at <= now]
+            for lease in expired:
+                self._release(lease, "expired")
+            return [lease.transfer for lease in expired]
+
+    def peer_restarted(self, peer: str, epoch: int) -> list[str]:
+        """A peer came back with a new agent epoch: leases bound to it are released (its reads are gone)."""
+        with self._lock:
+            known = self.peer_epochs.get(peer)
+            if known is not None and epoch <= known:
+                if epoch < known:
+                    self._refuse("peer_restarted", f"epoch {epoch} older than known {known} for {peer}")
+                return []
+            hlc, at = self._stamp()
+            self._record(ev.PeerEpochChanged(hlc, at, peer, epoch))
+            dropped = [lease for lease in self.leases.values() if lease.peer == peer] if known is not None else []
+            for lease in dropped:
+                self._release(lease, "peer_restarted", f"{peer} epoch {known} -> {epoch}")
+            return [lease.transfer for lease in dropped]
+
+    def take_released(self) -> list[Released]:
+        """Leases that ended since the last call (vLLM: ``finished_sending``)."""
+        with self._lock:
+            out, self._released = self._released, []
+            return out
+
+    def free(self, request: str, *, cache: bool = False) -> None:
+        """The engine frees (or caches) the request's blocks. Blocks another lease still pins stay pinned."""
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse("free", "unknown request", request)
+                raise UnknownRequestError(request)
+            if req.leases:
+                reason = f"request still holds lease(s) {req.leases}: cancel first"
+                self._refuse("free", reason, request)
+                raise InvalidTransitionError(reason)
+            states = self.state[req.blocks]
+            if (states == SourceState.ALLOCATED).any():
+                self._refuse("free", "blocks still ALLOCATED (prefill not done): use cancel", request)
+                raise InvalidTransitionError("free before prefill_done: use cancel()")
+            hlc, at = self._stamp()
+            self._record(ev.SrcFreed(hlc, at, request, cache))
+
+    def evict(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        ids = self._as_blocks(block_ids)
+        with self._lock:
+            nxt = self._machine.triggers["evict"].when_true[self.state[ids]]
+            busy = (nxt < 0) | (self.refs[ids] > 0)
+            if ids.size and busy.any():
+                block = int(ids[int(np.argmax(busy))])
+                reason = f"block {block} is {SourceState(int(self.state[block])).name} with {self.refs[block]} refs"
+                self._refuse("evict", reason)
+                raise BlockBusyError(reason)
+            hlc, at = self._stamp()
+            self._record(ev.SrcEvicted(hlc, at, ev.pack_blocks(ids)))
+
+    # -- the one release path -------------------------------------------------------------------------------------
+    def _live_lease(self, command: str, transfer: str, generation: int) -> Lease | None:
+        lease = self.leases.get(transfer)
+        if lease is None:
+            self._refuse(command, "stale token: no live lease for this transfer (released or never granted)",
+                         transfer=transfer)
+            return None
+        if generation != lease.generation:
+            self._refuse(command, f"stale token: generation {generation} != {lease.generation}", lease.request,
+                         transfer)
+            return None
+        if not np.array_equal(self.epoch[lease.blocks], lease.epochs):
+            self._refuse(command, "stale token: block epochs moved on", lease.request, transfer)
+            return None
+        return lease
+
+    def _release(self, lease: Lease, reason: str, detail: str = "") -> None:
+        hlc, at = self._stamp()
+        self._record(ev.SrcLeaseReleased(hlc, at, lease.transfer, reason, detail))
+
+    # -- fold -----------------------------------------------------------------------------------------------------
+    def _on_allocated(self, e: ev.SrcAllocated) -> None:
+        ids = ev.unpack_blocks(e.blocks)
+        self.state[ids] = self._step("allocate", ids)
+        self.epoch[ids] += 1
+        self.refs[ids] += 1
+        self.requests[e.request] = _SourceRequest(ids, self.epoch[ids])
+
+    def _on_shared(self, e: ev.SrcShared) -> None:
+        ids = ev.unpack_blocks(e.blocks)
+        self.refs[ids] += 1
+        self.requests[e.request] = _SourceRequest(ids, self.epoch[ids])
+
+    def _on_prefill_done(self, e: ev.SrcPrefillDone) -> None:
+        ids = self.requests[e.request].blocks
+        # shared blocks another request already made READY (or pinned) keep their state
+        mask = self.state[ids] == SourceState.ALLOCATED
+        self.state[ids[mask]] = SourceState.READY
+
+    def _on_granted(self, e: ev.SrcGranted) -> None:
+        req = self.requests[e.request]
+        ids = req.blocks
+        self.state[ids] = self._step("grant", ids)
+        self.pins[ids] += 1
+        self.generation = max(self.generation, e.generation)
+        ttl = e.expires_at - e.at
+        self.leases[e.transfer] = Lease(e.transfer, e.request, e.generation, ids, self.epoch[ids], e.consumers,
+                                        e.expires_at, ttl, e.peer, e.at)
+        req.leases.append(e.transfer)
+        self.stats["granted"] += 1
+
+    def _on_renewed(self, e: ev.SrcLeaseRenewed) -> None:
+        lease = self.leases[e.transfer]
+        lease.expires_at = e.expires_at
+        lease.claimed = True
+        self.stats["renewed"] += 1
+
+    def _on_cancel_deferred(self, e: ev.SrcCancelDeferred) -> None:
+        self.leases[e.transfer].cancel_deferred = True
+
+    def _on_consumer_done(self, e: ev.SrcConsumerDone) -> None:
+        self.leases[e.transfer].done.add(e.consumer)
+
+    def _on_released(self, e: ev.SrcLeaseReleased) -> None:
+        lease = self.leases.pop(e.transfer)
+        ids = lease.blocks
+        self.pins[ids] -= 1
+        self.state[ids] = self._step("release", ids, self.pins[ids] == 0)
+        req = self.requests[lease.request]
+        req.leases.remove(e.transfer)
+        self.stats[e.reason] = self.stats.get(e.reason, 0) + 1
+        if not self._replaying:
+            self._released.append(Released(lease.request, e.transfer, e.reason))
+
+    def _on_freed(self, e: ev.SrcFreed) -> None:
+        req = self.requests.pop(e.request)
+        ids = req.blocks
+        self.refs[ids] -= 1
+        # only blocks nobody else references and no lease pins leave; the rest stay as they are
+        last = ids[(self.refs[ids] == 0) & (self.pins[ids] == 0)]
+        if last.size:
+            nxt = self._machine.step("cache" if e.cached else "free", self.state[last])
+            movable = nxt != INVALID
+            self.state[last[movable]] = nxt[movable]
+
+    def _on_aborted(self, e: ev.SrcAborted) -> None:
+        req = self.requests.pop(e.request)
+        ids = req.blocks
+        self.refs[ids] -= 1
+        last = ids[self.refs[ids] == 0]
+        self.state[last] = self._step("abort", last)
+
+    def _on_evicted(self, e: ev.SrcEvicted) -> None:
+        ids = ev.unpack_blocks(e.blocks)
+        self.state[ids] = self._step("evict", ids)
+
+
+class TargetLedger(_Ledger):
+    """Decode-side ledger: RESERVED → LOADING → READY_FOR_ATTENTION → FREE; a failed load never becomes READY."""
+
+    side = "target"
+    _machine = TARGET
+
+    def __init__(self, num_blocks: int, *, failure_policy: str = "fail", **kwargs: Any) -> None:
+        if failure_policy not in ("fail", "recompute"):
+            raise ValueError("failure_policy must be 'fail' or 'recompute'")
+        super().__init__(num_blocks, **kwargs)
+        self.failure_policy = failure_policy
+        self.requests: dict[str, _TargetRequest] = {}
+        self.loads: dict[str, Load] = {}
+        self.stats = {"loaded": 0, "failed": 0, "recompute": 0, "cancelled": 0, "discarded": 0}
+        self._handlers = {
+            ev.TgtReserved: self._on_reserved,
+            ev.TgtLoadStarted: self._on_load_started,
+            ev.TgtPartDone: self._on_part_done,
+            ev.TgtLoadFailed: self._on_load_failed,
+            ev.TgtCancelled: self._on_cancelled,
+            ev.TgtLocalFilled: self._on_local_filled,
+            ev.TgtFinished: self._on_finished,
+            ev.PeerEpochChanged: self._on_peer_epoch,
+            ev.TransferObserved: self._on_observed,
+            ev.Refused: self._on_refused,
+        }
+
+    def header(self) -> dict[str, Any]:
+        return {**super().header(), "failure_policy": self.failure_policy}
+
+    def _state_enum(self, value: int) -> Any:
+        return TargetState(value)
+
+    # -- commands -------------------------------------------------------------------------------------------------
+    def reserve(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        ids = self._as_blocks(block_ids)
+        with self._lock:
+            if request in self.requests:
+                self._refuse("reserve", "duplicate request id", request)
+                raise BlockBusyError(f"request {request!r} already holds blocks")
+            nxt = self._machine.triggers["reserve"].when_true[self.state[ids]]
+            if ids.size and nxt.min() < 0:
+                reason = self._first_invalid("reserve", ids, nxt)
+                self._refuse("reserve", reason, request)
+                raise BlockBusyError(reason)
+            hlc, at = self._stamp()
+            self._record(ev.TgtReserved(hlc, at, request, ev.pack_blocks(ids)))
+            return self.requests[request].epochs
+
+    def start_load(
+        self,
+        request: str,
+        transfer: str,
+        *,
+        parts: int = 1,
+        generation: int = 0,
+        peer: str = "",
+        peer_epoch: int = 0,
+    ) -> None:
+        """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected."""
+        if parts < 1:
+            raise ValueError("parts must be >= 1")
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse("start_load", "unknown request", request, transfer)
+                raise UnknownRequestError(request)
+            if transfer in self.loads:
+                self._refuse("start_load", "transfer already loading", request, transfer)
+                raise InvalidTransitionError(f"transfer {transfer!r} already loading")
+            known = self.peer_epochs.get(peer)
+            if peer and known is not None and peer_epoch < known:
+                reason = f"stale token: peer {peer} epoch {peer_epoch} < {known}"
+                self._refuse("start_load", reason, request, transfer)
+                raise InvalidTransitionError(reason)
+            nxt = self._machine.triggers["start_load"].when_true[self.state[req.blocks]]
+            if req.blocks.size and nxt.min() < 0:
+                reason = self._first_invalid("start_load", req.blocks, nxt)
+                self._refuse("start_load", reason, request, transfer)
+                raise InvalidTransitionError(reason)
+            hlc, at = self._stamp()
+            self._record(ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch))
+
+    def part_done(self, transfer: str, part: int = 0) -> bool:
+        """One expected part (layer, shard, P rank) landed. The last one makes the blocks READY_FOR_ATTENTION."""
+        with self._lock:
+            load = self._live_load("part_done", transfer)
+            if load is None:
+                return False
+            if not 0 <= part < load.parts:
+                self._refuse("part_done", f"part {part} not in [0, {load.parts})", load.request, transfer)
+                return False
+            if part in load.done:
+                self._refuse("part_done", f"duplicate completion of part {part}", load.request, transfer)
+                return False
+            hlc, at = self._stamp()
+            self._record(ev.TgtPartDone(hlc, at, transfer, part))
+            return True
+
+    def fail(self, transfer: str, reason: str = "") -> bool:
+        """The load failed (any part). Policy ``recompute``: blocks go back to RESERVED; ``fail``: to FREE."""
+        with self._lock:
+            load = self._live_load("fail", transfer)
+            if load is None:
+                return False
+            req = self.requests[load.request]
+            recompute = self.failure_policy == "recompute" and not req.cancel_pending
+            hlc, at = self._stamp()
+            self._record(ev.TgtLoadFailed(hlc, at, transfer, reason, recompute))
+            return True
+
+    def cancel(self, request: str) -> bool:
+        """Cancel or preempt a request. While its load is in flight the blocks stay LOADING and are freed when the
+        transfer settles (completion or failure), so late bytes never land in a new owner's block."""
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse("cancel", "unknown request", request)
+                return False
+            if req.cancel_pending:
+                self._refuse("cancel", "cancel already pending", request)
+                return False
+            hlc, at = self._stamp()
+            self._record(ev.TgtCancelled(hlc, at, request))
+            return True
+
+    def local_fill(self, request: str) -> None:
+        """The engine computed the request's KV itself (recompute after a failed load)."""
+        self._simple("local_fill", request, ev.TgtLocalFilled)
+
+    def finish(self, request: str) -> None:
+        self._simple("finish", request, ev.TgtFinished)
+
+    def peer_restarted(self, peer: str, epoch: int) -> list[str]:
+        """A source peer came back with a new epoch: loads from its old incarnation fail cleanly."""
+        with self._lock:
+            known = self.peer_epochs.get(peer)
+            if known is not None and epoch <= known:
+                if epoch < known:
+                    self._refuse("peer_restarted", f"epoch {epoch} older than known {known} for {peer}")
+                return []
+            hlc, at = self._stamp()
+            self._record(ev.PeerEpochChanged(hlc, at, peer, epoch))
+            stale = [load for load in self.loads.values() if load.peer == peer and load.peer_epoch < epoch]
+            for load in stale:
+                self.fail(load.transfer, f"peer_restarted: {peer} epoch {load.peer_epoch} -> {epoch}")
+            return [load.transfer for load in stale]
+
+    def _simple(self, trigger: str, request: str, event_type: type) -> None:
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse(trigger, "unknown request", request)
+                raise UnknownRequestError(request)
+            nxt = self._machine.triggers[trigger].when_true[self.state[req.blocks]]
+            if req.blocks.size and nxt.min() < 0:
+                reason = self._first_invalid(trigger, req.blocks, nxt)
+                self._refuse(trigger, reason, request)
+                raise InvalidTransitionError(reason)
+            hlc, at = self._stamp()
+            self._record(event_type(hlc, at, request))
+
+    def _live_load(self, command: str, transfer: str) -> Load | None:
+        load = self.loads.get(transfer)
+        if load is None:
+            self._refuse(command, "stale token: no live load for this transfer (settled or never started)",
+                         transfer=transfer)
+            return None
+        req = self.requests[load.request]
+        if not np.array_equal(self.epoch[req.blocks], req.epochs):
+            self._refuse(command, "stale token: block epochs moved on", load.request, transfer)
+            return None
+        return load
+
+    # -- fold -----------------------------------------------------------------------------------------------------
+    def _on_reserved(self, e: ev.TgtReserved) -> None:
+        ids = ev.unpack_blocks(e.blocks)
+        self.state[ids] = self._step("reserve", ids)
+        self.epoch[ids] += 1
+        self.requests[e.request] = _TargetRequest(ids, self.epoch[ids])
+
+    def _on_load_started(self, e: ev.TgtLoadStarted) -> None:
+        req = self.requests[e.request]
+        self.state[req.blocks] = self._step("start_load", req.blocks)
+        req.transfer = e.transfer
+        self.loads[e.transfer] = Load(e.transfer, e.request, e.parts, e.generation, e.peer, e.peer_epoch, e.at)
+
+    def _on_part_done(self, e: ev.TgtPartDone) -> None:
+        load = self.loads[e.transfer]
+        load.done.add(e.part)
+        if len(load.done) < load.parts:
+            return
+        req = self.requests[load.request]
+        del self.loads[e.transfer]
+        req.transfer = None
+        if req.cancel_pending:
+            self.state[req.blocks] = self._step("discard", req.blocks)
+            del self.requests[load.request]
+            self.stats["discarded"] += 1
+        else:
+            self.state[req.blocks] = self._step("part_done", req.blocks, True)
+            self.stats["loaded"] += 1
+
+    def _on_load_failed(self, e: ev.TgtLoadFailed) -> None:
+        load = self.loads.pop(e.transfer)
+        req = self.requests[load.request]
+        req.transfer = None
+        if req.cancel_pending:
+            self.state[req.blocks] = self._step("discard", req.blocks)
+            del self.requests[load.request]
+            self.stats["discarded"] += 1
+            return
+        self.state[req.blocks] = self._step("load_failed", req.blocks, e.recompute)
+        self.stats["recompute" if e.recompute else "failed"] += 1
+        if not e.recompute:
+            del self.requests[load.request]
+
+    def _on_cancelled(self, e: ev.TgtCancelled) -> None:
+        req = self.requests[e.request]
+        in_flight = req.transfer is not None
+        self.state[req.blocks] = self._step("cancel", req.blocks, in_flight)
+        self.stats["cancelled"] += 1
+        if in_flight:
+            req.cancel_pending = True
+        else:
+            del self.requests[e.request]
+
+    def _on_local_filled(self, e: ev.TgtLocalFilled) -> None:
+        req = self.requests[e.request]
+        self.state[req.blocks] = self._step("local_fill", req.blocks)
+
+    def _on_finished(self, e: ev.TgtFinished) -> None:
+        req = self.requests.pop(e.request)
+        self.state[req.blocks] = self._step("finish", req.blocks)
+
+
+def open_ledger(side: str, num_blocks: int, log_dir: str | None = None, *, fsync: str = "10ms",
+                **kwargs: Any) -> SourceLedger | TargetLedger:
+    """A ledger with an event log in ``log_dir`` (or none). The log header records what replay needs."""
+    from kvlifecycle.eventlog import EventLog
+
+    cls: type[SourceLedger] | type[TargetLedger] = SourceLedger if side == "source" else TargetLedger
+    ledger = cls(num_blocks, **kwargs)
+    if log_dir is not None:
+        ledger.log = EventLog(log_dir, header=ledger.header(), fsync=fsync)
+    return ledger
+
+
+def ledger_from_header(header: dict[str, Any]) -> SourceLedger | TargetLedger:
+    side = header.get("side")
+    if side == "source":
+        return SourceLedger(int(header["num_blocks"]), worker=header.get("worker", ""))
+    if side == "target":
+        return TargetLedger(int(header["num_blocks"]), worker=header.get("worker", ""),
+                            failure_policy=header.get("failure_policy", "fail"))
+    raise ReplayError(f"log header names no known side: {header!r}")

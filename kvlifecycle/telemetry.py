@@ -1,0 +1,583 @@
+"""OpenTelemetry traces and metrics for KV handoffs, fed by a ledger's events.
+
+``instrument(ledger)`` subscribes to a :class:`~kvlifecycle.ledger.SourceLedger` or
+:class:`~kvlifecycle.ledger.TargetLedger` (``ledger.listeners``) and turns its events into:
+
+* **one trace per handoff, across both processes.** P and D never share memory, so both derive the trace from the
+  transfer id: the trace id is the first 16 bytes of ``blake2b(transfer)`` and every top-level span of the handoff
+  is a child of a *virtual root* span whose id is derived the same way (:func:`handoff_context`). No field needs to
+  travel: any process that knows the transfer id lands in the same trace. (The virtual root itself is never
+  exported; viewers show the two sides' spans side by side under it. :func:`traceparent` gives the W3C header for
+  callers that want to put their own spans, e.g. the engine's prefill, into the same trace.)
+* P spans: ``kv.source.handoff`` (allocation → lease released) with children ``kv.prefill`` (allocated → prefill
+  done), ``kv.lease`` (granted → released; renewals, deferred cancels, consumer completions, refused stale tokens and
+  the expiry are span events) and ``kv.transfer`` (each observed data-plane transfer).
+* D spans: ``kv.target.load`` (reserve → ready / failed) with children ``kv.reserved`` (reserve → load posted),
+  ``kv.load`` (posted → ready), one ``kv.part_wait`` per part (posted → that part landed) and ``kv.transfer``.
+* metrics (histograms) ``kv.transfer.post_time`` (T_post), ``kv.transfer.xfer_time`` (T_xfer),
+  ``kv.transfer.bandwidth`` (bytes / T_xfer of successful transfers), ``kv.visible_wait`` (T_visible: D's reserve →
+  ready, on the ledger clock); counters ``kv.transfers`` (by ``kv.outcome`` and ``kv.ok``), ``kv.lease.renewals``,
+  ``kv.lease.expiries``, ``kv.refusals`` and ``kv.stale_token.refusals``, ``kv.fallback.recompute``; observable
+  gauges ``kv.source.pinned_blocks``, ``kv.target.loading_blocks`` and ``kv.target.ready_blocks``.
+
+Only ``opentelemetry-api`` is imported here: exporters and providers are the user's choice. With no SDK configured
+the API hands out no-op tracers and instruments and the listener's cost is a dict lookup and a few no-op calls per
+event (:func:`measure_tracing_overhead` measures it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from kvlifecycle import events as ev
+from kvlifecycle.machines import SourceState, TargetState
+
+INSTRUMENTATION_NAME = "kvlifecycle"
+INSTRUMENTATION_VERSION = "0.1.0"
+
+# release reasons / load outcomes that count as a successful handoff
+_OK_OUTCOMES = frozenset({"completed", "ready"})
+# small lists go into span attributes verbatim; bigger ones as min/max (spans are not a place for 10^4 ints)
+_MAX_LISTED = 64
+
+
+# --- deterministic trace context -------------------------------------------------------------------------------
+
+
+def handoff_ids(transfer: str) -> tuple[int, int]:
+    """(trace id, virtual root span id) of the handoff ``transfer``: the same in every process."""
+    digest = hashlib.blake2b(transfer.encode(), digest_size=24, person=b"kvlifecycle").digest()
+    trace_id = int.from_bytes(digest[:16], "big") or 1  # 0 is the invalid trace id
+    span_id = int.from_bytes(digest[16:], "big") or 1
+    return trace_id, span_id
+
+
+def handoff_span_context(transfer: str) -> SpanContext:
+    trace_id, span_id = handoff_ids(transfer)
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+
+def handoff_context(transfer: str) -> Any:
+    """An OpenTelemetry ``Context`` whose parent is the handoff's virtual root: spans started in it join the
+    handoff's trace (``tracer.start_span(name, context=handoff_context(tid))``)."""
+    return trace.set_span_in_context(NonRecordingSpan(handoff_span_context(transfer)))
+
+
+def traceparent(transfer: str) -> str:
+    """The W3C ``traceparent`` header of the handoff's virtual root (for engines that carry one anyway)."""
+    trace_id, span_id = handoff_ids(transfer)
+    return f"00-{trace_id:032x}-{span_id:016x}-01"
+
+
+def parse_traceparent(header: str) -> SpanContext:
+    """A remote ``SpanContext`` from a W3C ``traceparent``; ``ValueError`` for anything malformed."""
+    parts = header.strip().split("-")
+    if len(parts) != 4 or len(parts[0]) != 2 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
+        raise ValueError(f"malformed traceparent {header!r}")
+    try:
+        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+    except ValueError as exc:
+        raise ValueError(f"malformed traceparent {header!r}") from exc
+    if trace_id == 0 or span_id == 0:
+        raise ValueError(f"traceparent {header!r} has an all-zero id")
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 0x01))
+
+
+# --- per-request and per-transfer bookkeeping ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Request:
+    start_ns: int
+    at: float  # ledger clock at allocation / reservation
+    blocks: int
+    prefill_ns: int = 0
+    transfer: str | None = None
+    cancel_pending: bool = False
+
+
+@dataclass(slots=True)
+class _Handoff:
+    request: str
+    root: Any
+    phase: Any  # kv.lease (P) or kv.load (D)
+    started_at: float  # ledger clock at the start of the request
+    phase_ns: int = 0
+    parts: int = 1
+    done: set[int] = field(default_factory=set)
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def _now_ns() -> int:
+    return time.time_ns()
+
+
+def _block_attributes(prefix: str, values: np.ndarray) -> dict[str, Any]:
+    if values.size == 0:
+        return {f"{prefix}.count": 0}
+    if values.size <= _MAX_LISTED:
+        return {f"{prefix}.count": int(values.size), prefix: [int(v) for v in values]}
+    return {f"{prefix}.count": int(values.size), f"{prefix}.min": int(values.min()), f"{prefix}.max": int(values.max())}
+
+
+class _Instruments:
+    """The metric instruments, shared by every ledger instrumented against the same meter."""
+
+    def __init__(self, meter: Any) -> None:
+        self.post_time = meter.create_histogram("kv.transfer.post_time", unit="s",
+                                                description="T_post: time to prepare and submit a transfer")
+        self.xfer_time = meter.create_histogram("kv.transfer.xfer_time", unit="s",
+                                                description="T_xfer: submit to completion reported by the backend")
+        self.bandwidth = meter.create_histogram("kv.transfer.bandwidth", unit="By/s",
+                                                description="effective bandwidth of a successful transfer")
+        self.visible_wait = meter.create_histogram("kv.visible_wait", unit="s",
+                                                   description="T_visible: D reserve -> KV ready (or failed)")
+        self.transfers = meter.create_counter("kv.transfers", unit="{transfer}",
+                                              description="handoffs settled, by outcome")
+        self.renewals = meter.create_counter("kv.lease.renewals", unit="{renewal}", description="lease renewals")
+        self.expiries = meter.create_counter("kv.lease.expiries", unit="{lease}", description="leases that expired")
+        self.refusals = meter.create_counter("kv.refusals", unit="{command}", description="refused commands")
+        self.stale = meter.create_counter("kv.stale_token.refusals", unit="{command}",
+                                          description="commands refused for naming a stale token")
+        self.recompute = meter.create_counter("kv.fallback.recompute", unit="{request}",
+                                              description="failed loads that fell back to recomputing the KV")
+
+
+def _is_noop_tracer_provider(provider: Any) -> bool:
+    return isinstance(provider, (trace.NoOpTracerProvider, trace.ProxyTracerProvider))
+
+
+def _is_noop_meter_provider(provider: Any) -> bool:
+    # the API's global default is a private _ProxyMeterProvider until the application sets a real one
+    return isinstance(provider, metrics.NoOpMeterProvider) or type(provider).__name__ == "_ProxyMeterProvider"
+
+
+class Instrumentation:
+    """The subscription :func:`instrument` returns; :meth:`detach` unsubscribes (open spans are ended).
+
+    Dormant until a real (SDK) tracer or meter provider exists: while both are the API's no-ops, each event costs
+    two provider look-ups and nothing else. Once the application installs an SDK provider (globally, or passed in),
+    the next event switches the instrumentation on.
+    """
+
+    def __init__(self, ledger: Any, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+        self.ledger = ledger
+        self.side = ledger.side
+        self.worker = ledger.worker
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self.tracer: Any = None
+        self.meter: Any = None
+        self.metrics: _Instruments | None = None
+        self._m: Any = None
+        self.active = False
+        self._requests: dict[str, _Request] = {}
+        self._handoffs: dict[str, _Handoff] = {}
+        self._remote_parents: dict[str, SpanContext] = {}
+        self._base = {"kv.side": self.side, "kv.worker": self.worker}
+        handlers: dict[type, Callable[[Any], None]] = {
+            ev.TransferObserved: self._on_observed,
+            ev.Refused: self._on_refused,
+        }
+        if self.side == "source":
+            handlers.update({
+                ev.SrcAllocated: self._on_src_allocated,
+                ev.SrcShared: self._on_src_allocated,
+                ev.SrcPrefillDone: self._on_src_prefill_done,
+                ev.SrcGranted: self._on_src_granted,
+                ev.SrcLeaseRenewed: self._on_src_renewed,
+                ev.SrcCancelDeferred: self._on_src_cancel_deferred,
+                ev.SrcConsumerDone: self._on_src_consumer_done,
+                ev.SrcLeaseReleased: self._on_src_released,
+                ev.SrcFreed: self._on_src_gone,
+                ev.SrcAborted: self._on_src_gone,
+            })
+        else:
+            handlers.update({
+                ev.TgtReserved: self._on_tgt_reserved,
+                ev.TgtLoadStarted: self._on_tgt_load_started,
+                ev.TgtPartDone: self._on_tgt_part_done,
+                ev.TgtLoadFailed: self._on_tgt_load_failed,
+                ev.TgtCancelled: self._on_tgt_cancelled,
+                ev.TgtLocalFilled: self._on_tgt_local_filled,
+                ev.TgtFinished: self._on_tgt_finished,
+            })
+        self._handlers = handlers
+        self._gauges: list[Any] = []
+        self.activate()
+        ledger.listeners.append(self)
+
+    # -- public ---------------------------------------------------------------------------------------------------
+    def __call__(self, event: ev.Event) -> None:
+        if not self.active and not self.activate():
+            return
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def activate(self) -> bool:
+        """Switch on if a real tracer or meter provider exists now; returns whether the instrumentation is on."""
+        if self.active:
+            return True
+        tracer_provider = self._tracer_provider or trace.get_tracer_provider()
+        meter_provider = self._meter_provider or metrics.get_meter_provider()
+        tracing = not _is_noop_tracer_provider(tracer_provider)
+        metering = not _is_noop_meter_provider(meter_provider)
+        if not (tracing or metering):
+            return False
+        self.tracer = (trace.get_tracer(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, tracer_provider=tracer_provider)
+                       if tracing else trace.NoOpTracer())
+        self.meter = (metrics.get_meter(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, meter_provider=meter_provider)
+                      if metering else metrics.NoOpMeter(INSTRUMENTATION_NAME))
+        self.metrics = self._m = _Instruments(self.meter)
+        self._gauges = self._register_gauges(self.meter)
+        self.active = True
+        return True
+
+    def set_remote_parent(self, transfer: str, header: str) -> None:
+        """Parent this side's spans of ``transfer`` under a W3C ``traceparent`` received from the peer (e.g. P's own
+        span carried in the grant) instead of the derived virtual root. Call before the load/grant is recorded."""
+        self._remote_parents[transfer] = parse_traceparent(header)
+
+    def detach(self) -> None:
+        """Stop listening; spans still open end now with outcome ``detached``."""
+        if self in self.ledger.listeners:
+            self.ledger.listeners.remove(self)
+        now = _now_ns()
+        for handoff in self._handoffs.values():
+            for span in (handoff.phase, handoff.root):
+                span.set_attribute("kv.outcome", "detached")
+                span.end(end_time=now)
+        self._handoffs.clear()
+        self._requests.clear()
+
+    @property
+    def open_handoffs(self) -> int:
+        return len(self._handoffs)
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def _parent(self, transfer: str) -> Any:
+        remote = self._remote_parents.pop(transfer, None)
+        if remote is not None:
+            return trace.set_span_in_context(NonRecordingSpan(remote))
+        return handoff_context(transfer)
+
+    def _child(self, handoff: _Handoff, name: str, start_ns: int, attributes: dict[str, Any] | None = None) -> Any:
+        return self.tracer.start_span(name, context=trace.set_span_in_context(handoff.root),
+                                      attributes=attributes, start_time=start_ns)
+
+    def _register_gauges(self, meter: Any) -> list[Any]:
+        ledger = self.ledger
+        attrs = dict(self._base)
+
+        def count(state: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
+            def callback(_options: CallbackOptions) -> Iterable[Observation]:
+                return [Observation(int(np.count_nonzero(ledger.state == state)), attrs)]
+            return callback
+
+        if self.side == "source":
+            return [meter.create_observable_gauge("kv.source.pinned_blocks", [count(SourceState.PINNED_FOR_TRANSFER)],
+                                                  unit="{block}", description="source blocks pinned for a transfer")]
+        return [
+            meter.create_observable_gauge("kv.target.loading_blocks", [count(TargetState.LOADING)], unit="{block}",
+                                          description="target blocks receiving bytes"),
+            meter.create_observable_gauge("kv.target.ready_blocks", [count(TargetState.READY_FOR_ATTENTION)],
+                                          unit="{block}", description="target blocks ready for attention"),
+        ]
+
+    def _settle(self, transfer: str, outcome: str, now: int, at: float, detail: str = "") -> _Handoff | None:
+        handoff = self._handoffs.pop(transfer, None)
+        ok = outcome in _OK_OUTCOMES
+        self._m.transfers.add(1, {**self._base, "kv.outcome": outcome, "kv.ok": ok})
+        if handoff is None:
+            return None
+        for span in (handoff.phase, handoff.root):
+            span.set_attribute("kv.outcome", outcome)
+            if detail:
+                span.set_attribute("kv.outcome.detail", detail)
+            if not ok:
+                span.set_status(Status(StatusCode.ERROR, f"{outcome}: {detail}" if detail else outcome))
+            span.end(end_time=now)
+        return handoff
+
+    # -- both sides -----------------------------------------------------------------------------------------------
+    def _on_observed(self, e: ev.TransferObserved) -> None:
+        now = _now_ns()
+        attrs = {**self._base, "kv.backend": e.backend, "kv.ok": e.ok}
+        self._m.post_time.record(e.t_post_s, attrs)
+        self._m.xfer_time.record(e.t_xfer_s, attrs)
+        if e.ok and e.t_xfer_s > 0:
+            self._m.bandwidth.record(e.nbytes / e.t_xfer_s, attrs)
+        start = now - int(max(e.t_xfer_s, 0.0) * 1e9)
+        span_attrs = {**attrs, "kv.transfer_id": e.transfer, "kv.bytes": e.nbytes, "kv.descriptors": e.descriptors,
+                      "kv.t_post_s": e.t_post_s, "kv.t_xfer_s": e.t_xfer_s}
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is not None:
+            span_attrs["kv.request_id"] = handoff.request
+            span = self._child(handoff, "kv.transfer", start, span_attrs)
+        else:  # observed after the lease settled, or on a side that holds no span for it: still the same trace
+            span = self.tracer.start_span("kv.transfer", context=handoff_context(e.transfer), attributes=span_attrs,
+                                          start_time=start)
+        span.add_event("posted", {"kv.t_post_s": e.t_post_s}, timestamp=start + int(max(e.t_post_s, 0.0) * 1e9))
+        if not e.ok:
+            span.set_status(Status(StatusCode.ERROR, "transfer failed"))
+        span.end(end_time=now)
+
+    def _on_refused(self, e: ev.Refused) -> None:
+        stale = e.reason.startswith("stale token")
+        attrs = {**self._base, "kv.command": e.command}
+        self._m.refusals.add(1, attrs)
+        if stale:
+            self._m.stale.add(1, attrs)
+        event_attrs = {"kv.command": e.command, "kv.reason": e.reason, "kv.request_id": e.request,
+                       "kv.transfer_id": e.transfer}
+        name = "refused.stale_token" if stale else "refused"
+        handoff = self._handoffs.get(e.transfer) if e.transfer else None
+        if handoff is None and e.request:
+            req = self._requests.get(e.request)
+            handoff = self._handoffs.get(req.transfer) if req is not None and req.transfer else None
+        now = _now_ns()
+        if handoff is not None:
+            handoff.phase.add_event(name, event_attrs, timestamp=now)
+        elif e.transfer:
+            # a late or stale token for a settled handoff: show it in that handoff's trace all the same
+            span = self.tracer.start_span("kv.refused", context=handoff_context(e.transfer),
+                                          attributes={**self._base, **event_attrs}, start_time=now)
+            span.add_event(name, event_attrs, timestamp=now)
+            span.set_status(Status(StatusCode.ERROR, e.reason))
+            span.end(end_time=now)
+
+    # -- source side ----------------------------------------------------------------------------------------------
+    def _on_src_allocated(self, e: ev.SrcAllocated | ev.SrcShared) -> None:
+        self._requests[e.request] = _Request(_now_ns(), e.at, len(e.blocks) // 4)
+
+    def _on_src_prefill_done(self, e: ev.SrcPrefillDone) -> None:
+        req = self._requests.get(e.request)
+        if req is not None:
+            req.prefill_ns = _now_ns()
+
+    def _on_src_granted(self, e: ev.SrcGranted) -> None:
+        now = _now_ns()
+        req = self._requests.get(e.request)
+        if req is None:  # instrumented after allocation
+            req = self._requests[e.request] = _Request(now, e.at, 0)
+        req.transfer = e.transfer
+        lease = self.ledger.leases.get(e.transfer)
+        attrs: dict[str, Any] = {**self._base, "kv.request_id": e.request, "kv.transfer_id": e.transfer,
+                                 "kv.generation": e.generation, "kv.consumers": e.consumers, "kv.peer": e.peer,
+                                 "kv.lease.ttl_s": e.expires_at - e.at}
+        if lease is not None:
+            attrs.update(_block_attributes("kv.epochs", lease.epochs))
+            attrs["kv.blocks"] = int(lease.blocks.size)
+        root = self.tracer.start_span("kv.source.handoff", context=self._parent(e.transfer), kind=SpanKind.PRODUCER,
+                                      attributes=attrs, start_time=req.start_ns)
+        handoff = _Handoff(e.request, root, None, req.at, now, attributes=attrs)
+        if req.prefill_ns:
+            self._child(handoff, "kv.prefill", req.start_ns, {"kv.request_id": e.request}).end(end_time=req.prefill_ns)
+        handoff.phase = self._child(handoff, "kv.lease", now, {"kv.transfer_id": e.transfer,
+                                                               "kv.generation": e.generation})
+        handoff.phase.add_event("lease.granted", {"kv.expires_at": e.expires_at}, timestamp=now)
+        self._handoffs[e.transfer] = handoff
+
+    def _on_src_renewed(self, e: ev.SrcLeaseRenewed) -> None:
+        self._m.renewals.add(1, self._base)
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is not None:
+            handoff.phase.add_event("lease.renewed", {"kv.expires_at": e.expires_at, "kv.at": e.at},
+                                    timestamp=_now_ns())
+
+    def _on_src_cancel_deferred(self, e: ev.SrcCancelDeferred) -> None:
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is not None:
+            handoff.phase.add_event("cancel.deferred", {"kv.why": "a consumer claimed the lease and may be reading"},
+                                    timestamp=_now_ns())
+
+    def _on_src_consumer_done(self, e: ev.SrcConsumerDone) -> None:
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is not None:
+            handoff.phase.add_event("consumer.done", {"kv.consumer": e.consumer}, timestamp=_now_ns())
+
+    def _on_src_released(self, e: ev.SrcLeaseReleased) -> None:
+        now = _now_ns()
+        if e.reason == "expired":
+            self._m.expiries.add(1, self._base)
+            handoff = self._handoffs.get(e.transfer)
+            if handoff is not None:
+                handoff.phase.add_event("lease.expired", {"kv.detail": e.detail, "kv.at": e.at}, timestamp=now)
+        self._settle(e.transfer, e.reason, now, e.at, e.detail)
+
+    def _on_src_gone(self, e: ev.SrcFreed | ev.SrcAborted) -> None:
+        self._requests.pop(e.request, None)
+
+    # -- target side ----------------------------------------------------------------------------------------------
+    def _on_tgt_reserved(self, e: ev.TgtReserved) -> None:
+        self._requests[e.request] = _Request(_now_ns(), e.at, len(e.blocks) // 4)
+
+    def _on_tgt_load_started(self, e: ev.TgtLoadStarted) -> None:
+        now = _now_ns()
+        req = self._requests.get(e.request)
+        if req is None:
+            req = self._requests[e.request] = _Request(now, e.at, 0)
+        req.transfer = e.transfer
+        attrs: dict[str, Any] = {**self._base, "kv.request_id": e.request, "kv.transfer_id": e.transfer,
+                                 "kv.generation": e.generation, "kv.peer": e.peer, "kv.peer_epoch": e.peer_epoch,
+                                 "kv.parts": e.parts, "kv.blocks": req.blocks}
+        treq = getattr(self.ledger, "requests", {}).get(e.request)
+        if treq is not None:
+            attrs.update(_block_attributes("kv.epochs", treq.epochs))
+        root = self.tracer.start_span("kv.target.load", context=self._parent(e.transfer), kind=SpanKind.CONSUMER,
+                                      attributes=attrs, start_time=req.start_ns)
+        handoff = _Handoff(e.request, root, None, req.at, now, parts=e.parts, attributes=attrs)
+        self._child(handoff, "kv.reserved", req.start_ns, {"kv.request_id": e.request}).end(end_time=now)
+        handoff.phase = self._child(handoff, "kv.load", now, {"kv.transfer_id": e.transfer, "kv.parts": e.parts})
+        self._handoffs[e.transfer] = handoff
+
+    def _on_tgt_part_done(self, e: ev.TgtPartDone) -> None:
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is None:
+            return
+        now = _now_ns()
+        handoff.done.add(e.part)
+        self._child(handoff, "kv.part_wait", handoff.phase_ns, {"kv.part": e.part}).end(end_time=now)
+        if len(handoff.done) < handoff.parts:
+            return
+        req = self._requests.get(handoff.request)
+        outcome = "discarded" if req is not None and req.cancel_pending else "ready"
+        self._m.visible_wait.record(e.at - handoff.started_at, {**self._base, "kv.outcome": outcome})
+        self._settle(e.transfer, outcome, now, e.at)
+        if outcome == "discarded":
+            self._requests.pop(handoff.request, None)
+
+    def _on_tgt_load_failed(self, e: ev.TgtLoadFailed) -> None:
+        handoff = self._handoffs.get(e.transfer)
+        req = self._requests.get(handoff.request) if handoff is not None else None
+        cancelled = req is not None and req.cancel_pending
+        outcome = "discarded" if cancelled else ("recompute" if e.recompute else "failed")
+        if e.recompute and outcome == "recompute":
+            self._m.recompute.add(1, self._base)
+        if handoff is not None:
+            self._m.visible_wait.record(e.at - handoff.started_at, {**self._base, "kv.outcome": outcome})
+        self._settle(e.transfer, outcome, _now_ns(), e.at, e.reason)
+        if handoff is not None and outcome != "recompute":
+            self._requests.pop(handoff.request, None)
+        elif req is not None:
+            req.transfer = None
+
+    def _on_tgt_cancelled(self, e: ev.TgtCancelled) -> None:
+        req = self._requests.get(e.request)
+        if req is None:
+            return
+        handoff = self._handoffs.get(req.transfer) if req.transfer else None
+        if handoff is None:
+            self._requests.pop(e.request, None)
+            return
+        req.cancel_pending = True
+        handoff.phase.add_event("cancel.pending", {"kv.why": "load in flight: blocks free when it settles"},
+                                timestamp=_now_ns())
+
+    def _on_tgt_local_filled(self, e: ev.TgtLocalFilled) -> None:
+        self._requests.pop(e.request, None)
+
+    def _on_tgt_finished(self, e: ev.TgtFinished) -> None:
+        self._requests.pop(e.request, None)
+
+
+def instrument(ledger: Any, tracer_provider: Any = None, meter_provider: Any = None) -> Instrumentation:
+    """Subscribe OpenTelemetry traces and metrics to ``ledger``'s events. Providers default to the global ones
+    (no-ops until the application installs an SDK). Returns the subscription; ``.detach()`` ends it."""
+    return Instrumentation(ledger, tracer_provider, meter_provider)
+
+
+# --- overhead measurement (for the lifecycle benchmark) --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TracingOverhead:
+    """Seconds per handoff (P + D lifecycle) without a listener, with the instrumentation on no-op providers (no SDK
+    configured) and, where the SDK is installed, with real providers (in-memory exporter and metric reader)."""
+
+    handoffs: int
+    untraced_s: float
+    noop_s: float
+    sdk_s: float | None
+
+    @property
+    def ratio(self) -> float:
+        """Instrumented (no SDK) / uninstrumented: the cost of leaving the instrumentation in."""
+        return self.noop_s / self.untraced_s
+
+    @property
+    def sdk_ratio(self) -> float | None:
+        return None if self.sdk_s is None else self.sdk_s / self.untraced_s
+
+
+def _lifecycle_loop(source: Any, target: Any, count: int, blocks: int, start: int) -> float:
+    ids = np.arange(blocks, dtype=np.int32)
+    t0 = time.perf_counter()
+    for i in range(start, start + count):
+        request = f"r{i}"
+        source.allocate(request, ids)
+        source.prefill_done(request)
+        grant = source.grant(request)
+        target.reserve(request, ids)
+        target.start_load(request, grant.transfer, generation=grant.generation, peer=source.worker)
+        source.heartbeat(grant.transfer, grant.generation)
+        target.observe_transfer(grant.transfer, t_post_s=1e-4, t_xfer_s=1e-3, nbytes=blocks << 14,
+                                descriptors=blocks, backend="loopback", ok=True)
+        target.part_done(grant.transfer, 0)
+        source.consumer_done(grant.transfer, grant.generation)
+        source.take_released()
+        source.free(request)
+        target.finish(request)
+    return (time.perf_counter() - t0) / count
+
+
+def measure_tracing_overhead(handoffs: int = 1000, blocks: int = 16, rounds: int = 3) -> TracingOverhead:
+    """Time the same P + D lifecycle (no event log) uninstrumented, instrumented with no SDK, and instrumented with
+    the SDK, interleaving the variants round by round and keeping each one's best round (noise only adds time)."""
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.trace import NoOpTracerProvider
+
+    from kvlifecycle.clock import ManualClock
+    from kvlifecycle.ledger import SourceLedger, TargetLedger
+
+    variants: dict[str, Callable[[Any, Any], list[Instrumentation]]] = {
+        "untraced": lambda s, t: [],
+        "noop": lambda s, t: [instrument(x, NoOpTracerProvider(), NoOpMeterProvider()) for x in (s, t)],
+    }
+    try:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        def with_sdk(s: Any, t: Any) -> list[Instrumentation]:
+            provider = TracerProvider()
+            provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+            meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+            return [instrument(x, provider, meter_provider) for x in (s, t)]
+
+        variants["sdk"] = with_sdk
+    except ImportError:
+        pass
+    best = {name: float("inf") for name in variants}
+    for round_index in range(rounds):
+        for name, attach in variants.items():
+            source = SourceLedger(blocks * 2, clock=ManualClock(), worker="p-bench")
+            target = TargetLedger(blocks * 2, clock=ManualClock(), worker="d-bench")
+            subscriptions = attach(source, target)
+            _lifecycle_loop(source, target, min(200, handoffs), blocks, 0)  # warm-up
+            best[name] = min(best[name], _lifecycle_loop(source, target, handoffs, blocks, handoffs * round_index))
+            for subscription in subscriptions:
+                subscription.detach()
+    return TracingOverhead(handoffs, best["untraced"], best["noop"], best.get("sdk"))

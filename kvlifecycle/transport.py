@@ -1,0 +1,299 @@
+"""The data-plane contract: a :class:`Transport` protocol and the frozen value types it speaks.
+
+Core-side and typing-only: no torch, no nixl. Implementations live in :mod:`kvlifecycle.transports`.
+
+Life of a transport::
+
+    t.register(layout)                        # once, at start-up: never on the request path
+    meta = t.local_metadata()                 # travels to the peer over the side channel
+    peer = t.add_peer(remote_meta)            # a peer with a new epoch replaces the old one (in-flight fail)
+    plan = t.prepare(peer)                    # descriptor lists, once per (peer, layout view)
+    h = t.post("READ", plan, local_ids, remote_ids, notification=...)   # returns at once
+    t.poll(h) -> XferStatus                   # never blocks
+    t.stats(h); t.release(h)                  # a released handle raises HandleReleasedError when used
+    t.notifications()                         # drained (peer, Notification) pairs
+    t.remove_peer(peer); t.close()            # nothing left registered
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+WIRE_VERSION = 1
+
+
+class MemoryKind(str, enum.Enum):
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class XferOp(str, enum.Enum):
+    READ = "READ"  # pull: the local side receives the remote's bytes
+    WRITE = "WRITE"  # push: the local side sends its bytes to the remote
+
+
+class XferStatus(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Locality(str, enum.Enum):
+    SAME_PROCESS = "same_process"
+    SAME_NODE = "same_node"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockView:
+    """Which bytes of each block a descriptor covers.
+
+    ``offset``/``length`` select a slice of every block (heterogeneous TP: a rank's heads, HND layout);
+    ``split`` cuts that slice into equal sub-blocks (P block size ≠ D block size, NHD layout). ``length=0`` means
+    the whole block from ``offset``.
+    """
+
+    offset: int = 0
+    length: int = 0
+    split: int = 1
+
+
+WHOLE_BLOCK = BlockView()
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Where a worker's KV cache lives: ``len(base_addrs)`` regions (layer × K/V, or fused KV per layer), each
+    ``num_blocks`` blocks of ``block_bytes[r]`` bytes laid out back to back from ``base_addrs[r]``."""
+
+    kind: MemoryKind
+    device_id: int
+    num_blocks: int
+    base_addrs: tuple[int, ...]
+    block_bytes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if not self.base_addrs or len(self.base_addrs) != len(self.block_bytes):
+            raise ValueError("base_addrs and block_bytes need one entry per region")
+        if min(self.block_bytes) <= 0:
+            raise ValueError("block_bytes must be positive")
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.base_addrs)
+
+    @property
+    def region_bytes(self) -> tuple[int, ...]:
+        return tuple(b * self.num_blocks for b in self.block_bytes)
+
+    @property
+    def bytes_per_block_all_regions(self) -> int:
+        return sum(self.block_bytes)
+
+
+class LayoutWire(msgspec.Struct, frozen=True):
+    """:class:`KVLayout` on the wire."""
+
+    kind: str
+    device_id: int
+    num_blocks: int
+    base_addrs: list[int]
+    block_bytes: list[int]
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> LayoutWire:
+        return cls(layout.kind.value, layout.device_id, layout.num_blocks, list(layout.base_addrs),
+                   list(layout.block_bytes))
+
+    def to_layout(self) -> KVLayout:
+        return KVLayout(MemoryKind(self.kind), self.device_id, self.num_blocks, tuple(self.base_addrs),
+                        tuple(self.block_bytes))
+
+
+class PeerMetadata(msgspec.Struct, frozen=True):
+    """What a peer needs to reach this transport: agent name, agent epoch, the transport's opaque blob, layout."""
+
+    agent: str
+    epoch: int
+    transport: str
+    blob: bytes
+    layout: LayoutWire
+
+
+class Notification(msgspec.Struct, frozen=True, array_like=True):
+    """A small message from one transport to its peer, after a transfer or on its own.
+
+    ``kind``: ``done`` (a consumer finished), ``failed`` (the sender gave up), or anything the caller defines.
+    ``part``: which consumer / P rank / layer group this is about.
+    """
+
+    request: str
+    transfer: str
+    generation: int
+    epoch: int = 0
+    kind: str = "done"
+    part: int = 0
+    payload: bytes = b""
+
+
+_notif_encoder = msgspec.msgpack.Encoder()
+_notif_decoder = msgspec.msgpack.Decoder(Notification)
+NOTIFICATION_MAX_BYTES = 4096
+
+
+def encode_notification(note: Notification) -> bytes:
+    raw = _notif_encoder.encode(note)
+    if len(raw) > NOTIFICATION_MAX_BYTES:
+        raise ValueError(f"notification is {len(raw)} bytes, cap is {NOTIFICATION_MAX_BYTES}")
+    return raw
+
+
+def decode_notification(raw: bytes) -> Notification:
+    """Raises :class:`MalformedNotificationError` for anything that is not a notification."""
+    if len(raw) > NOTIFICATION_MAX_BYTES:
+        raise MalformedNotificationError(f"notification of {len(raw)} bytes exceeds {NOTIFICATION_MAX_BYTES}")
+    try:
+        return _notif_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise MalformedNotificationError(f"not a kvlifecycle notification: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class TransferHandle:
+    """An opaque reference to one posted transfer. Identity is ``id`` within one transport."""
+
+    id: int
+    op: XferOp
+    peer: str
+    peer_epoch: int
+    transfer: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class XferStats:
+    """Data-plane facts about a finished transfer. Times are seconds; ``None`` fields were not available."""
+
+    t_post_s: float
+    t_xfer_s: float
+    bytes: int
+    desc_count: int
+    backend: str
+    from_telemetry: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPlan:
+    """Descriptor lists prepared once for (peer, local view, remote view). ``post`` indexes into them."""
+
+    key: int
+    peer: str
+    peer_epoch: int
+    local_view: BlockView
+    remote_view: BlockView
+    local_blocks: int  # blocks addressable in the local view (num_blocks × split)
+    remote_blocks: int
+    num_regions: int
+
+
+# --- errors ----------------------------------------------------------------------------------------------------
+
+
+class TransportError(Exception):
+    """Base class of every data-plane error."""
+
+
+class HandleReleasedError(TransportError):
+    """A handle was used after :meth:`Transport.release`."""
+
+
+class PeerEpochError(TransportError):
+    """The peer restarted (new agent epoch): metadata, plans and in-flight transfers of the old epoch are void."""
+
+
+class UnknownPeerError(TransportError):
+    pass
+
+
+class RemoteMismatchError(TransportError):
+    """The remote layout or block ids cannot be matched with the local ones (shape, bounds, region count)."""
+
+
+class RegistrationError(TransportError):
+    pass
+
+
+class BackendUnavailableError(TransportError):
+    """The requested backend / plugin did not load."""
+
+
+class MalformedNotificationError(TransportError):
+    pass
+
+
+class TransferFailedError(TransportError):
+    pass
+
+
+# --- the protocol ----------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Transport(Protocol):
+    name: str  # "nixl", "loopback", ...
+    agent: str  # this endpoint's agent name
+    epoch: int  # this endpoint's agent epoch (new on every start)
+
+    def register(self, layout: KVLayout) -> None:
+        """Register the KV regions once. A second call raises :class:`RegistrationError`."""
+
+    def local_metadata(self) -> PeerMetadata: ...
+
+    def add_peer(self, meta: PeerMetadata) -> str:
+        """Load a peer's metadata; returns the peer name. A known peer with a different epoch is removed first
+        (its plans dropped, its in-flight transfers failed with :class:`PeerEpochError`)."""
+
+    def prepare(self, peer: str, *, local_view: BlockView = WHOLE_BLOCK,
+                remote_view: BlockView = WHOLE_BLOCK) -> PreparedPlan:
+        """Prepare both descriptor lists for a peer (cached per (peer, epoch, views))."""
+
+    def post(
+        self,
+        op: XferOp | str,
+        plan: PreparedPlan,
+        local_blocks: np.ndarray | Sequence[int],
+        remote_blocks: np.ndarray | Sequence[int],
+        *,
+        regions: np.ndarray | Sequence[int] | None = None,
+        notification: Notification | None = None,
+        transfer: str = "",
+    ) -> TransferHandle:
+        """Post a READ/WRITE of the listed blocks (all regions, or ``regions``); returns at once."""
+
+    def poll(self, handle: TransferHandle) -> XferStatus:
+        """Never blocks."""
+
+    def error(self, handle: TransferHandle) -> TransportError | None: ...
+
+    def stats(self, handle: TransferHandle) -> XferStats | None: ...
+
+    def release(self, handle: TransferHandle) -> None: ...
+
+    def send_notification(self, peer: str, note: Notification) -> None: ...
+
+    def notifications(self) -> list[tuple[str, Notification]]:
+        """Drain received notifications (malformed ones are counted in ``malformed_notifications``, dropped)."""
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def registered_regions(self) -> int:
+        """How many regions are registered now (0 after :meth:`close`)."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,290 @@
+"""OpenTelemetry instrumentation on real ledgers, read back through the SDK's in-memory exporter and metric reader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NoOpTracerProvider, StatusCode
+
+from kvlifecycle.clock import ManualClock
+from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.telemetry import (
+    handoff_ids,
+    instrument,
+    measure_tracing_overhead,
+    parse_traceparent,
+    traceparent,
+)
+
+
+class Otel:
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+
+    def spans(self, name: str | None = None) -> list:
+        found = list(self.exporter.get_finished_spans())
+        return [s for s in found if name is None or s.name == name]
+
+    def metrics(self) -> dict[str, list]:
+        out: dict[str, list] = {}
+        data = self.reader.get_metrics_data()
+        for resource in data.resource_metrics:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    out.setdefault(metric.name, []).extend(metric.data.data_points)
+        return out
+
+    def instrument(self, ledger):
+        return instrument(ledger, self.tracer_provider, self.meter_provider)
+
+
+def total(points, **attrs) -> float:
+    """Sum of counter values (or histogram sums) over the points whose attributes include ``attrs``."""
+    value = 0.0
+    for point in points:
+        if all(point.attributes.get(k) == v for k, v in attrs.items()):
+            value += point.value if hasattr(point, "value") else point.sum
+    return value
+
+
+@pytest.fixture
+def otel() -> Otel:
+    return Otel()
+
+
+def make_pair(otel: Otel, **target_kwargs):
+    clock = ManualClock(100.0)
+    source = SourceLedger(32, clock=clock, worker="p0")
+    target = TargetLedger(32, clock=clock, worker="d0", **target_kwargs)
+    otel.instrument(source)
+    otel.instrument(target)
+    return clock, source, target
+
+
+def test_one_trace_spans_both_sides_with_structure_and_attributes(otel: Otel) -> None:
+    clock, source, target = make_pair(otel)
+    source.allocate("req-1", np.arange(4))
+    source.prefill_done("req-1")
+    grant = source.grant("req-1", peer="d0")
+    target.reserve("req-1", np.arange(8, 12))
+    clock.advance(0.25)
+    target.start_load("req-1", grant.transfer, parts=2, generation=grant.generation, peer="p0")
+    assert source.heartbeat(grant.transfer, grant.generation)
+    target.observe_transfer(grant.transfer, t_post_s=0.01, t_xfer_s=0.1, nbytes=4 << 20, descriptors=4,
+                            backend="UCX", ok=True)
+    assert target.part_done(grant.transfer, 0)
+    clock.advance(0.25)
+    assert target.part_done(grant.transfer, 1)
+    assert source.consumer_done(grant.transfer, grant.generation)
+
+    trace_id, virtual_root = handoff_ids(grant.transfer)
+    spans = otel.spans()
+    assert spans and {s.context.trace_id for s in spans} == {trace_id}
+
+    (p_root,) = otel.spans("kv.source.handoff")
+    (d_root,) = otel.spans("kv.target.load")
+    assert p_root.parent.span_id == virtual_root and d_root.parent.span_id == virtual_root
+    children = {}
+    for span in spans:
+        if span.parent is not None and span.parent.span_id in (p_root.context.span_id, d_root.context.span_id):
+            children.setdefault(span.parent.span_id, []).append(span.name)
+    assert sorted(children[p_root.context.span_id]) == ["kv.lease", "kv.prefill"]
+    assert sorted(children[d_root.context.span_id]) == ["kv.load", "kv.part_wait", "kv.part_wait", "kv.reserved",
+                                                        "kv.transfer"]
+    assert p_root.attributes["kv.request_id"] == "req-1"
+    assert p_root.attributes["kv.transfer_id"] == grant.transfer
+    assert p_root.attributes["kv.generation"] == grant.generation
+    assert p_root.attributes["kv.peer"] == "d0"
+    assert list(p_root.attributes["kv.epochs"]) == [1, 1, 1, 1]
+    assert p_root.attributes["kv.outcome"] == "completed"
+    assert d_root.attributes["kv.outcome"] == "ready"
+    assert d_root.attributes["kv.peer"] == "p0" and d_root.attributes["kv.parts"] == 2
+    (xfer,) = otel.spans("kv.transfer")
+    assert xfer.attributes["kv.bytes"] == 4 << 20 and xfer.attributes["kv.descriptors"] == 4
+    assert xfer.attributes["kv.backend"] == "UCX" and xfer.attributes["kv.request_id"] == "req-1"
+    (lease,) = otel.spans("kv.lease")
+    assert [e.name for e in lease.events] == ["lease.granted", "lease.renewed", "consumer.done"]
+    assert sorted(s.attributes["kv.part"] for s in otel.spans("kv.part_wait")) == [0, 1]
+    assert all(s.status.status_code != StatusCode.ERROR for s in spans)
+
+    m = otel.metrics()
+    assert total(m["kv.visible_wait"], **{"kv.outcome": "ready"}) == pytest.approx(0.5)
+    assert total(m["kv.transfer.post_time"]) == pytest.approx(0.01)
+    assert total(m["kv.transfer.xfer_time"]) == pytest.approx(0.1)
+    assert total(m["kv.transfer.bandwidth"]) == pytest.approx((4 << 20) / 0.1)
+    assert total(m["kv.transfers"], **{"kv.side": "source", "kv.outcome": "completed", "kv.ok": True}) == 1
+    assert total(m["kv.transfers"], **{"kv.side": "target", "kv.outcome": "ready", "kv.ok": True}) == 1
+    assert total(m["kv.lease.renewals"]) == 1
+    assert "kv.lease.expiries" not in m  # nothing expired: the SDK reports no points
+
+
+def test_refusals_and_expiry_are_span_events_and_counters(otel: Otel) -> None:
+    clock, source, _ = make_pair(otel)
+    source.allocate("req-2", np.arange(3))
+    source.prefill_done("req-2")
+    grant = source.grant("req-2", ttl_s=1.0)
+    assert not source.heartbeat(grant.transfer, grant.generation + 7)  # stale generation, lease still live
+    clock.advance(2.0)
+    assert not source.heartbeat(grant.transfer, grant.generation)  # past expiry: refused, released as expired
+    assert not source.consumer_done(grant.transfer, grant.generation)  # late completion after the release
+
+    (lease,) = otel.spans("kv.lease")
+    names = [e.name for e in lease.events]
+    assert names == ["lease.granted", "refused.stale_token", "refused", "lease.expired"]
+    stale = lease.events[1]
+    assert stale.attributes["kv.command"] == "heartbeat"
+    assert "generation" in stale.attributes["kv.reason"]
+    (root,) = otel.spans("kv.source.handoff")
+    assert root.attributes["kv.outcome"] == "expired"
+    assert root.status.status_code == StatusCode.ERROR
+    # the completion that came too late lands in the same trace as its own span
+    (late,) = otel.spans("kv.refused")
+    assert late.context.trace_id == root.context.trace_id
+    assert late.attributes["kv.command"] == "consumer_done"
+
+    m = otel.metrics()
+    assert total(m["kv.lease.expiries"]) == 1
+    assert total(m["kv.stale_token.refusals"]) == 2
+    assert total(m["kv.refusals"]) == 3
+    assert total(m["kv.transfers"], **{"kv.outcome": "expired", "kv.ok": False}) == 1
+
+
+def test_sweep_expiry_and_gauges(otel: Otel) -> None:
+    clock, source, target = make_pair(otel)
+    source.allocate("req-3", np.arange(5))
+    source.prefill_done("req-3")
+    grant = source.grant("req-3", ttl_s=1.0)
+    target.reserve("req-3", np.arange(6))
+    target.start_load("req-3", grant.transfer)
+    gauges = otel.metrics()
+    assert total(gauges["kv.source.pinned_blocks"]) == 5
+    assert total(gauges["kv.target.loading_blocks"]) == 6
+    clock.advance(1.5)
+    assert source.sweep() == [grant.transfer]
+    gauges = otel.metrics()
+    assert total(gauges["kv.source.pinned_blocks"]) == 0
+    assert total(gauges["kv.lease.expiries"]) == 1
+    (lease,) = otel.spans("kv.lease")
+    assert lease.events[-1].name == "lease.expired"
+
+
+def test_failed_load_with_recompute_counts_a_fallback(otel: Otel) -> None:
+    clock, _, target = make_pair(otel, failure_policy="recompute")
+    target.reserve("req-4", np.arange(2))
+    target.start_load("req-4", "p0.x.1", parts=3)
+    clock.advance(0.75)
+    assert target.part_done("p0.x.1", 0)
+    assert target.fail("p0.x.1", "notification lost")
+    target.local_fill("req-4")
+    (root,) = otel.spans("kv.target.load")
+    assert root.attributes["kv.outcome"] == "recompute"
+    assert root.attributes["kv.outcome.detail"] == "notification lost"
+    assert root.status.status_code == StatusCode.ERROR
+    m = otel.metrics()
+    assert total(m["kv.fallback.recompute"]) == 1
+    assert total(m["kv.transfers"], **{"kv.outcome": "recompute", "kv.ok": False}) == 1
+    assert total(m["kv.visible_wait"], **{"kv.outcome": "recompute"}) == pytest.approx(0.75)
+    assert total(m["kv.target.loading_blocks"]) == 0
+
+
+def test_remote_parent_from_traceparent(otel: Otel) -> None:
+    _, _, target = make_pair(otel)
+    header = "00-0123456789abcdef0123456789abcdef-00f067aa0ba902b7-01"
+    subscription = target.listeners[0]
+    subscription.set_remote_parent("p0.y.1", header)
+    target.reserve("req-5", np.arange(2))
+    target.start_load("req-5", "p0.y.1")
+    (root,) = [s for s in otel.spans() if s.name == "kv.target.load"] or [None]
+    assert root is None  # still open
+    assert target.part_done("p0.y.1", 0)
+    (root,) = otel.spans("kv.target.load")
+    assert root.context.trace_id == 0x0123456789ABCDEF0123456789ABCDEF
+    assert root.parent.span_id == 0x00F067AA0BA902B7
+
+
+def test_traceparent_round_trip_and_malformed_headers() -> None:
+    header = traceparent("p0.abc.3")
+    context = parse_traceparent(header)
+    assert (context.trace_id, context.span_id) == handoff_ids("p0.abc.3")
+    assert handoff_ids("p0.abc.3") != handoff_ids("p0.abc.4")
+    for bad in ("", "00-xyz", "00-" + "0" * 32 + "-" + "1" * 16 + "-01", "00-" + "g" * 32 + "-" + "1" * 16 + "-01"):
+        with pytest.raises(ValueError):
+            parse_traceparent(bad)
+
+
+def test_no_sdk_means_dormant(otel: Otel) -> None:
+    from opentelemetry.metrics import NoOpMeterProvider
+
+    source = SourceLedger(8, clock=ManualClock(), worker="p9")
+    subscription = instrument(source, NoOpTracerProvider(), NoOpMeterProvider())
+    source.allocate("r", np.arange(2))
+    source.prefill_done("r")
+    source.grant("r")
+    assert subscription.active is False and subscription.open_handoffs == 0
+    assert subscription in source.listeners
+    subscription.detach()
+    assert subscription not in source.listeners
+
+
+def test_detach_ends_open_spans(otel: Otel) -> None:
+    source = SourceLedger(8, clock=ManualClock(), worker="p1")
+    subscription = otel.instrument(source)
+    source.allocate("r", np.arange(2))
+    source.prefill_done("r")
+    source.grant("r")
+    assert subscription.open_handoffs == 1 and not otel.spans("kv.source.handoff")
+    subscription.detach()
+    (root,) = otel.spans("kv.source.handoff")
+    assert root.attributes["kv.outcome"] == "detached"
+
+
+def test_other_process_lands_in_the_same_trace(otel: Otel, tmp_path) -> None:
+    """D in a separate process, with its own SDK, puts its spans in P's trace: only the transfer id travels."""
+    _, source, _ = make_pair(otel)
+    source.allocate("req-6", np.arange(2))
+    source.prefill_done("req-6")
+    grant = source.grant("req-6")
+    source.consumer_done(grant.transfer, grant.generation)
+    script = textwrap.dedent(f"""
+        import json, numpy as np
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from kvlifecycle.ledger import TargetLedger
+        from kvlifecycle.telemetry import instrument
+        exporter = InMemorySpanExporter(); provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        target = TargetLedger(4, worker="d7"); instrument(target, provider)
+        target.reserve("req-6", np.arange(2)); target.start_load("req-6", {grant.transfer!r})
+        target.part_done({grant.transfer!r}, 0)
+        print(json.dumps([[s.name, s.context.trace_id] for s in exporter.get_finished_spans()]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    remote = json.loads(out.stdout.strip().splitlines()[-1])
+    (p_root,) = otel.spans("kv.source.handoff")
+    assert "kv.target.load" in [name for name, _ in remote]
+    assert {trace_id for _, trace_id in remote} == {p_root.context.trace_id}
+
+
+def test_measure_tracing_overhead_reports_all_variants() -> None:
+    result = measure_tracing_overhead(handoffs=50, rounds=1)
+    assert result.handoffs == 50
+    assert result.untraced_s > 0 and result.noop_s > 0 and result.sdk_s is not None and result.sdk_s > 0
+    assert result.ratio == result.noop_s / result.untraced_s

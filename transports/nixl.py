@@ -1,0 +1,523 @@
+"""The NIXL transport (nixl 1.5.1, ``nixl._api``; UCX by default).
+
+Why it is shaped this way:
+- One *service thread* owns the agent: every NIXL call after construction runs on it, so the agent can stay in
+  NIXL's lock-free sync mode. On DRAM ``transfer()`` returns only after the whole copy (measured: T_post ≈
+  T_xfer), so posting there keeps it off the caller's (scheduler's) thread; ``post`` and ``poll`` never block.
+- ``enable_prog_thread=False``: UCX's own progress thread spins a core per agent even when idle. Progress is driven
+  by the service thread's polling (busy while transfers are in flight, ``idle_poll_s`` otherwise). A peer that is
+  being READ from must keep polling too (UCX over tcp needs the target to progress), which it does.
+- Registration once; descriptor lists prepared once per (peer, epoch, view); per-request descriptor ids are
+  one numpy broadcast (``region * blocks + block``).
+- Telemetry turned into :class:`XferStats`; a telemetry failure never fails a transfer (nixl #2266).
+- A restarted peer (new epoch) is removed (``remove_remote_agent``) before its new metadata is loaded (vLLM
+  #49238); its old plans are void and its in-flight transfers fail with :class:`PeerEpochError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlifecycle import layout as L
+from kvlifecycle.transport import (
+    WHOLE_BLOCK,
+    BackendUnavailableError,
+    BlockView,
+    KVLayout,
+    LayoutWire,
+    MalformedNotificationError,
+    Notification,
+    PeerEpochError,
+    PeerMetadata,
+    PreparedPlan,
+    RegistrationError,
+    TransferFailedError,
+    TransferHandle,
+    TransportError,
+    UnknownPeerError,
+    XferOp,
+    XferStats,
+    XferStatus,
+    decode_notification,
+    encode_notification,
+)
+
+from ._common import HandleTable, XferRecord, check_pairing, new_epoch, plan_descs
+
+log = logging.getLogger("kvlifecycle.transports.nixl")
+
+DEFAULT_BACKENDS: tuple[str, ...] = ("UCX",)
+
+
+def map_nixl_error(exc: BaseException, what: str) -> TransportError:
+    """A NIXL binding exception as one of the library's typed errors (the NIXL class name stays in the text)."""
+    if isinstance(exc, TransportError):
+        return exc
+    kind = type(exc).__name__
+    text = f"{what}: NIXL {kind}: {exc}"
+    if "NotFound" in kind:
+        return UnknownPeerError(text)
+    if "Backend" in kind or "NotSupported" in kind:
+        return BackendUnavailableError(text)
+    return TransportError(text)
+
+
+@dataclass(slots=True)
+class _Peer:
+    name: str
+    epoch: int
+    layout: KVLayout
+    remote_dlists: dict[BlockView, Any]
+
+
+@dataclass(slots=True)
+class _Plan:
+    plan: PreparedPlan
+    local: Any
+    remote: Any
+    desc_bytes: np.ndarray  # bytes per descriptor, per region
+
+
+class NixlTransport:
+    name = "nixl"
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        backends: Sequence[str] = DEFAULT_BACKENDS,
+        epoch: int | None = None,
+        enable_prog_thread: bool = False,
+        capture_telemetry: bool = True,
+        idle_poll_s: float = 0.001,
+        call_timeout_s: float = 30.0,
+        num_threads: int = 0,
+    ) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent = agent
+        self.epoch = new_epoch() if epoch is None else int(epoch)
+        self.backends = tuple(backends)
+        self.idle_poll_s = float(idle_poll_s)
+        self.call_timeout_s = float(call_timeout_s)
+        config = nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=list(self.backends),
+                                   capture_telemetry=capture_telemetry, num_threads=num_threads)
+        try:
+            self._nixl = nixl_agent(agent, config)
+        except Exception as exc:
+            raise map_nixl_error(exc, f"creating NIXL agent {agent!r} with backends {list(self.backends)}") from exc
+        missing = [b for b in self.backends if b not in self._nixl.backends]
+        if missing:
+            raise BackendUnavailableError(
+                f"NIXL backend(s) {missing} did not load; plugins available: {self._nixl.get_plugin_list()}")
+        self.layout: KVLayout | None = None
+        self._reg_descs: Any = None
+        self._local_dlists: dict[BlockView, Any] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._plans: dict[int, _Plan] = {}
+        self._plan_keys = itertools.count(1)
+        self._handles = HandleTable()
+        self._inflight: dict[int, XferRecord] = {}
+        self._inbox: collections.deque[tuple[str, Notification]] = collections.deque()
+        self._lock = threading.Lock()  # guards the Python-side tables, never held across a NIXL call
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | None]] = queue.SimpleQueue()
+        self._closed = False
+        self._stop = threading.Event()
+        self.malformed_notifications = 0
+        self.failed_notifications = 0
+        self.telemetry_failures = 0
+        self._thread = threading.Thread(target=self._serve, name=f"nixl-{agent}", daemon=True)
+        self._thread.start()
+
+    # -- the service thread -----------------------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on the service thread and wait (bounded) for its result."""
+        if self._closed:
+            raise TransportError(f"{what}: transport is closed")
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future[Any] = Future()
+        self._commands.put((fn, fut))
+        try:
+            return fut.result(timeout=self.call_timeout_s)
+        except FutureTimeout as exc:
+            raise TransportError(f"{what}: no answer from the NIXL service thread in {self.call_timeout_s}s") from exc
+
+    def _submit(self, fn: Callable[[], Any]) -> None:
+        self._commands.put((fn, None))
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            busy = bool(self._inflight)
+            try:
+                fn, fut = self._commands.get(timeout=0 if busy else self.idle_poll_s)
+            except queue.Empty:
+                fn, fut = None, None
+            if fn is not None:
+                self._run_command(fn, fut)
+                while True:  # drain what queued up behind it
+                    try:
+                        fn, fut = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._run_command(fn, fut)
+            if self._inflight:
+                self._progress()
+            self._drain_notifs()
+            if busy and not fn:
+                time.sleep(0)  # let the caller's thread run between polls
+        # answer anything still queued so no caller waits out its timeout
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None and not fut.done():
+                fut.set_exception(TransportError("transport closed"))
+
+    @staticmethod
+    def _run_command(fn: Callable[[], Any], fut: Future[Any] | None) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            if fut is not None:
+                fut.set_exception(exc)
+            else:
+                log.warning("NIXL command failed: %s", exc)
+            return
+        if fut is not None:
+            fut.set_result(result)
+
+    def _progress(self) -> None:
+        for rec in list(self._inflight.values()):
+            try:
+                state = self._nixl.check_xfer_state(rec.native)
+            except Exception as exc:
+                self._finish(rec, map_nixl_error(exc, "check_xfer_state"))
+                continue
+            if state == "DONE":
+                self._finish(rec, None)
+            elif state != "PROC":
+                self._finish(rec, TransferFailedError(f"NIXL reported {state} for transfer {rec.handle.transfer!r}"))
+
+    def _finish(self, rec: XferRecord, error: TransportError | None) -> None:
+        rec.t_done = time.perf_counter()
+        self._inflight.pop(rec.handle.id, None)
+        stats = None
+        if error is None:
+            stats = self._telemetry(rec)
+        self._release_native(rec)
+        with self._lock:
+            rec.stats = stats
+            rec.error = error
+            rec.status = XferStatus.DONE if error is None else XferStatus.FAILED
+
+    def _telemetry(self, rec: XferRecord) -> XferStats:
+        backend = self.backends[0]
+        try:
+            backend = self._nixl.query_xfer_backend(rec.native)
+        except Exception:
+            self.telemetry_failures += 1
+        try:
+            tel = self._nixl.get_xfer_telemetry(rec.native)
+            return XferStats(tel.postDuration / 1e6, tel.xferDuration / 1e6, int(tel.totalBytes),
+                             int(tel.descCount), backend, True)
+        except Exception:  # nixl #2266: telemetry off or unavailable must never fail the transfer
+            self.telemetry_failures += 1
+            return XferStats(rec.t_post_end - rec.t_post_start, rec.t_done - rec.t_post_start, rec.nbytes,
+                             rec.ndesc, backend, False)
+
+    def _release_native(self, rec: XferRecord) -> None:
+        if rec.native is None:
+            return
+        try:
+            self._nixl.release_xfer_handle(rec.native)
+        except Exception as exc:
+            log.warning("releasing NIXL handle of %r failed: %s", rec.handle.transfer, exc)
+        rec.native = None
+
+    def _drain_notifs(self) -> None:
+        try:
+            got = self._nixl.get_new_notifs()
+        except Exception as exc:
+            self.failed_notifications += 1
+            log.warning("get_new_notifs failed: %s", exc)
+            return
+        for sender, messages in got.items():
+            for raw in messages:
+                try:
+                    self._inbox.append((sender, decode_notification(raw)))
+                except MalformedNotificationError as exc:
+                    self.malformed_notifications += 1
+                    log.warning("dropped a notification from %s: %s", sender, exc)
+
+    # -- registration -----------------------------------------------------------------------------------------------
+    def register(self, layout: KVLayout) -> None:
+        def do() -> None:
+            if self.layout is not None:
+                raise RegistrationError("regions are already registered")
+            regs = [(a, n, layout.device_id, "") for a, n in zip(layout.base_addrs, layout.region_bytes, strict=True)]
+            try:
+                self._reg_descs = self._nixl.register_memory(regs, layout.kind.value)
+            except Exception as exc:
+                raise RegistrationError(f"register_memory failed: {map_nixl_error(exc, 'register')}") from exc
+            self.layout = layout
+            self._local_dlist(WHOLE_BLOCK)
+
+        self._call(do, "register")
+
+    def registered_regions(self) -> int:
+        return 0 if self.layout is None else self.layout.num_regions
+
+    def _local_dlist(self, view: BlockView) -> Any:
+        dl = self._local_dlists.get(view)
+        if dl is None:
+            assert self.layout is not None
+            descs = L.block_descs(self.layout, view)
+            try:
+                dl = self._nixl.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self.layout.kind.value)
+            except Exception as exc:
+                raise map_nixl_error(exc, "prep_xfer_dlist (local)") from exc
+            self._local_dlists[view] = dl
+        return dl
+
+    def local_metadata(self) -> PeerMetadata:
+        if self.layout is None:
+            raise RegistrationError("register before exporting metadata")
+        blob = self._call(self._nixl.get_agent_metadata, "get_agent_metadata")
+        return PeerMetadata(self.agent, self.epoch, self.name, bytes(blob), LayoutWire.of(self.layout))
+
+    # -- peers ------------------------------------------------------------------------------------------------------
+    def add_peer(self, meta: PeerMetadata) -> str:
+        if meta.transport != self.name:
+            raise TransportError(f"peer speaks {meta.transport!r}, not nixl")
+        remote_layout = meta.layout.to_layout()
+
+        def do() -> str:
+            known = self._peers.get(meta.agent)
+            if known is not None:
+                if known.epoch == meta.epoch:
+                    return known.name
+                if meta.epoch < known.epoch:
+                    raise PeerEpochError(f"{meta.agent}: metadata epoch {meta.epoch} older than known {known.epoch}")
+                self._drop_peer(known, f"peer restarted: epoch {known.epoch} -> {meta.epoch}")
+            try:
+                name = self._nixl.add_remote_agent(meta.blob)
+            except Exception as exc:
+                raise map_nixl_error(exc, f"add_remote_agent({meta.agent})") from exc
+            if isinstance(name, bytes):
+                name = name.decode()
+            if name != meta.agent:
+                self._nixl.remove_remote_agent(name)
+                raise TransportError(f"metadata names agent {name!r}, handshake said {meta.agent!r}")
+            try:  # connect now so the first transfer does not pay for it
+                self._nixl.make_connection(name)
+            except Exception as exc:
+                log.info("make_connection(%s) deferred: %s", name, exc)
+            self._peers[name] = _Peer(name, meta.epoch, remote_layout, {})
+            return name
+
+        return self._call(do, "add_peer")
+
+    def peer_epoch(self, peer: str) -> int | None:
+        p = self._peers.get(peer)
+        return None if p is None else p.epoch
+
+    def remove_peer(self, peer: str) -> None:
+        def do() -> None:
+            known = self._peers.get(peer)
+            if known is not None:
+                self._drop_peer(known, "peer removed")
+
+        self._call(do, "remove_peer")
+
+    def _drop_peer(self, peer: _Peer, reason: str) -> None:
+        """On the service thread: void plans, fail in-flight transfers, release dlists, forget the agent."""
+        for rec in [r for r in self._inflight.values() if r.handle.peer == peer.name]:
+            self._finish(rec, PeerEpochError(f"{peer.name}: {reason}"))
+        with self._lock:
+            for key in [k for k, p in self._plans.items() if p.plan.peer == peer.name]:
+                del self._plans[key]
+        for dl in peer.remote_dlists.values():
+            try:
+                self._nixl.release_dlist_handle(dl)
+            except Exception as exc:
+                log.warning("release_dlist_handle for %s: %s", peer.name, exc)
+        try:
+            self._nixl.remove_remote_agent(peer.name)
+        except Exception as exc:
+            log.warning("remove_remote_agent(%s): %s", peer.name, exc)
+        del self._peers[peer.name]
+
+    def prepare(self, peer: str, *, local_view: BlockView = WHOLE_BLOCK,
+                remote_view: BlockView = WHOLE_BLOCK) -> PreparedPlan:
+        def do() -> PreparedPlan:
+            if self.layout is None:
+                raise RegistrationError("register before preparing")
+            p = self._peers.get(peer)
+            if p is None:
+                raise UnknownPeerError(f"unknown peer {peer!r} (add_peer first)")
+            nl, nr = check_pairing(self.layout, (local_view, remote_view), p.layout)
+            local = self._local_dlist(local_view)
+            remote = p.remote_dlists.get(remote_view)
+            if remote is None:
+                try:
+                    remote = self._nixl.prep_xfer_dlist(p.name, L.block_descs(p.layout, remote_view),
+                                                        p.layout.kind.value)
+                except Exception as exc:
+                    raise map_nixl_error(exc, f"prep_xfer_dlist ({p.name})") from exc
+                p.remote_dlists[remote_view] = remote
+            plan = PreparedPlan(next(self._plan_keys), p.name, p.epoch, local_view, remote_view, nl, nr,
+                                self.layout.num_regions)
+            with self._lock:
+                self._plans[plan.key] = _Plan(plan, local, remote, L.view_block_bytes(self.layout, local_view))
+            return plan
+
+        return self._call(do, "prepare")
+
+    # -- data -------------------------------------------------------------------------------------------------------
+    def post(
+        self,
+        op: XferOp | str,
+        plan: PreparedPlan,
+        local_blocks: np.ndarray | Sequence[int],
+        remote_blocks: np.ndarray | Sequence[int],
+        *,
+        regions: np.ndarray | Sequence[int] | None = None,
+        notification: Notification | None = None,
+        transfer: str = "",
+    ) -> TransferHandle:
+        op = XferOp(op)
+        if self._closed:
+            raise TransportError("transport is closed")
+        local_ids, remote_ids, regs = plan_descs(plan, local_blocks, remote_blocks, regions)
+        notif = b"" if notification is None else encode_notification(notification)
+        with self._lock:
+            if self._closed:
+                raise TransportError("transport is closed")
+            prepared = self._plans.get(plan.key)
+            if prepared is None or prepared.plan != plan:
+                raise PeerEpochError(f"plan {plan.key} for {plan.peer} is void (peer removed or restarted)")
+            rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
+            rec.ndesc = int(local_ids.size)
+            rec.nbytes = int(prepared.desc_bytes[regs].sum()) * (local_ids.size // max(regs.size, 1))
+        self._submit(lambda: self._post_now(rec, prepared, local_ids, remote_ids, notif))
+        return rec.handle
+
+    def _post_now(self, rec: XferRecord, prepared: _Plan, local_ids: np.ndarray, remote_ids: np.ndarray,
+                  notif: bytes) -> None:
+        if rec.status is not XferStatus.PENDING or rec.handle.id not in self._handles.live:
+            return  # released or failed (peer dropped) before it was posted
+        if prepared.plan.peer not in self._peers or self._peers[prepared.plan.peer].epoch != rec.handle.peer_epoch:
+            self._finish(rec, PeerEpochError(f"{rec.handle.peer}: epoch changed before the post"))
+            return
+        rec.t_post_start = time.perf_counter()
+        try:
+            rec.native = self._nixl.make_prepped_xfer(rec.handle.op.value, prepared.local, local_ids,
+                                                      prepared.remote, remote_ids, notif)
+            state = self._nixl.transfer(rec.native)
+        except Exception as exc:
+            rec.t_post_end = time.perf_counter()
+            self._finish(rec, map_nixl_error(exc, f"posting {rec.handle.op.value} {rec.handle.transfer!r}"))
+            return
+        rec.t_post_end = time.perf_counter()
+        if state == "DONE":
+            self._finish(rec, None)
+        elif state == "PROC":
+            self._inflight[rec.handle.id] = rec
+        else:
+            self._finish(rec, TransferFailedError(f"NIXL refused to post {rec.handle.transfer!r}: {state}"))
+
+    def poll(self, handle: TransferHandle) -> XferStatus:
+        with self._lock:
+            return self._handles.get(handle).status
+
+    def error(self, handle: TransferHandle) -> TransportError | None:
+        with self._lock:
+            return self._handles.get(handle).error
+
+    def stats(self, handle: TransferHandle) -> XferStats | None:
+        with self._lock:
+            return self._handles.get(handle).stats
+
+    def release(self, handle: TransferHandle) -> None:
+        with self._lock:
+            rec = self._handles.pop(handle)
+
+        def do() -> None:  # a pending transfer: NIXL tries to cancel it when its handle is released
+            self._inflight.pop(rec.handle.id, None)
+            self._release_native(rec)
+
+        if rec.native is not None or rec.status is XferStatus.PENDING:
+            self._submit(do)
+
+    # -- notifications ----------------------------------------------------------------------------------------------
+    def send_notification(self, peer: str, note: Notification) -> None:
+        raw = encode_notification(note)
+
+        def do() -> None:
+            if peer not in self._peers:
+                raise UnknownPeerError(f"unknown peer {peer!r}")
+            try:
+                self._nixl.send_notif(peer, raw)
+            except Exception as exc:
+                raise map_nixl_error(exc, f"send_notif({peer})") from exc
+
+        self._call(do, "send_notification")
+
+    def notifications(self) -> list[tuple[str, Notification]]:
+        out = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
+
+    # -- teardown ---------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+
+        def do() -> None:
+            for peer in list(self._peers.values()):
+                self._drop_peer(peer, "transport closed")
+            for rec in list(self._inflight.values()):
+                self._finish(rec, TransportError("transport closed"))
+            for dl in self._local_dlists.values():
+                try:
+                    self._nixl.release_dlist_handle(dl)
+                except Exception as exc:
+                    log.warning("release local dlist: %s", exc)
+            self._local_dlists.clear()
+            if self._reg_descs is not None:
+                try:
+                    self._nixl.deregister_memory(self._reg_descs)
+                except Exception as exc:
+                    log.warning("deregister_memory: %s", exc)
+                self._reg_descs = None
+            self.layout = None
+
+        try:
+            self._call(do, "close")
+        finally:
+            self._closed = True
+            self._stop.set()
+            self._thread.join(timeout=self.call_timeout_s)
+            with self._lock:
+                self._handles.live.clear()
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
