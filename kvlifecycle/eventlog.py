@@ -5,7 +5,8 @@ Layout of a log directory::
     seg-00000000.kvl   MAGIC | frame(header) | frame(event) | frame(event) | ...
     seg-00000001.kvl   ...
 
-A frame is ``<u32 length><u32 crc32(length bytes + payload)><payload>``; the header frame is a msgpack map with the
+A frame is ``<u32 length><u32 crc32(payload, seed)><payload>`` (a damaged length reads the wrong span, which fails the
+checksum); the header frame is a msgpack map with the
 schema version and the ledger's configuration (side, worker, number of blocks), so a log replays on its own.
 
 Durability: appends go into an in-memory batch; the batch is written (one ``write``) and fsynced according to the
@@ -16,7 +17,6 @@ after it (or in an earlier segment) is a :class:`CorruptLogError` naming the seg
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import threading
@@ -35,6 +35,14 @@ from kvlifecycle.events import SCHEMA_VERSION, Event, decode, encode
 MAGIC = b"KVLLOG\x01\n"
 FRAME = struct.Struct("<II")
 FRAME_SIZE = FRAME.size
+_pack_frame = FRAME.pack
+CRC_SEED = 0x4B564C31  # a non-zero seed: a run of zero bytes is never a valid (empty) frame
+
+
+def _crc32(payload: Any) -> int:
+    return zlib.crc32(payload, CRC_SEED)
+
+
 MAX_RECORD = 16 << 20  # a frame claiming more than this is corrupt, not big
 SEGMENT_GLOB = "seg-*.kvl"
 
@@ -105,9 +113,7 @@ class Record:
 
 
 def _frame(payload: bytes) -> bytes:
-    length = len(payload)
-    crc = zlib.crc32(payload, zlib.crc32(length.to_bytes(4, "little")))
-    return FRAME.pack(length, crc) + payload
+    return FRAME.pack(len(payload), _crc32(payload)) + payload
 
 
 def _frame_ok(buf: Any, pos: int, end: int) -> int:
@@ -117,8 +123,7 @@ def _frame_ok(buf: Any, pos: int, end: int) -> int:
     length, crc = FRAME.unpack_from(buf, pos)
     if length > MAX_RECORD or pos + FRAME_SIZE + length > end:
         return -1
-    payload = buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length]
-    if zlib.crc32(payload, zlib.crc32(length.to_bytes(4, "little"))) != crc:
+    if length == 0 or _crc32(buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length]) != crc:
         return -1
     return length
 
@@ -140,72 +145,77 @@ def _segment_index(path: Path) -> int:
 
 
 @dataclass
-class _ScannedSegment:
+class SegmentScan:
+    """One segment read in a single pass: its header and every good record, plus what (if anything) follows them."""
+
     path: Path
     header: dict
-    records: list[tuple[int, bytes]]  # (offset, payload) — only filled when asked
+    offsets: list[int]
+    payloads: list[memoryview]
     good_end: int
     size: int
     tail_problem: str | None  # why the bytes after good_end are not records (None: clean)
 
 
-def _scan_segment(path: Path, *, is_last: bool, keep_payloads: bool) -> Iterator[tuple[str, Any]]:
-    """Stream a segment: yields ("header", dict), ("record", (offset, payload)) ..., then ("end", info).
+def scan_segment(path: Path, *, is_last: bool) -> SegmentScan:
+    """Read and verify a whole segment in one tight loop (replay speed lives here).
 
     Raises :class:`CorruptLogError` for corruption that is not a torn tail of the last segment.
     """
-    size = path.stat().st_size
+    data = path.read_bytes()
+    size = len(data)
+    buf = memoryview(data)
     if size == 0:
         if is_last:
-            yield "end", (0, size, "empty segment (crashed while creating it)")
-            return
+            return SegmentScan(path, {}, [], [], 0, 0, "empty segment (crashed while creating it)")
         raise CorruptLogError(path, 0, "empty segment in the middle of the log")
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if size < len(MAGIC) or buf[: len(MAGIC)] != MAGIC:
-            if is_last and size < len(MAGIC) and MAGIC.startswith(bytes(buf[:size])):
-                yield "end", (0, size, "torn segment magic")
-                return
-            raise CorruptLogError(path, 0, "not a kvlifecycle log segment (bad magic)")
-        pos = len(MAGIC)
-        length = _frame_ok(buf, pos, size)
-        if length < 0:
-            if is_last and _any_valid_frame_after(buf, pos + 1, size) < 0:
-                yield "end", (0, size, "torn segment header")
-                return
-            raise CorruptLogError(path, pos, "segment header failed its checksum")
-        try:
-            header = msgspec.msgpack.decode(bytes(buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length]))
-        except msgspec.DecodeError as exc:
-            raise CorruptLogError(path, pos, f"segment header does not decode: {exc}") from exc
-        if header.get("schema") != SCHEMA_VERSION:
-            raise CorruptLogError(path, pos, f"schema version {header.get('schema')} != {SCHEMA_VERSION}")
-        yield "header", header
-        pos += FRAME_SIZE + length
-        unpack_from = FRAME.unpack_from
-        crc32 = zlib.crc32
-        while pos < size:
-            ok = pos + FRAME_SIZE <= size
-            if ok:
-                length, crc = unpack_from(buf, pos)
-                start = pos + FRAME_SIZE
-                ok = length <= MAX_RECORD and start + length <= size
-                if ok:
-                    payload = buf[start : start + length]
-                    ok = crc32(payload, crc32(length.to_bytes(4, "little"))) == crc
-            if not ok:
-                reason = _describe_bad_frame(buf, pos, size)
-                if not is_last:
-                    raise CorruptLogError(path, pos, reason)
-                after = _any_valid_frame_after(buf, pos + 1, size)
-                if after >= 0:
-                    raise CorruptLogError(
-                        path, pos, f"{reason}; a valid record follows at offset {after}, so this is not a torn tail"
-                    )
-                yield "end", (pos, size, reason)
-                return
-            yield "record", (pos, bytes(payload) if keep_payloads else payload)
-            pos = start + length
-        yield "end", (pos, size, None)
+    if size < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
+        if is_last and size < len(MAGIC) and MAGIC.startswith(data):
+            return SegmentScan(path, {}, [], [], 0, size, "torn segment magic")
+        raise CorruptLogError(path, 0, "not a kvlifecycle log segment (bad magic)")
+    pos = len(MAGIC)
+    length = _frame_ok(buf, pos, size)
+    if length < 0:
+        if is_last and _any_valid_frame_after(buf, pos + 1, size) < 0:
+            return SegmentScan(path, {}, [], [], 0, size, "torn segment header")
+        raise CorruptLogError(path, pos, "segment header failed its checksum")
+    try:
+        header = msgspec.msgpack.decode(buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length])
+    except msgspec.DecodeError as exc:
+        raise CorruptLogError(path, pos, f"segment header does not decode: {exc}") from exc
+    if not isinstance(header, dict) or header.get("schema") != SCHEMA_VERSION:
+        found = header.get("schema") if isinstance(header, dict) else header
+        raise CorruptLogError(path, pos, f"schema version {found!r} != {SCHEMA_VERSION}")
+    pos += FRAME_SIZE + length
+    offsets: list[int] = []
+    payloads: list[memoryview] = []
+    add_offset, add_payload = offsets.append, payloads.append
+    unpack_from = FRAME.unpack_from
+    crc32 = zlib.crc32
+    while pos < size:
+        if pos + FRAME_SIZE > size:
+            break
+        length, crc = unpack_from(data, pos)
+        start = pos + FRAME_SIZE
+        if not 0 < length <= MAX_RECORD or start + length > size:
+            break
+        payload = buf[start : start + length]
+        if crc32(payload, CRC_SEED) != crc:
+            break
+        add_offset(pos)
+        add_payload(payload)
+        pos = start + length
+    if pos >= size:
+        return SegmentScan(path, header, offsets, payloads, pos, size, None)
+    reason = _describe_bad_frame(buf, pos, size)
+    if not is_last:
+        raise CorruptLogError(path, pos, reason)
+    after = _any_valid_frame_after(buf, pos + 1, size)
+    if after >= 0:
+        raise CorruptLogError(
+            path, pos, f"{reason}; a valid record follows at offset {after}, so this is not a torn tail"
+        )
+    return SegmentScan(path, header, offsets, payloads, pos, size, reason)
 
 
 def _describe_bad_frame(buf: Any, pos: int, size: int) -> str:
@@ -233,40 +243,49 @@ class LogReader:
         self.header: dict = {}
         self.tail: TailRecovery | None = None
 
+    def scans(self) -> Iterator[SegmentScan]:
+        """Each segment, verified, in order; a torn tail of the last one lands in :attr:`tail`."""
+        last = len(self.segments) - 1
+        for i, path in enumerate(self.segments):
+            scan = scan_segment(path, is_last=i == last)
+            if scan.header and not self.header:
+                self.header = scan.header
+            if scan.tail_problem is not None:
+                self.tail = TailRecovery(path, scan.good_end, scan.size - scan.good_end, scan.tail_problem)
+            yield scan
+
     def records(self) -> Iterator[Record]:
         index = 0
-        last = len(self.segments) - 1
-        incarnation = 0
-        for i, path in enumerate(self.segments):
-            seg_index = _segment_index(path)
-            for kind, value in _scan_segment(path, is_last=i == last, keep_payloads=False):
-                if kind == "header":
-                    if not self.header:
-                        self.header = value
-                    incarnation = int(value.get("incarnation", 0))
-                elif kind == "record":
-                    offset, payload = value
-                    try:
-                        event = decode(payload)
-                    except msgspec.DecodeError as exc:
-                        raise CorruptLogError(path, offset, f"record does not decode: {exc}") from exc
-                    yield Record(seg_index, offset, index, event, incarnation)
-                    index += 1
-                else:
-                    good_end, size, problem = value
-                    if problem is not None:
-                        self.tail = TailRecovery(path, good_end, size - good_end, problem)
+        for scan in self.scans():
+            seg_index = _segment_index(scan.path)
+            incarnation = int(scan.header.get("incarnation", 0))
+            for offset, event in zip(scan.offsets, decode_payloads(scan), strict=True):
+                yield Record(seg_index, offset, index, event, incarnation)
+                index += 1
 
     def __iter__(self) -> Iterator[Event]:
-        for record in self.records():
-            yield record.event
+        for scan in self.scans():
+            yield from decode_payloads(scan)
 
     def read_header(self) -> dict:
-        for kind, value in _scan_segment(self.segments[0], is_last=len(self.segments) == 1, keep_payloads=False):
-            if kind == "header":
-                self.header = value
-                return value
-        raise LogError(f"{self.segments[0]} has no readable header")
+        scan = scan_segment(self.segments[0], is_last=len(self.segments) == 1)
+        if not scan.header:
+            raise LogError(f"{self.segments[0]} has no readable header")
+        self.header = scan.header
+        return scan.header
+
+
+def decode_payloads(scan: SegmentScan) -> list[Event]:
+    """Decode a segment's records; a record that passes its checksum but does not decode is corruption too."""
+    try:
+        return [decode(p) for p in scan.payloads]
+    except msgspec.DecodeError:
+        for offset, payload in zip(scan.offsets, scan.payloads, strict=True):
+            try:
+                decode(payload)
+            except msgspec.DecodeError as exc:
+                raise CorruptLogError(scan.path, offset, f"record does not decode: {exc}") from exc
+        raise
 
 
 def read_events(directory: str | os.PathLike[str]) -> list[Event]:
@@ -313,26 +332,26 @@ class EventLog:
     # -- recovery -------------------------------------------------------------------------------------------------
     def _recover(self, existing: list[Path]) -> None:
         for i, path in enumerate(existing):
-            is_last = i == len(existing) - 1
-            for kind, value in _scan_segment(path, is_last=is_last, keep_payloads=False):
-                if kind == "header" and i == 0:
-                    self._check_header_compatible(path, value)
-                if kind == "end":
-                    good_end, size, problem = value
-                    if problem is not None:
-                        self.recovered = TailRecovery(path, good_end, size - good_end, problem)
-                        warnings.warn(
-                            f"event log {path}: {problem} at offset {good_end}; "
-                            f"truncated {size - good_end} bytes, every record before it is kept",
-                            TornTailWarning,
-                            stacklevel=3,
-                        )
-                        if good_end == 0:  # not even a whole header survived: the segment holds nothing
-                            path.unlink()
-                            continue
-                        with open(path, "r+b") as fh:
-                            fh.truncate(good_end)
-                            os.fsync(fh.fileno())
+            scan = scan_segment(path, is_last=i == len(existing) - 1)
+            if i == 0 and scan.header:
+                self._check_header_compatible(path, scan.header)
+            if scan.tail_problem is None:
+                continue
+            good_end, size, problem = scan.good_end, scan.size, scan.tail_problem
+            del scan  # drop the views into the file's bytes before touching the file
+            self.recovered = TailRecovery(path, good_end, size - good_end, problem)
+            warnings.warn(
+                f"event log {path}: {problem} at offset {good_end}; "
+                f"truncated {size - good_end} bytes, every record before it is kept",
+                TornTailWarning,
+                stacklevel=3,
+            )
+            if good_end == 0:  # not even a whole header survived: the segment holds nothing
+                path.unlink()
+                continue
+            with open(path, "r+b") as fh:
+                fh.truncate(good_end)
+                os.fsync(fh.fileno())
 
     def _check_header_compatible(self, path: Path, found: dict) -> None:
         for key in ("side", "worker", "num_blocks"):
@@ -356,11 +375,13 @@ class EventLog:
         self.append_payload(encode(event))
 
     def append_payload(self, payload: bytes) -> None:
-        frame = _frame(payload)
+        head = _pack_frame(len(payload), _crc32(payload))
         with self._lock:
             if self._closed:
                 raise LogError("append to a closed event log")
-            self._batch += frame
+            batch = self._batch
+            batch += head
+            batch += payload
             self.appended += 1
             if self.policy.mode == "always":
                 self._write_batch()

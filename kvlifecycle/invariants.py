@@ -25,7 +25,7 @@ class Violation:
         return f"{self.rule}: {self.detail}"
 
 
-def check_source(ledger) -> list[Violation]:  # noqa: ANN001 - SourceLedger (kept import-free)
+def check_source(ledger) -> list[Violation]:
     out: list[Violation] = []
     n = ledger.num_blocks
     expected_pins = np.zeros(n, dtype=np.int64)
@@ -35,25 +35,41 @@ def check_source(ledger) -> list[Violation]:  # noqa: ANN001 - SourceLedger (kep
         stale = lease.epochs != ledger.epoch[lease.blocks]
         if stale.any():
             block = int(lease.blocks[int(np.argmax(stale))])
-            out.append(Violation("pinned-under-two-epochs",
-                                 f"lease {lease.transfer} pins block {block} at epoch {int(lease.epochs[stale][0])}, "
-                                 f"block is at epoch {int(ledger.epoch[block])}"))
+            out.append(
+                Violation(
+                    "pinned-under-two-epochs",
+                    f"lease {lease.transfer} pins block {block} at epoch {int(lease.epochs[stale][0])}, "
+                    f"block is at epoch {int(ledger.epoch[block])}",
+                )
+            )
         prior = pinned_epoch[lease.blocks]
         clash = (prior >= 0) & (prior != lease.epochs)
         if clash.any():
-            out.append(Violation("pinned-under-two-epochs",
-                                 f"block {int(lease.blocks[int(np.argmax(clash))])} pinned by leases of different epochs"))
+            out.append(
+                Violation(
+                    "pinned-under-two-epochs",
+                    f"block {int(lease.blocks[int(np.argmax(clash))])} pinned by leases of different epochs",
+                )
+            )
         pinned_epoch[lease.blocks] = lease.epochs
         not_pinned = ledger.state[lease.blocks] != SourceState.PINNED_FOR_TRANSFER
         if not_pinned.any():
             block = int(lease.blocks[int(np.argmax(not_pinned))])
-            out.append(Violation("left-pinned-while-leased",
-                                 f"block {block} is {SourceState(int(ledger.state[block])).name} "
-                                 f"while lease {lease.transfer} is live"))
+            out.append(
+                Violation(
+                    "left-pinned-while-leased",
+                    f"block {block} is {SourceState(int(ledger.state[block])).name} "
+                    f"while lease {lease.transfer} is live",
+                )
+            )
     if not np.array_equal(expected_pins, ledger.pins):
         block = int(np.argmax(expected_pins != ledger.pins))
-        out.append(Violation("pin-count", f"block {block}: {int(ledger.pins[block])} pins recorded, "
-                                          f"{int(expected_pins[block])} live leases"))
+        out.append(
+            Violation(
+                "pin-count",
+                f"block {block}: {int(ledger.pins[block])} pins recorded, {int(expected_pins[block])} live leases",
+            )
+        )
     pinned = ledger.state == SourceState.PINNED_FOR_TRANSFER
     orphan = pinned & (expected_pins == 0)
     if orphan.any():
@@ -71,7 +87,7 @@ def check_source(ledger) -> list[Violation]:  # noqa: ANN001 - SourceLedger (kep
     return out
 
 
-def check_target(ledger) -> list[Violation]:  # noqa: ANN001 - TargetLedger
+def check_target(ledger) -> list[Violation]:
     out: list[Violation] = []
     owner = np.zeros(ledger.num_blocks, dtype=np.int64)
     for name, req in ledger.requests.items():
@@ -86,22 +102,28 @@ def check_target(ledger) -> list[Violation]:  # noqa: ANN001 - TargetLedger
         out.append(Violation("block-two-owners", f"block {int(np.argmax(owner > 1))} held by two requests"))
     stray = (ledger.state != TargetState.FREE) & (owner == 0)
     if stray.any():
-        out.append(Violation("held-without-owner", f"block {int(np.argmax(stray))} is not FREE and no request holds it"))
+        out.append(
+            Violation("held-without-owner", f"block {int(np.argmax(stray))} is not FREE and no request holds it")
+        )
     return out
 
 
-def check_quiescent(ledger) -> list[Violation]:  # noqa: ANN001
+def check_quiescent(ledger) -> list[Violation]:
     """At quiescence: no pins, no leases, no in-flight transfers."""
     out: list[Violation] = []
     if ledger.side == "source":
         if ledger.leases:
-            out.append(Violation("quiescent-leases", f"{len(ledger.leases)} lease(s) left: {sorted(ledger.leases)[:5]}"))
+            out.append(
+                Violation("quiescent-leases", f"{len(ledger.leases)} lease(s) left: {sorted(ledger.leases)[:5]}")
+            )
         pinned = int((ledger.state == SourceState.PINNED_FOR_TRANSFER).sum())
         if pinned or int(ledger.pins.sum()):
             out.append(Violation("quiescent-pins", f"{pinned} PINNED block(s), {int(ledger.pins.sum())} pins"))
     else:
         if ledger.loads:
-            out.append(Violation("quiescent-loads", f"{len(ledger.loads)} load(s) in flight: {sorted(ledger.loads)[:5]}"))
+            out.append(
+                Violation("quiescent-loads", f"{len(ledger.loads)} load(s) in flight: {sorted(ledger.loads)[:5]}")
+            )
         loading = int((ledger.state == TargetState.LOADING).sum())
         if loading:
             out.append(Violation("quiescent-loading", f"{loading} LOADING block(s)"))
@@ -159,10 +181,10 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
             continue
         rel_hlc, reason = released[transfer]
         if rel_hlc < start and reason != "completed":
-            out.append(Violation("read-after-release",
-                                 f"D started loading {transfer} after P released it ({reason})"))
+            out.append(Violation("read-after-release", f"D started loading {transfer} after P released it ({reason})"))
         end = settled.get(transfer)
         if reason in ("failed", "cancelled") and start <= rel_hlc and (end is None or rel_hlc < end):
-            out.append(Violation("released-under-reader",
-                                 f"P released {transfer} ({reason}) while D's load was in flight"))
+            out.append(
+                Violation("released-under-reader", f"P released {transfer} ({reason}) while D's load was in flight")
+            )
     return out

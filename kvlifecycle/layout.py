@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlifecycle.transport import BlockView, KVLayout
+from kvlifecycle.transport import WHOLE_BLOCK, BlockView, KVLayout
 
 DESC_ID_DTYPE = np.int32
 
@@ -33,7 +33,7 @@ def view_block_bytes(layout: KVLayout, view: BlockView) -> np.ndarray:
     return length // np.uint64(view.split)
 
 
-def block_descs(layout: KVLayout, view: BlockView = BlockView()) -> np.ndarray:
+def block_descs(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.ndarray:
     """The Nx3 uint64 ``(address, length, device)`` array for every (region, block, sub-block), region-major."""
     sub_len = view_block_bytes(layout, view)  # per region
     base = np.asarray(layout.base_addrs, dtype=np.uint64)
@@ -124,7 +124,8 @@ def tp_plan(*, p_tp: int, d_tp: int, d_rank: int, p_block_bytes: int, d_block_by
     if d_tp > p_tp:
         if p_block_bytes != d_block_bytes * ratio:
             raise UnsupportedMappingError(
-                f"D TP {d_tp} > P TP {p_tp}: expected P block bytes = {ratio} × D ({d_block_bytes}), got {p_block_bytes}")
+                f"D TP {d_tp} > P TP {p_tp}: expected P block bytes = {ratio} × D ({d_block_bytes}), "
+                f"got {p_block_bytes}")
         slice_len = p_block_bytes // ratio
         view = BlockView(offset=(d_rank % ratio) * slice_len, length=slice_len)
         return TPPlan((TPRead(d_rank // ratio, view, BlockView()),), ratio)
@@ -168,7 +169,8 @@ def block_size_views(*, local_block_size: int, remote_block_size: int, kv_layout
     return BlockSizeMap(BlockView(), BlockView(split=ratio), 1, ratio)
 
 
-def sub_block_ids(block_ids: np.ndarray | Sequence[int], split: int, num_tokens_blocks: int | None = None) -> np.ndarray:
+def sub_block_ids(block_ids: np.ndarray | Sequence[int], split: int,
+                  num_tokens_blocks: int | None = None) -> np.ndarray:
     """Sub-block ids ``block * split + s`` in token order, cut to ``num_tokens_blocks`` sub-blocks if given."""
     ids = np.asarray(block_ids, dtype=np.int64)
     out = (ids[:, None] * split + np.arange(split, dtype=np.int64)[None, :]).reshape(-1)
@@ -178,7 +180,7 @@ def sub_block_ids(block_ids: np.ndarray | Sequence[int], split: int, num_tokens_
 # --- HND <-> NHD -----------------------------------------------------------------------------------------------
 
 
-def permute_blocks(blocks, *, num_heads: int, block_size: int, head_dim: int, src: str, dst: str):  # noqa: ANN001
+def permute_blocks(blocks, *, num_heads: int, block_size: int, head_dim: int, src: str, dst: str):
     """Permute blocks between ``HND`` ([heads, tokens, dim]) and ``NHD`` ([tokens, heads, dim]) per block.
 
     ``blocks`` is an array of shape ``(n, block_elems)`` or ``(n, ...)`` with the same element count; numpy arrays

@@ -56,10 +56,14 @@ class Grant:
     generation: int
     worker: str
     block_ids: np.ndarray
-    epochs: np.ndarray
+    epoch: int  # allocation epoch of the request's blocks (per block: ``epochs``)
     consumers: int
     ttl_s: float
     expires_at: float
+
+    @property
+    def epochs(self) -> np.ndarray:
+        return np.full(self.block_ids.size, self.epoch, dtype=np.uint32)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -68,6 +72,7 @@ class Grant:
             "generation": self.generation,
             "worker": self.worker,
             "block_ids": self.block_ids.tolist(),
+            "epoch": self.epoch,
             "consumers": self.consumers,
             "ttl_s": self.ttl_s,
         }
@@ -82,11 +87,23 @@ class Released:
     reason: str
 
 
+MIXED = -1  # a request whose blocks are not all in one state (prefix sharing): handled per block
+
+
 @dataclass(slots=True)
 class _SourceRequest:
     blocks: np.ndarray
-    epochs: np.ndarray
+    epoch: int  # the allocation epoch of the request's own blocks
+    state: int  # the state of every block of the request, while it holds them exclusively
+    shared: bool = False  # some block is referenced by another request: per-block (vectorised) handling
     leases: list[str] = field(default_factory=list)
+    block_epochs: np.ndarray | None = None  # per-block epochs, for shared requests
+
+    @property
+    def epochs(self) -> np.ndarray:
+        if self.block_epochs is not None:
+            return self.block_epochs
+        return np.full(self.blocks.size, self.epoch, dtype=np.uint32)
 
 
 @dataclass(slots=True)
@@ -95,7 +112,7 @@ class Lease:
     request: str
     generation: int
     blocks: np.ndarray
-    epochs: np.ndarray
+    epoch: int
     consumers: int
     expires_at: float
     ttl_s: float
@@ -104,14 +121,26 @@ class Lease:
     done: set[int] = field(default_factory=set)
     claimed: bool = False  # a consumer heartbeated: it may be reading right now
     cancel_deferred: bool = False
+    block_epochs: np.ndarray | None = None
+
+    @property
+    def epochs(self) -> np.ndarray:
+        if self.block_epochs is not None:
+            return self.block_epochs
+        return np.full(self.blocks.size, self.epoch, dtype=np.uint32)
 
 
 @dataclass(slots=True)
 class _TargetRequest:
     blocks: np.ndarray
-    epochs: np.ndarray
+    epoch: int
+    state: int
     transfer: str | None = None
     cancel_pending: bool = False
+
+    @property
+    def epochs(self) -> np.ndarray:
+        return np.full(self.blocks.size, self.epoch, dtype=np.uint32)
 
 
 @dataclass(slots=True)
@@ -130,6 +159,14 @@ Listener = Callable[[ev.Event], None]
 
 
 class _Ledger:
+    """What both sides share: block arrays, epochs, the event plumbing, and the compiled machine.
+
+    Hot path: a request's blocks move together, so while a request holds its blocks exclusively its state is one
+    scalar, validated against the compiled table with a Python lookup, and the block array gets one vectorised
+    write per transition. Replay is lazier still: it writes only epochs as it goes and derives every block's final
+    state in one gather at the end (``_materialize``).
+    """
+
     side = ""
     _machine = SOURCE
 
@@ -151,14 +188,48 @@ class _Ledger:
         self.log = log
         self.clock = clock or MonotonicClock()
         self.hlc = hlc or HybridLogicalClock()
-        self.state = np.zeros(self.num_blocks, dtype=np.uint8)
-        self.epoch = np.zeros(self.num_blocks, dtype=np.uint32)
+        self._state = np.zeros(self.num_blocks, dtype=np.uint8)
+        self.epoch = np.zeros(self.num_blocks, dtype=np.uint32)  # = the allocation sequence number that owns it
+        self.allocations = 0  # allocation sequence; a block's epoch is the sequence number of its last allocation
         self.refusals: dict[str, int] = {}
         self.peer_epochs: dict[str, int] = {}
         self.listeners: list[Listener] = []
         self._lock = threading.RLock()
         self._replaying = False
+        self._lazy = False
+        self._final: dict[int, int] = {}  # lazy replay: allocation seq -> state its blocks were left in
+        self._owner: dict[int, str] = {}  # allocation seq -> request, for requests that hold their blocks
+        self._owned = int(self._machine.triggers[self._first_trigger].when_true[0])  # FREE -> first owned state
         self._handlers: dict[type, Callable[[Any], None]] = {}
+        # scalar views of the compiled tables, for per-request transitions
+        self._next = {
+            name: (tuple(int(x) for x in t.when_true), tuple(int(x) for x in t.when_false))
+            for name, t in self._machine.triggers.items()
+        }
+
+    @property
+    def state(self) -> np.ndarray:
+        """Every block's exact state, as a new array.
+
+        Internally a block held by one request stores only an "owned" marker (the machine's first owned state): the
+        request's scalar state is the truth, so a transition costs no per-block write. This view puts them together.
+        """
+        if self._lazy:
+            self._materialize()
+        view = self._state.copy()
+        for req in self.requests.values():
+            if req.state >= 0 and req.state != self._owned:
+                view[req.blocks] = req.state
+        return view
+
+    def _block_state(self, block: int) -> int:
+        stored = int(self._state[block])
+        if stored == self._owned:
+            owner = self._owner.get(int(self.epoch[block]))
+            req = self.requests.get(owner) if owner is not None else None
+            if req is not None and req.state >= 0:
+                return req.state
+        return stored
 
     # -- events ---------------------------------------------------------------------------------------------------
     def _record(self, event: ev.Event) -> None:
@@ -173,10 +244,26 @@ class _Ledger:
         handler = self._handlers.get(type(event))
         if handler is None:
             raise ReplayError(f"{type(event).__name__} does not belong in a {self.side} log")
-        observed = getattr(event, "hlc", 0)
-        if observed > self.hlc.last:
-            self.hlc.observe(observed)
-        handler(event)
+        if event.hlc > self.hlc.last:
+            self.hlc.observe(event.hlc)
+        try:
+            handler(event)
+        except KeyError as exc:
+            raise ReplayError(f"{type(event).__name__} names unknown {exc} (edited, or another ledger's log)") from exc
+
+    def apply_all(self, events: Iterable[ev.Event]) -> None:
+        """Fold many events (the replay loop: one dispatch per event, nothing else)."""
+        handlers = self._handlers
+        last = 0
+        try:
+            for event in events:
+                handlers[type(event)](event)
+                last = event.hlc
+        except KeyError as exc:
+            self.apply(event)  # the slow path names what is wrong
+            raise ReplayError(f"cannot fold {event!r}: {exc}") from exc
+        if last > self.hlc.last:
+            self.hlc.observe(last)
 
     def _stamp(self) -> tuple[int, float]:
         return self.hlc.tick(), self.clock.now()
@@ -195,19 +282,39 @@ class _Ledger:
     def _on_peer_epoch(self, event: ev.PeerEpochChanged) -> None:
         self.peer_epochs[event.peer] = event.epoch
 
+    def _scalar(self, trigger: str, state: int, guard: bool = True) -> int:
+        """Next state of a whole request; ``ReplayError`` in replay, ``INVALID`` otherwise."""
+        nxt = self._next[trigger][0 if guard else 1][state] if state >= 0 else INVALID
+        if nxt < 0 and self._replaying:
+            raise ReplayError(f"{trigger} is not an edge from {self._state_enum(state).name}")
+        return nxt
+
     def _step(self, trigger: str, block_ids: np.ndarray, guard: np.ndarray | bool | None = None) -> np.ndarray:
-        nxt = self._machine.step(trigger, self.state[block_ids], guard)
-        if self._replaying and nxt.min() < 0:
+        """Next states of individual blocks (the vectorised path)."""
+        nxt = self._machine.step(trigger, self._state[block_ids], guard)
+        if self._replaying and nxt.size and nxt.min() < 0:
             bad = int(block_ids[int(np.argmin(nxt))])
             raise ReplayError(
-                f"{trigger} is not an edge from {self._state_enum(int(self.state[bad])).name} (block {bad})"
+                f"{trigger} is not an edge from {self._state_enum(int(self._state[bad])).name} (block {bad})"
             )
         return nxt
 
     def _first_invalid(self, trigger: str, block_ids: np.ndarray, nxt: np.ndarray) -> str:
         i = int(np.argmin(nxt))
         block = int(block_ids[i])
-        return f"block {block} is {self._state_enum(int(self.state[block])).name}, no {trigger!r} edge from there"
+        return f"block {block} is {self._state_enum(self._block_state(block)).name}, no {trigger!r} edge from there"
+
+    def _check_allocatable(self, command: str, request: str, ids: np.ndarray) -> None:
+        if request in self.requests:
+            self._refuse(command, "duplicate request id", request)
+            raise BlockBusyError(f"request {request!r} already holds blocks")
+        current = self._state.take(ids)
+        if current.any():  # fast path: every block FREE (0)
+            nxt = self._machine.triggers[command].when_true.take(current)
+            if nxt.min() < 0:
+                reason = self._first_invalid(command, ids, nxt)
+                self._refuse(command, reason, request)
+                raise BlockBusyError(reason)
 
     def _state_enum(self, value: int) -> Any:
         raise NotImplementedError
@@ -216,9 +323,41 @@ class _Ledger:
         ids = np.asarray(block_ids, dtype=BLOCK_DTYPE)
         if ids.ndim != 1:
             raise ValueError("block ids must be a 1-D sequence")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+        # one check for both ends: negative ids become huge when seen unsigned
+        if ids.size and int(ids.view(np.uint32).max()) >= self.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
         return ids
+
+    def _new_allocation(self, ids: np.ndarray, request: str) -> int:
+        self.allocations += 1
+        self.epoch[ids] = self.allocations
+        if not self._lazy:
+            self._state[ids] = self._owned
+        self._owner[self.allocations] = request
+        return self.allocations
+
+    def _released_blocks(self, req: Any, final: int) -> None:
+        """A request gave its blocks up, leaving them in ``final`` (FREE or PREFIX_CACHED)."""
+        self._owner.pop(req.epoch, None)
+        if self._lazy:
+            self._final[req.epoch] = final
+        else:
+            self._state[req.blocks] = final
+
+    def _materialize(self) -> None:
+        """End of a lazy replay: each block's state is the state its last allocation left it in."""
+        final = np.zeros(self.allocations + 1, dtype=np.uint8)
+        for seq, state in self._final.items():
+            final[seq] = state
+        for req in self.requests.values():
+            final[req.epoch] = self._owned
+        self._state[:] = final.take(self.epoch)
+        self._final = {}
+        self._lazy = False
+        self._after_materialize()
+
+    def _after_materialize(self) -> None:
+        pass
 
     def observe_transfer(
         self,
@@ -249,16 +388,32 @@ class _Ledger:
     def fold(cls, events: Iterable[ev.Event], num_blocks: int, **kwargs: Any) -> Any:
         """A ledger rebuilt from ``events`` (no log attached)."""
         ledger = cls(num_blocks, **kwargs)
-        ledger._replaying = True
-        for event in events:
-            ledger.apply(event)
-        ledger._replaying = False
+        ledger.begin_replay()
+        ledger.apply_all(events)
+        ledger.end_replay()
         return ledger
+
+    def begin_replay(self) -> None:
+        self._replaying = True
+        self._lazy = True
+
+    def end_replay(self) -> None:
+        if self._lazy:
+            self._materialize()
+        self._replaying = False
 
     def header(self) -> dict[str, Any]:
         """What a log needs in its header to replay on its own."""
-        return {"side": self.side, "worker": self.worker, "num_blocks": self.num_blocks,
-                "incarnation": self.incarnation}
+        return {
+            "side": self.side,
+            "worker": self.worker,
+            "num_blocks": self.num_blocks,
+            "incarnation": self.incarnation,
+        }
+
+
+_S_ALLOCATED = int(SourceState.ALLOCATED)
+_S_READY = int(SourceState.READY)
 
 
 class SourceLedger(_Ledger):
@@ -266,17 +421,25 @@ class SourceLedger(_Ledger):
 
     side = "source"
     _machine = SOURCE
+    _first_trigger = "allocate"
 
     def __init__(self, num_blocks: int, *, default_ttl_s: float = DEFAULT_TTL_S, **kwargs: Any) -> None:
+        self.requests: dict[str, _SourceRequest] = {}
         super().__init__(num_blocks, **kwargs)
         self.default_ttl_s = float(default_ttl_s)
-        self.pins = np.zeros(self.num_blocks, dtype=np.uint16)
-        self.refs = np.zeros(self.num_blocks, dtype=np.uint16)  # requests referencing a block (prefix sharing)
-        self.requests: dict[str, _SourceRequest] = {}
+        self._pins = np.zeros(self.num_blocks, dtype=np.uint16)  # pins of shared blocks (the rest: from leases)
+        self.refs = np.zeros(self.num_blocks, dtype=np.uint16)  # requests referencing a shared block
         self.leases: dict[str, Lease] = {}
         self.generation = 0
-        self.stats = {"granted": 0, "renewed": 0, "completed": 0, "failed": 0, "cancelled": 0, "expired": 0,
-                      "peer_restarted": 0}
+        self.stats = {
+            "granted": 0,
+            "renewed": 0,
+            "completed": 0,
+            "failed": 0,
+            "cancelled": 0,
+            "expired": 0,
+            "peer_restarted": 0,
+        }
         self._released: list[Released] = []
         self._handlers = {
             ev.SrcAllocated: self._on_allocated,
@@ -294,9 +457,19 @@ class SourceLedger(_Ledger):
             ev.TransferObserved: self._on_observed,
             ev.Refused: self._on_refused,
         }
+        self._evictions: list[tuple[np.ndarray, np.ndarray]] = []  # lazy replay only
 
     def _state_enum(self, value: int) -> Any:
         return SourceState(value)
+
+    @property
+    def pins(self) -> np.ndarray:
+        """Live leases pinning each block, as a new array."""
+        view = self._pins.copy()
+        for req in self.requests.values():
+            if req.leases and not req.shared:
+                view[req.blocks] = len(req.leases)
+        return view
 
     # -- commands -------------------------------------------------------------------------------------------------
     def allocate(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
@@ -307,14 +480,7 @@ class SourceLedger(_Ledger):
         """
         ids = self._as_blocks(block_ids)
         with self._lock:
-            if request in self.requests:
-                self._refuse("allocate", "duplicate request id", request)
-                raise BlockBusyError(f"request {request!r} already holds blocks")
-            nxt = self._machine.triggers["allocate"].when_true[self.state[ids]]
-            if ids.size and nxt.min() < 0:
-                reason = self._first_invalid("allocate", ids, nxt)
-                self._refuse("allocate", reason, request)
-                raise BlockBusyError(reason)
+            self._check_allocatable("allocate", request, ids)
             hlc, at = self._stamp()
             self._record(ev.SrcAllocated(hlc, at, request, ev.pack_blocks(ids)))
             return self.requests[request].epochs
@@ -326,8 +492,7 @@ class SourceLedger(_Ledger):
             if request in self.requests:
                 self._refuse("share", "duplicate request id", request)
                 raise BlockBusyError(f"request {request!r} already holds blocks")
-            held = self.state[ids]
-            if ids.size and (held == SourceState.FREE).any():
+            if ids.size and (self._state[ids] == SourceState.FREE).any():
                 self._refuse("share", "a shared block is FREE: allocate it instead", request)
                 raise InvalidTransitionError("cannot share a FREE block")
             hlc, at = self._stamp()
@@ -336,10 +501,11 @@ class SourceLedger(_Ledger):
 
     def prefill_done(self, request: str) -> None:
         with self._lock:
-            req = self.requests.get(request)
-            if req is None:
-                self._refuse("prefill_done", "unknown request", request)
-                raise UnknownRequestError(request)
+            req = self._request("prefill_done", request)
+            if not req.shared and self._next["prefill_done"][0][req.state] < 0:
+                reason = f"request is {SourceState(req.state).name}, no 'prefill_done' edge from there"
+                self._refuse("prefill_done", reason, request)
+                raise InvalidTransitionError(reason)
             hlc, at = self._stamp()
             self._record(ev.SrcPrefillDone(hlc, at, request))
 
@@ -356,14 +522,17 @@ class SourceLedger(_Ledger):
         if consumers < 1:
             raise ValueError("consumers must be >= 1")
         with self._lock:
-            req = self.requests.get(request)
-            if req is None:
-                self._refuse("grant", "unknown request", request)
-                raise UnknownRequestError(request)
-            ids = req.blocks
-            nxt = self._machine.triggers["grant"].when_true[self.state[ids]]
-            if ids.size and nxt.min() < 0:
-                reason = self._first_invalid("grant", ids, nxt)
+            req = self._request("grant", request)
+            if req.shared:
+                nxt = self._machine.triggers["grant"].when_true[self._state[req.blocks]]
+                reason = self._first_invalid("grant", req.blocks, nxt) if nxt.size and nxt.min() < 0 else ""
+            else:
+                reason = (
+                    ""
+                    if self._next["grant"][0][req.state] >= 0
+                    else (f"request is {SourceState(req.state).name}, no 'grant' edge from there")
+                )
+            if reason:
                 self._refuse("grant", reason, request)
                 raise InvalidTransitionError(reason)
             generation = self.generation + 1
@@ -374,8 +543,7 @@ class SourceLedger(_Ledger):
             ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
             hlc, at = self._stamp()
             self._record(ev.SrcGranted(hlc, at, request, transfer, generation, consumers, at + ttl, peer))
-            lease = self.leases[transfer]
-            return Grant(request, transfer, generation, self.worker, ids, lease.epochs, consumers, ttl, at + ttl)
+            return Grant(request, transfer, generation, self.worker, req.blocks, req.epoch, consumers, ttl, at + ttl)
 
     def heartbeat(self, transfer: str, generation: int) -> bool:
         """Renew (and claim) a lease. A consumer claims the lease with a heartbeat before it posts a read, so that a
@@ -400,12 +568,12 @@ class SourceLedger(_Ledger):
             if lease is None:
                 return False
             if not 0 <= consumer < lease.consumers:
-                self._refuse("consumer_done", f"consumer {consumer} not in [0, {lease.consumers})",
-                             lease.request, transfer)
+                self._refuse(
+                    "consumer_done", f"consumer {consumer} not in [0, {lease.consumers})", lease.request, transfer
+                )
                 return False
             if consumer in lease.done:
-                self._refuse("consumer_done", f"duplicate completion from consumer {consumer}", lease.request,
-                             transfer)
+                self._refuse("consumer_done", f"duplicate completion from consumer {consumer}", lease.request, transfer)
                 return False
             hlc, at = self._stamp()
             self._record(ev.SrcConsumerDone(hlc, at, transfer, consumer))
@@ -422,8 +590,9 @@ class SourceLedger(_Ledger):
             return True
 
     def cancel(self, request: str) -> bool:
-        """Cancel a request wherever it is: before grant (abort), during a transfer (leases released), or after
-        completion (nothing left to cancel: refused, recorded)."""
+        """Cancel a request wherever it is: before grant (abort), during a transfer (an unclaimed lease is released
+        now; a claimed one when its consumer finishes or the lease ends), or after completion (nothing left to
+        cancel: refused, recorded)."""
         with self._lock:
             req = self.requests.get(request)
             if req is None:
@@ -440,8 +609,12 @@ class SourceLedger(_Ledger):
                     else:
                         self._release(lease, "cancelled")
                 return True
-            states = self.state[req.blocks]
-            if req.blocks.size and (self._machine.triggers["abort"].when_true[states] >= 0).all():
+            if req.shared:
+                states = self._state[req.blocks]
+                abortable = bool((self._machine.triggers["abort"].when_true[states] >= 0).all())
+            else:
+                abortable = self._next["abort"][0][req.state] >= 0
+            if abortable:
                 hlc, at = self._stamp()
                 self._record(ev.SrcAborted(hlc, at, request))
                 return True
@@ -481,16 +654,12 @@ class SourceLedger(_Ledger):
     def free(self, request: str, *, cache: bool = False) -> None:
         """The engine frees (or caches) the request's blocks. Blocks another lease still pins stay pinned."""
         with self._lock:
-            req = self.requests.get(request)
-            if req is None:
-                self._refuse("free", "unknown request", request)
-                raise UnknownRequestError(request)
+            req = self._request("free", request)
             if req.leases:
                 reason = f"request still holds lease(s) {req.leases}: cancel first"
                 self._refuse("free", reason, request)
                 raise InvalidTransitionError(reason)
-            states = self.state[req.blocks]
-            if (states == SourceState.ALLOCATED).any():
+            if req.state == _S_ALLOCATED or (req.shared and (self._state[req.blocks] == _S_ALLOCATED).any()):
                 self._refuse("free", "blocks still ALLOCATED (prefill not done): use cancel", request)
                 raise InvalidTransitionError("free before prefill_done: use cancel()")
             hlc, at = self._stamp()
@@ -499,29 +668,37 @@ class SourceLedger(_Ledger):
     def evict(self, block_ids: Iterable[int] | np.ndarray) -> None:
         ids = self._as_blocks(block_ids)
         with self._lock:
-            nxt = self._machine.triggers["evict"].when_true[self.state[ids]]
+            nxt = self._machine.triggers["evict"].when_true[self._state[ids]]
             busy = (nxt < 0) | (self.refs[ids] > 0)
             if ids.size and busy.any():
                 block = int(ids[int(np.argmax(busy))])
-                reason = f"block {block} is {SourceState(int(self.state[block])).name} with {self.refs[block]} refs"
+                reason = f"block {block} is {SourceState(int(self._state[block])).name} with {self.refs[block]} refs"
                 self._refuse("evict", reason)
                 raise BlockBusyError(reason)
             hlc, at = self._stamp()
             self._record(ev.SrcEvicted(hlc, at, ev.pack_blocks(ids)))
 
-    # -- the one release path -------------------------------------------------------------------------------------
+    # -- tokens and the one release path --------------------------------------------------------------------------
+    def _request(self, command: str, request: str) -> _SourceRequest:
+        req = self.requests.get(request)
+        if req is None:
+            self._refuse(command, "unknown request", request)
+            raise UnknownRequestError(request)
+        return req
+
     def _live_lease(self, command: str, transfer: str, generation: int) -> Lease | None:
+        """The token check: (transfer, generation) must name a live lease. Leases end on release and generations
+        never repeat, so a late, duplicate or replayed token finds nothing and is refused."""
         lease = self.leases.get(transfer)
         if lease is None:
-            self._refuse(command, "stale token: no live lease for this transfer (released or never granted)",
-                         transfer=transfer)
+            self._refuse(
+                command, "stale token: no live lease for this transfer (released or never granted)", transfer=transfer
+            )
             return None
         if generation != lease.generation:
-            self._refuse(command, f"stale token: generation {generation} != {lease.generation}", lease.request,
-                         transfer)
-            return None
-        if not np.array_equal(self.epoch[lease.blocks], lease.epochs):
-            self._refuse(command, "stale token: block epochs moved on", lease.request, transfer)
+            self._refuse(
+                command, f"stale token: generation {generation} != {lease.generation}", lease.request, transfer
+            )
             return None
         return lease
 
@@ -532,31 +709,62 @@ class SourceLedger(_Ledger):
     # -- fold -----------------------------------------------------------------------------------------------------
     def _on_allocated(self, e: ev.SrcAllocated) -> None:
         ids = ev.unpack_blocks(e.blocks)
-        self.state[ids] = self._step("allocate", ids)
-        self.epoch[ids] += 1
-        self.refs[ids] += 1
-        self.requests[e.request] = _SourceRequest(ids, self.epoch[ids])
+        if self._replaying and not self._lazy:
+            self._step("allocate", ids)
+        seq = self._new_allocation(ids, e.request)
+        self.requests[e.request] = _SourceRequest(ids, seq, _S_ALLOCATED)
 
     def _on_shared(self, e: ev.SrcShared) -> None:
+        if self._lazy:
+            self._materialize()
         ids = ev.unpack_blocks(e.blocks)
+        for other in self.requests.values():  # owners of these blocks switch to per-block handling
+            if not other.shared and np.isin(other.blocks, ids).any():
+                other.shared = True
+                other.block_epochs = self.epoch[other.blocks]
+                self.refs[other.blocks] += 1
+                self._state[other.blocks] = other.state  # from now on kept exactly, block by block
+                self._pins[other.blocks] = len(other.leases)
+                self._owner.pop(other.epoch, None)
+                other.state = MIXED
+                for transfer in other.leases:
+                    self.leases[transfer].block_epochs = other.block_epochs
         self.refs[ids] += 1
-        self.requests[e.request] = _SourceRequest(ids, self.epoch[ids])
+        self.requests[e.request] = _SourceRequest(
+            ids, int(self.epoch[ids].max(initial=0)), MIXED, shared=True, block_epochs=self.epoch[ids]
+        )
 
     def _on_prefill_done(self, e: ev.SrcPrefillDone) -> None:
-        ids = self.requests[e.request].blocks
-        # shared blocks another request already made READY (or pinned) keep their state
-        mask = self.state[ids] == SourceState.ALLOCATED
-        self.state[ids[mask]] = SourceState.READY
+        req = self.requests[e.request]
+        if req.shared:  # shared blocks another request already made READY (or pinned) keep their state
+            ids = req.blocks
+            mask = self._state[ids] == _S_ALLOCATED
+            self._state[ids[mask]] = _S_READY
+            return
+        req.state = self._scalar("prefill_done", req.state)
 
     def _on_granted(self, e: ev.SrcGranted) -> None:
         req = self.requests[e.request]
         ids = req.blocks
-        self.state[ids] = self._step("grant", ids)
-        self.pins[ids] += 1
+        if req.shared:
+            self._state[ids] = self._step("grant", ids)
+            self._pins[ids] += 1
+        else:
+            req.state = self._scalar("grant", req.state)
         self.generation = max(self.generation, e.generation)
-        ttl = e.expires_at - e.at
-        self.leases[e.transfer] = Lease(e.transfer, e.request, e.generation, ids, self.epoch[ids], e.consumers,
-                                        e.expires_at, ttl, e.peer, e.at)
+        self.leases[e.transfer] = Lease(
+            e.transfer,
+            e.request,
+            e.generation,
+            ids,
+            req.epoch,
+            e.consumers,
+            e.expires_at,
+            e.expires_at - e.at,
+            e.peer,
+            e.at,
+            block_epochs=req.block_epochs,
+        )
         req.leases.append(e.transfer)
         self.stats["granted"] += 1
 
@@ -574,36 +782,56 @@ class SourceLedger(_Ledger):
 
     def _on_released(self, e: ev.SrcLeaseReleased) -> None:
         lease = self.leases.pop(e.transfer)
-        ids = lease.blocks
-        self.pins[ids] -= 1
-        self.state[ids] = self._step("release", ids, self.pins[ids] == 0)
         req = self.requests[lease.request]
         req.leases.remove(e.transfer)
+        ids = lease.blocks
+        if req.shared:
+            self._pins[ids] -= 1
+            self._state[ids] = self._step("release", ids, self._pins[ids] == 0)
+        else:
+            req.state = self._scalar("release", req.state, not req.leases)
         self.stats[e.reason] = self.stats.get(e.reason, 0) + 1
         if not self._replaying:
             self._released.append(Released(lease.request, e.transfer, e.reason))
 
     def _on_freed(self, e: ev.SrcFreed) -> None:
-        req = self.requests.pop(e.request)
-        ids = req.blocks
-        self.refs[ids] -= 1
-        # only blocks nobody else references and no lease pins leave; the rest stay as they are
-        last = ids[(self.refs[ids] == 0) & (self.pins[ids] == 0)]
-        if last.size:
-            nxt = self._machine.step("cache" if e.cached else "free", self.state[last])
-            movable = nxt != INVALID
-            self.state[last[movable]] = nxt[movable]
+        self._remove(e.request, "cache" if e.cached else "free")
 
     def _on_aborted(self, e: ev.SrcAborted) -> None:
-        req = self.requests.pop(e.request)
+        self._remove(e.request, "abort")
+
+    def _remove(self, request: str, trigger: str) -> None:
+        req = self.requests.pop(request)
         ids = req.blocks
+        if not req.shared:
+            final = self._scalar(trigger, req.state)
+            if final < 0:  # e.g. free of a request still ALLOCATED: the command refuses this before recording
+                raise ReplayError(f"{trigger} from {SourceState(req.state).name}")
+            self._released_blocks(req, final)
+            return
         self.refs[ids] -= 1
-        last = ids[self.refs[ids] == 0]
-        self.state[last] = self._step("abort", last)
+        # only blocks nobody else references and no lease pins leave; the rest stay as they are
+        last = ids[(self.refs[ids] == 0) & (self._pins[ids] == 0)]
+        if last.size:
+            nxt = self._machine.step(trigger, self._state[last])
+            movable = nxt != INVALID
+            self._state[last[movable]] = nxt[movable]
 
     def _on_evicted(self, e: ev.SrcEvicted) -> None:
         ids = ev.unpack_blocks(e.blocks)
-        self.state[ids] = self._step("evict", ids)
+        if self._lazy:
+            self._evictions.append((ids, self.epoch[ids]))
+            return
+        self._state[ids] = self._step("evict", ids)
+
+    def _after_materialize(self) -> None:
+        for ids, epochs in self._evictions:
+            unchanged = ids[self.epoch[ids] == epochs]  # not reallocated since the eviction
+            self._state[unchanged] = SourceState.FREE
+        self._evictions = []
+
+
+_T_RESERVED = int(TargetState.RESERVED)
 
 
 class TargetLedger(_Ledger):
@@ -611,13 +839,14 @@ class TargetLedger(_Ledger):
 
     side = "target"
     _machine = TARGET
+    _first_trigger = "reserve"
 
     def __init__(self, num_blocks: int, *, failure_policy: str = "fail", **kwargs: Any) -> None:
         if failure_policy not in ("fail", "recompute"):
             raise ValueError("failure_policy must be 'fail' or 'recompute'")
+        self.requests: dict[str, _TargetRequest] = {}
         super().__init__(num_blocks, **kwargs)
         self.failure_policy = failure_policy
-        self.requests: dict[str, _TargetRequest] = {}
         self.loads: dict[str, Load] = {}
         self.stats = {"loaded": 0, "failed": 0, "recompute": 0, "cancelled": 0, "discarded": 0}
         self._handlers = {
@@ -643,14 +872,7 @@ class TargetLedger(_Ledger):
     def reserve(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
         ids = self._as_blocks(block_ids)
         with self._lock:
-            if request in self.requests:
-                self._refuse("reserve", "duplicate request id", request)
-                raise BlockBusyError(f"request {request!r} already holds blocks")
-            nxt = self._machine.triggers["reserve"].when_true[self.state[ids]]
-            if ids.size and nxt.min() < 0:
-                reason = self._first_invalid("reserve", ids, nxt)
-                self._refuse("reserve", reason, request)
-                raise BlockBusyError(reason)
+            self._check_allocatable("reserve", request, ids)
             hlc, at = self._stamp()
             self._record(ev.TgtReserved(hlc, at, request, ev.pack_blocks(ids)))
             return self.requests[request].epochs
@@ -669,10 +891,7 @@ class TargetLedger(_Ledger):
         if parts < 1:
             raise ValueError("parts must be >= 1")
         with self._lock:
-            req = self.requests.get(request)
-            if req is None:
-                self._refuse("start_load", "unknown request", request, transfer)
-                raise UnknownRequestError(request)
+            req = self._request("start_load", request, transfer)
             if transfer in self.loads:
                 self._refuse("start_load", "transfer already loading", request, transfer)
                 raise InvalidTransitionError(f"transfer {transfer!r} already loading")
@@ -681,9 +900,8 @@ class TargetLedger(_Ledger):
                 reason = f"stale token: peer {peer} epoch {peer_epoch} < {known}"
                 self._refuse("start_load", reason, request, transfer)
                 raise InvalidTransitionError(reason)
-            nxt = self._machine.triggers["start_load"].when_true[self.state[req.blocks]]
-            if req.blocks.size and nxt.min() < 0:
-                reason = self._first_invalid("start_load", req.blocks, nxt)
+            if self._next["start_load"][0][req.state] < 0:
+                reason = f"request is {TargetState(req.state).name}, no 'start_load' edge from there"
                 self._refuse("start_load", reason, request, transfer)
                 raise InvalidTransitionError(reason)
             hlc, at = self._stamp()
@@ -754,15 +972,18 @@ class TargetLedger(_Ledger):
                 self.fail(load.transfer, f"peer_restarted: {peer} epoch {load.peer_epoch} -> {epoch}")
             return [load.transfer for load in stale]
 
+    def _request(self, command: str, request: str, transfer: str = "") -> _TargetRequest:
+        req = self.requests.get(request)
+        if req is None:
+            self._refuse(command, "unknown request", request, transfer)
+            raise UnknownRequestError(request)
+        return req
+
     def _simple(self, trigger: str, request: str, event_type: type) -> None:
         with self._lock:
-            req = self.requests.get(request)
-            if req is None:
-                self._refuse(trigger, "unknown request", request)
-                raise UnknownRequestError(request)
-            nxt = self._machine.triggers[trigger].when_true[self.state[req.blocks]]
-            if req.blocks.size and nxt.min() < 0:
-                reason = self._first_invalid(trigger, req.blocks, nxt)
+            req = self._request(trigger, request)
+            if self._next[trigger][0][req.state] < 0:
+                reason = f"request is {TargetState(req.state).name}, no {trigger!r} edge from there"
                 self._refuse(trigger, reason, request)
                 raise InvalidTransitionError(reason)
             hlc, at = self._stamp()
@@ -771,25 +992,29 @@ class TargetLedger(_Ledger):
     def _live_load(self, command: str, transfer: str) -> Load | None:
         load = self.loads.get(transfer)
         if load is None:
-            self._refuse(command, "stale token: no live load for this transfer (settled or never started)",
-                         transfer=transfer)
-            return None
-        req = self.requests[load.request]
-        if not np.array_equal(self.epoch[req.blocks], req.epochs):
-            self._refuse(command, "stale token: block epochs moved on", load.request, transfer)
+            self._refuse(
+                command, "stale token: no live load for this transfer (settled or never started)", transfer=transfer
+            )
             return None
         return load
 
     # -- fold -----------------------------------------------------------------------------------------------------
+    def _set(self, req: _TargetRequest, state: int) -> None:
+        req.state = state
+
+    def _drop(self, request: str, final: int) -> None:
+        self._released_blocks(self.requests.pop(request), final)
+
     def _on_reserved(self, e: ev.TgtReserved) -> None:
         ids = ev.unpack_blocks(e.blocks)
-        self.state[ids] = self._step("reserve", ids)
-        self.epoch[ids] += 1
-        self.requests[e.request] = _TargetRequest(ids, self.epoch[ids])
+        if self._replaying and not self._lazy:
+            self._step("reserve", ids)
+        seq = self._new_allocation(ids, e.request)
+        self.requests[e.request] = _TargetRequest(ids, seq, _T_RESERVED)
 
     def _on_load_started(self, e: ev.TgtLoadStarted) -> None:
         req = self.requests[e.request]
-        self.state[req.blocks] = self._step("start_load", req.blocks)
+        self._set(req, self._scalar("start_load", req.state))
         req.transfer = e.transfer
         self.loads[e.transfer] = Load(e.transfer, e.request, e.parts, e.generation, e.peer, e.peer_epoch, e.at)
 
@@ -802,11 +1027,10 @@ class TargetLedger(_Ledger):
         del self.loads[e.transfer]
         req.transfer = None
         if req.cancel_pending:
-            self.state[req.blocks] = self._step("discard", req.blocks)
-            del self.requests[load.request]
+            self._drop(load.request, self._scalar("discard", req.state))
             self.stats["discarded"] += 1
         else:
-            self.state[req.blocks] = self._step("part_done", req.blocks, True)
+            self._set(req, self._scalar("part_done", req.state, True))
             self.stats["loaded"] += 1
 
     def _on_load_failed(self, e: ev.TgtLoadFailed) -> None:
@@ -814,36 +1038,38 @@ class TargetLedger(_Ledger):
         req = self.requests[load.request]
         req.transfer = None
         if req.cancel_pending:
-            self.state[req.blocks] = self._step("discard", req.blocks)
-            del self.requests[load.request]
+            self._drop(load.request, self._scalar("discard", req.state))
             self.stats["discarded"] += 1
             return
-        self.state[req.blocks] = self._step("load_failed", req.blocks, e.recompute)
+        nxt = self._scalar("load_failed", req.state, e.recompute)
         self.stats["recompute" if e.recompute else "failed"] += 1
-        if not e.recompute:
-            del self.requests[load.request]
+        if e.recompute:
+            self._set(req, nxt)
+        else:
+            self._drop(load.request, nxt)
 
     def _on_cancelled(self, e: ev.TgtCancelled) -> None:
         req = self.requests[e.request]
         in_flight = req.transfer is not None
-        self.state[req.blocks] = self._step("cancel", req.blocks, in_flight)
+        nxt = self._scalar("cancel", req.state, in_flight)
         self.stats["cancelled"] += 1
         if in_flight:
             req.cancel_pending = True
         else:
-            del self.requests[e.request]
+            self._drop(e.request, nxt)
 
     def _on_local_filled(self, e: ev.TgtLocalFilled) -> None:
         req = self.requests[e.request]
-        self.state[req.blocks] = self._step("local_fill", req.blocks)
+        self._set(req, self._scalar("local_fill", req.state))
 
     def _on_finished(self, e: ev.TgtFinished) -> None:
-        req = self.requests.pop(e.request)
-        self.state[req.blocks] = self._step("finish", req.blocks)
+        req = self.requests[e.request]
+        self._drop(e.request, self._scalar("finish", req.state))
 
 
-def open_ledger(side: str, num_blocks: int, log_dir: str | None = None, *, fsync: str = "10ms",
-                **kwargs: Any) -> SourceLedger | TargetLedger:
+def open_ledger(
+    side: str, num_blocks: int, log_dir: str | None = None, *, fsync: str = "10ms", **kwargs: Any
+) -> SourceLedger | TargetLedger:
     """A ledger with an event log in ``log_dir`` (or none). The log header records what replay needs."""
     from kvlifecycle.eventlog import EventLog
 
@@ -859,6 +1085,9 @@ def ledger_from_header(header: dict[str, Any]) -> SourceLedger | TargetLedger:
     if side == "source":
         return SourceLedger(int(header["num_blocks"]), worker=header.get("worker", ""))
     if side == "target":
-        return TargetLedger(int(header["num_blocks"]), worker=header.get("worker", ""),
-                            failure_policy=header.get("failure_policy", "fail"))
+        return TargetLedger(
+            int(header["num_blocks"]),
+            worker=header.get("worker", ""),
+            failure_policy=header.get("failure_policy", "fail"),
+        )
     raise ReplayError(f"log header names no known side: {header!r}")

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvlifecycle import events as ev
 from kvlifecycle.clock import hlc_wall_seconds
-from kvlifecycle.eventlog import LogReader, TailRecovery
+from kvlifecycle.eventlog import LogReader, TailRecovery, decode_payloads
 from kvlifecycle.invariants import (
     Violation,
     check_merged,
@@ -55,24 +55,38 @@ def replay(
     restarts: list[dict[str, Any]] = []
     incarnation: int | None = None
     transfers_of_request: set[str] = set()
-    for record in reader.records():
-        if until_index is not None and record.index >= until_index:
-            break
-        event = record.event
-        if until_time is not None and hlc_wall_seconds(event.hlc) > until_time:
-            break
-        if ledger is None or record.incarnation != incarnation:
+    index = 0
+    done = False
+    for scan in reader.scans():
+        scan_incarnation = int(scan.header.get("incarnation", 0))
+        events = decode_payloads(scan)
+        if until_index is not None and index + len(events) > until_index:
+            events = events[: max(0, until_index - index)]
+            done = True
+        if until_time is not None:
+            cut = next((i for i, e in enumerate(events) if hlc_wall_seconds(e.hlc) > until_time), None)
+            if cut is not None:
+                events = events[:cut]
+                done = True
+        if events and (ledger is None or scan_incarnation != incarnation):
             if ledger is not None:
-                restarts.append(_crash_report(ledger, record))
-            ledger = ledger_from_header(reader.header)
-            ledger._replaying = True
-            incarnation = record.incarnation
-        ledger.apply(event)
-        if request is None or _mentions(event, request, transfers_of_request):
-            kept.append(event)
+                ledger.end_replay()
+                restarts.append(_crash_report(ledger, index, scan.path))
+            ledger = ledger_from_header(scan.header)
+            ledger.begin_replay()
+            incarnation = scan_incarnation
+        if events:
+            ledger.apply_all(events)
+            if request is None:
+                kept += events
+            else:
+                kept += [e for e in events if _mentions(e, request, transfers_of_request)]
+        index += len(events)
+        if done:
+            break
     if ledger is None:
         ledger = ledger_from_header(reader.header or reader.read_header())
-    ledger._replaying = False
+    ledger.end_replay()
     return ReplayResult(str(path), reader.header, ledger, kept, reader.tail, restarts)
 
 
@@ -85,8 +99,8 @@ def _mentions(event: ev.Event, request: str, transfers: set[str]) -> bool:
     return getattr(event, "transfer", None) in transfers
 
 
-def _crash_report(ledger: SourceLedger | TargetLedger, record: Any) -> dict[str, Any]:
-    left = {"at_index": record.index, "segment": record.segment}
+def _crash_report(ledger: SourceLedger | TargetLedger, index: int, segment: Any) -> dict[str, Any]:
+    left: dict[str, Any] = {"at_index": index, "segment": str(segment)}
     if ledger.side == "source":
         left.update(leases=len(ledger.leases), pinned_blocks=int((ledger.pins > 0).sum()))
     else:
@@ -112,8 +126,10 @@ def check_pair(results: Iterable[ReplayResult]) -> list[Violation]:
     out: list[Violation] = []
     for s in sources:
         for t in targets:
-            out += [Violation(v.rule, f"{s.header.get('worker')} / {t.header.get('worker')}: {v.detail}")
-                    for v in check_merged(s.events, t.events)]
+            out += [
+                Violation(v.rule, f"{s.header.get('worker')} / {t.header.get('worker')}: {v.detail}")
+                for v in check_merged(s.events, t.events)
+            ]
     return out
 
 
@@ -131,16 +147,26 @@ def summary(result: ReplayResult) -> dict[str, Any]:
     }
     if ledger.side == "source":
         out["leases"] = {
-            t: {"request": lease.request, "blocks": int(lease.blocks.size), "consumers_done": sorted(lease.done),
-                "expires_at": lease.expires_at}
+            t: {
+                "request": lease.request,
+                "blocks": int(lease.blocks.size),
+                "consumers_done": sorted(lease.done),
+                "expires_at": lease.expires_at,
+            }
             for t, lease in ledger.leases.items()
         }
     else:
-        out["loads"] = {t: {"request": load.request, "parts_done": sorted(load.done), "parts": load.parts}
-                        for t, load in ledger.loads.items()}
+        out["loads"] = {
+            t: {"request": load.request, "parts_done": sorted(load.done), "parts": load.parts}
+            for t, load in ledger.loads.items()
+        }
     if result.tail is not None:
-        out["torn_tail"] = {"segment": str(result.tail.segment), "offset": result.tail.offset,
-                            "dropped_bytes": result.tail.dropped_bytes, "reason": result.tail.reason}
+        out["torn_tail"] = {
+            "segment": str(result.tail.segment),
+            "offset": result.tail.offset,
+            "dropped_bytes": result.tail.dropped_bytes,
+            "reason": result.tail.reason,
+        }
     if result.restarts:
         out["restarts"] = result.restarts
     return out

@@ -144,7 +144,8 @@ class SideChannelServer:
         try:
             message = self._decoder.decode(env.body)
         except msgspec.ValidationError as exc:
-            return env.rid, self._refuse("unknown_kind" if "tag" in str(exc).lower() else "malformed", str(exc))
+            unknown = "Invalid value" in str(exc) and "$.type" in str(exc)
+            return env.rid, self._refuse("unknown_kind" if unknown else "malformed", str(exc))
         except msgspec.DecodeError as exc:
             return env.rid, self._refuse("malformed", str(exc))
         try:

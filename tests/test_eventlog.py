@@ -93,7 +93,7 @@ def _single_segment(tmp_path: Path, n: int = 6) -> tuple[Path, list[ev.Event], l
 def test_truncation_at_every_byte_offset_recovers_exactly_the_whole_records(tmp_path: Path) -> None:
     segment, events, ends = _single_segment(tmp_path)
     original = segment.read_bytes()
-    first_record = list(LogReader(tmp_path / "log").records())[0].offset
+    first_record = next(iter(LogReader(tmp_path / "log").records())).offset
     for cut in range(len(original)):
         case = tmp_path / f"cut{cut}"
         case.mkdir()
@@ -129,7 +129,7 @@ def test_flipping_a_byte_in_the_last_record_truncates_only_that_record(tmp_path:
 def test_flipping_a_byte_in_the_middle_is_an_error_naming_segment_and_offset(tmp_path: Path) -> None:
     segment, _, ends = _single_segment(tmp_path)
     original = bytearray(segment.read_bytes())
-    header_end = list(LogReader(tmp_path / "log").records())[0].offset
+    header_end = next(iter(LogReader(tmp_path / "log").records())).offset
     for pos in range(len(MAGIC), ends[-2]):
         damaged = bytearray(original)
         damaged[pos] ^= 0x5A

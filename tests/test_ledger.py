@@ -58,7 +58,7 @@ def test_stale_completion_after_free_and_reallocation_leaves_new_owner_untouched
     assert not source.fail(old.transfer, old.generation, "late failure")
     assert not source.consumer_done(new.transfer, old.generation)  # right transfer, stale generation
     after = (source.state, source.epoch, source.pins)
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=False):
         assert np.array_equal(b, a)
     assert states(source, [7, 8]) == ["PINNED_FOR_TRANSFER"] * 2
     assert new.transfer in source.leases
@@ -73,7 +73,10 @@ def test_refusals_are_events_with_reasons(tmp_path: Path) -> None:
     assert not ledger.consumer_done("nope", 1)
     ledger.log.close()
     refused = [e for e in replay(tmp_path / "p").events if isinstance(e, ev.Refused)]
-    assert [(e.command, e.reason.split(":")[0]) for e in refused] == [("allocate", "block 1 is ALLOCATED, no 'allocate' edge from there"), ("consumer_done", "stale token")]
+    assert [(e.command, e.reason.split(":")[0]) for e in refused] == [
+        ("allocate", "block 1 is ALLOCATED, no 'allocate' edge from there"),
+        ("consumer_done", "stale token"),
+    ]
 
 
 def test_multi_consumer_block_releases_only_after_every_consumer(source: SourceLedger) -> None:

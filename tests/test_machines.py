@@ -71,4 +71,6 @@ def test_docs_diagram_is_generated_from_the_declaration() -> None:
     from kvlifecycle.cli.diagram import render
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "state-machines.md"
-    assert doc.read_text() == render(), "docs/state-machines.md is stale: run `kvlifecycle diagram -o docs/state-machines.md`"
+    assert doc.read_text() == render(), (
+        "docs/state-machines.md is stale: run `kvlifecycle diagram -o docs/state-machines.md`"
+    )

@@ -3,6 +3,7 @@ is never handed out, a stale token never changes anything, and replay reproduces
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 
@@ -26,10 +27,19 @@ class Handoffs(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp()
         self.clock = ManualClock(0.0)
         hlc = HybridLogicalClock()
-        self.p = open_ledger("source", N, f"{self.dir}/p", clock=self.clock, hlc=hlc, worker="p0",
-                             default_ttl_s=5.0, fsync="never")
-        self.d = open_ledger("target", N, f"{self.dir}/d", clock=self.clock, hlc=hlc, worker="d0",
-                             failure_policy="recompute", fsync="never")
+        self.p = open_ledger(
+            "source", N, f"{self.dir}/p", clock=self.clock, hlc=hlc, worker="p0", default_ttl_s=5.0, fsync="never"
+        )
+        self.d = open_ledger(
+            "target",
+            N,
+            f"{self.dir}/d",
+            clock=self.clock,
+            hlc=hlc,
+            worker="d0",
+            failure_policy="recompute",
+            fsync="never",
+        )
         self.grants: dict[str, object] = {}  # request -> grant, including ones long gone (stale tokens)
         self.n = 0
 
@@ -153,10 +163,8 @@ class Handoffs(RuleBasedStateMachine):
             if (states == TargetState.READY_FOR_ATTENTION).all():
                 self.d.finish(name)
             elif (states == TargetState.RESERVED).all() and req.transfer is None:
-                try:
+                with contextlib.suppress(InvalidTransitionError):
                     self.d.local_fill(name)
-                except InvalidTransitionError:
-                    pass
 
     # -- invariants -----------------------------------------------------------------------------------------
     @invariant()
@@ -202,6 +210,7 @@ class Handoffs(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-Handoffs.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
-                                      suppress_health_check=[HealthCheck.too_slow])
+Handoffs.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_handoffs = Handoffs.TestCase

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", help="keep the logs here (default: a temporary directory)")
 
 
-def run_source(ledger, requests: int, blocks: int, window: int) -> float:  # noqa: ANN001
+def run_source(ledger, requests: int, blocks: int, window: int) -> float:
     import numpy as np
 
     slots = [np.arange(i * blocks, (i + 1) * blocks, dtype=np.int32) for i in range(window)]
@@ -51,7 +51,7 @@ def run_source(ledger, requests: int, blocks: int, window: int) -> float:  # noq
     return time.perf_counter() - start
 
 
-def run_target(ledger, requests: int, blocks: int, window: int) -> float:  # noqa: ANN001
+def run_target(ledger, requests: int, blocks: int, window: int) -> float:
     import numpy as np
 
     slots = [np.arange(i * blocks, (i + 1) * blocks, dtype=np.int32) for i in range(window)]
@@ -138,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"lifecycle benchmark: {result['requests']} requests x {result['blocks_per_request']} blocks, "
-              f"window {result['window']}, fsync {result['fsync']}")
+        print(
+            f"lifecycle benchmark: {result['requests']} requests x {result['blocks_per_request']} blocks, "
+            f"window {result['window']}, fsync {result['fsync']}"
+        )
         rows = [
             ("P side, µs per request", f"{result['us_per_request_p']:.1f}", "≤ 50"),
             ("D side, µs per request", f"{result['us_per_request_d']:.1f}", "≤ 50"),

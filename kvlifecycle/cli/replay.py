@@ -22,14 +22,24 @@ def _parse_time(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("logs", nargs="+", metavar="LOG", help="event log directory (one per worker)")
-    parser.add_argument("--until", type=_parse_time, metavar="T",
-                        help="replay events up to wall time T (epoch seconds or ISO-8601; UTC if no zone)")
+    parser.add_argument(
+        "--until",
+        type=_parse_time,
+        metavar="T",
+        help="replay events up to wall time T (epoch seconds or ISO-8601; UTC if no zone)",
+    )
     parser.add_argument("--until-index", type=int, metavar="N", help="replay the first N events only")
     parser.add_argument("--request", metavar="ID", help="show only this request's events")
-    parser.add_argument("--check", action="store_true",
-                        help="check invariants (per log, and across P and D logs); exit 1 on a violation")
-    parser.add_argument("--quiescent", action="store_true",
-                        help="with --check: also require no pins, leases or in-flight loads at the end")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check invariants (per log, and across P and D logs); exit 1 on a violation",
+    )
+    parser.add_argument(
+        "--quiescent",
+        action="store_true",
+        help="with --check: also require no pins, leases or in-flight loads at the end",
+    )
     parser.add_argument("--events", action="store_true", help="print the events too")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -52,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         violations += [str(v) for v in check_pair(results)]
     summaries = [summary(r) for r in results]
     if args.events:
-        for s, r in zip(summaries, results):
+        for s, r in zip(summaries, results, strict=False):
             s["event_list"] = [ev.to_dict(e) for e in r.events]
     if args.json:
         print(json.dumps({"logs": summaries, "violations": violations, "ok": not violations}, indent=2))

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
-from transport_conformance import TransportConformance
-
 from kvlifecycle.transports.loopback import LoopbackTransport
+from transport_conformance import TransportConformance
 
 
 class TestLoopbackConformance(TransportConformance):

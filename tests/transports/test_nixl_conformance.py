@@ -7,7 +7,7 @@ from transport_conformance import TransportConformance
 
 pytest.importorskip("nixl._api", reason="needs the real NIXL package (pip install nixl==1.5.1)")
 
-from kvlifecycle.transports.nixl import NixlTransport  # noqa: E402
+from kvlifecycle.transports.nixl import NixlTransport
 
 pytestmark = pytest.mark.nixl
 

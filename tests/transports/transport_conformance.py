@@ -85,7 +85,7 @@ class TransportConformance:
     # -- byte-exact moves -------------------------------------------------------------------------------------------
     @pytest.mark.parametrize("seed", [0, 1, 2])
     def test_read_random_subset_byte_exact(self, pair: Any, seed: int) -> None:
-        a, b, ta, tb, _, b_sees_a = pair
+        _a, b, ta, tb, _, b_sees_a = pair
         rng = np.random.default_rng(seed)
         n = int(rng.integers(1, BLOCKS))
         remote = rng.choice(BLOCKS, n, replace=False).astype(np.int32)
@@ -103,7 +103,7 @@ class TransportConformance:
 
     @pytest.mark.parametrize("seed", [3, 4])
     def test_write_random_subset_byte_exact(self, pair: Any, seed: int) -> None:
-        a, b, ta, tb, a_sees_b, _ = pair
+        a, _b, ta, tb, a_sees_b, _ = pair
         rng = np.random.default_rng(seed)
         n = int(rng.integers(1, BLOCKS))
         local = rng.choice(BLOCKS, n, replace=False).astype(np.int32)
@@ -116,7 +116,7 @@ class TransportConformance:
         a.release(h)
 
     def test_region_subset_moves_only_those_regions(self, pair: Any) -> None:
-        a, b, ta, tb, _, b_sees_a = pair
+        _a, b, ta, tb, _, b_sees_a = pair
         ids = np.array([0, 5, 31], dtype=np.int32)
         h = b.post("READ", b.prepare(b_sees_a), ids, ids, regions=[1, 3])
         assert wait_status(b, h) is XferStatus.DONE
@@ -127,7 +127,7 @@ class TransportConformance:
 
     def test_sliced_view_reads_one_rank_of_heads(self, pair: Any) -> None:
         """Heterogeneous TP: read the second half of each remote block into the first half of local blocks."""
-        a, b, ta, tb, _, b_sees_a = pair
+        _a, b, ta, tb, _, b_sees_a = pair
         half = BLOCK_BYTES // 2
         plan = b.prepare(b_sees_a, local_view=BlockView(0, half), remote_view=BlockView(half, half))
         ids = np.array([2, 7], dtype=np.int32)

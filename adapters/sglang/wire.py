@@ -1,0 +1,124 @@
+"""Control-plane messages of the kvlifecycle SGLang backend (ZMQ multipart: ``[TAG, msgpack body]``).
+
+SGLang's own frames keep their formats where SGLang code parses them (``ABORT`` from
+``CommonKVReceiver._send_abort_notification``); everything else is a typed msgspec struct behind one tag, so a
+malformed or foreign frame is refused with a reason instead of half-parsed. Imports neither sglang nor torch.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+TAG = b"KVL1"
+MAX_BODY_BYTES = 1 << 20  # a room's page list at 4 B/page: 256k pages; anything larger is refused
+
+
+class Register(msgspec.Struct, frozen=True, tag="reg"):
+    """D → P, once per (D agent, P rank): where D's KV and aux rows live, and who D is."""
+
+    agent: str
+    epoch: int
+    endpoint: str
+    port: int
+    nixl_metadata: bytes
+    kv_ptrs: list[int]
+    kv_item_lens: list[int]
+    kv_num_pages: int
+    aux_ptrs: list[int]
+    aux_item_lens: list[int]
+    page_size: int
+    tp_size: int
+    tp_rank: int
+
+
+class RoomMeta(msgspec.Struct, frozen=True, tag="meta"):
+    """D → P, once per room: the pages D reserved (push target), its aux row, and the transfer id D loads under."""
+
+    room: int
+    agent: str
+    epoch: int
+    transfer: str
+    dst_pages: bytes  # int32 page ids
+    dst_aux_index: int
+    required_dst_info_num: int
+    decode_prefix_len: int = 0
+    is_dummy: bool = False
+
+
+class Claim(msgspec.Struct, frozen=True, tag="claim"):
+    """D → P: a decode receiver exists for ``room`` (metadata may follow later): P keeps the room waiting."""
+
+    room: int
+    agent: str
+    epoch: int
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="hb"):
+    """Both ways, every interval: the sender is alive under ``epoch``; D lists the rooms it still waits on."""
+
+    agent: str
+    epoch: int
+    role: str  # "prefill" | "decode"
+    endpoint: str = ""
+    port: int = 0
+    prefill_rank: int = 0
+    rooms: list[int] = msgspec.field(default_factory=list)
+    hlc: int = 0
+
+
+class Status(msgspec.Struct, frozen=True, tag="status"):
+    """P → D: a room's terminal (or bootstrap) status, with the transfer it concerns and P's epoch and HLC."""
+
+    room: int
+    status: int  # sglang KVPoll value
+    prefill_rank: int
+    agent: str
+    epoch: int
+    transfer: str = ""
+    reason: str = ""
+    hlc: int = 0
+
+
+class AbortAck(msgspec.Struct, frozen=True, tag="ack"):
+    """P → D: every write P posted for ``room`` has settled; D's pages may be reused."""
+
+    room: int
+    prefill_rank: int
+    agent: str
+    epoch: int
+    generation: int = -1
+    hlc: int = 0
+
+
+Message = Union[Register, RoomMeta, Claim, Heartbeat, Status, AbortAck]  # noqa: UP007 - msgspec needs a Union
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class MalformedMessage(ValueError):
+    """A frame that claims to be ours but does not decode: refused, never half-applied."""
+
+
+def encode(msg: Message) -> list[bytes]:
+    body = _encoder.encode(msg)
+    if len(body) > MAX_BODY_BYTES:
+        raise ValueError(f"{type(msg).__name__} is {len(body)} bytes, cap is {MAX_BODY_BYTES}")
+    return [TAG, body]
+
+
+def is_ours(frames: list[bytes]) -> bool:
+    return bool(frames) and frames[0] == TAG
+
+
+def decode(frames: list[bytes]) -> Message:
+    if len(frames) != 2 or frames[0] != TAG:
+        raise MalformedMessage(f"expected [{TAG!r}, body], got {len(frames)} frame(s)")
+    if len(frames[1]) > MAX_BODY_BYTES:
+        raise MalformedMessage(f"body of {len(frames[1])} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        return _decoder.decode(frames[1])
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"undecodable kvlifecycle message: {exc}") from exc

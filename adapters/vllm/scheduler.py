@@ -1,0 +1,143 @@
+"""Scheduler side (vLLM's EngineCore process): decides, per request, what the worker side must do.
+
+The ledgers live with the transport on the worker side (they need the registered KV memory and the NIXL agent);
+this side only turns vLLM's scheduler hooks into commands (:mod:`.metadata`) and keeps the two facts vLLM needs
+synchronously: which D requests still have a load in flight (their blocks must not be freed), and what P publishes
+in ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .config import AdapterConfig
+from .metadata import GrantCmd, KVLifecycleMetadata, PeerRef, RecvCmd
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvlifecycle.adapters.vllm")
+
+PARAMS_VERSION = 1
+REQUIRED_REMOTE_KEYS = ("remote_request_id", "remote_host", "remote_port")
+
+
+def side_channel_port(config: AdapterConfig, vllm_config: VllmConfig, tp_rank: int = 0) -> int:
+    return config.side_channel_port + vllm_config.parallel_config.data_parallel_index + tp_rank
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: VllmConfig, config: AdapterConfig, engine_id: str) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.host = config.side_channel_host
+        self.port = side_channel_port(config, vllm_config)
+        self._pending = KVLifecycleMetadata()
+        # D: requests whose recv was shipped and not yet reported finished (vLLM must not free their blocks)
+        self._loading: set[str] = set()
+        self._settled: set[str] = set()  # D: load reported (done or failed); the ledger still holds the request
+
+    # -- D: a request with P's params arrives --------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            peer = self._peer(request)
+            if peer is not None:
+                self._pending.announces.append(peer)  # heartbeats start now, not when blocks are found
+
+    def _peer(self, request: Request) -> PeerRef | None:
+        params = request.kv_transfer_params or {}
+        if not all(params.get(k) is not None for k in REQUIRED_REMOTE_KEYS):
+            log.warning("request %s: kv_transfer_params lack %s; it will be prefilled locally", request.request_id,
+                        [k for k in REQUIRED_REMOTE_KEYS if params.get(k) is None])
+            return None
+        address = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
+        return PeerRef(request.request_id, address, str(params["remote_request_id"]))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and self._peer(request) is not None:
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True  # loaded asynchronously: the request waits in WAITING_FOR_REMOTE_KVS
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if called again
+        peer = self._peer(request)
+        if peer is None:
+            return
+        if num_external_tokens <= 0:
+            self._pending.skips.append(peer)  # a full local prefix hit: tell P to release now
+            return
+        block_ids = blocks.get_unhashed_block_ids_all_groups()
+        if len(block_ids) != 1:
+            raise NotImplementedError("KVLifecycleConnector supports models with one KV cache group")
+        self._pending.recvs.append(RecvCmd(peer, tuple(int(b) for b in block_ids[0])))
+        self._loading.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLifecycleMetadata:
+        meta, self._pending = self._pending, KVLifecycleMetadata()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for request_id in output.finished_recving or ():
+            if request_id in self._loading:
+                self._loading.discard(request_id)
+                self._settled.add(request_id)
+
+    # -- both: a request ends ------------------------------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        request_id = request.request_id
+        if params.get("do_remote_decode"):  # P
+            finished_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            if not finished_ok or not block_ids:
+                return False, None  # aborted before its prefill finished: vLLM frees the blocks, nothing granted
+            self._pending.grants.append(GrantCmd(request_id, tuple(int(b) for b in block_ids)))
+            return True, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": request_id,
+                "remote_block_ids": [int(b) for b in block_ids],
+                "remote_host": self.host,
+                "remote_port": self.port,
+                "remote_block_size": self.block_size,
+                "tp_size": self.tp_size,
+                "transfer_mode": self.config.mode,
+                "kvlifecycle": PARAMS_VERSION,
+            }
+        # D
+        if params.get("do_remote_prefill"):
+            # never admitted (aborted or rejected before blocks were allocated): release P's blocks now
+            # instead of at lease expiry (vLLM #41269)
+            params["do_remote_prefill"] = False
+            peer = self._peer(request)
+            if peer is not None:
+                self._pending.skips.append(peer)
+            return False, None
+        if request_id in self._loading:
+            # aborted while its load is in flight: bytes may still land, so vLLM keeps the blocks until the
+            # worker reports the transfer settled (finished_recving)
+            self._pending.cancels.append(request_id)
+            self._loading.discard(request_id)
+            return True, None
+        if request_id in self._settled:
+            self._settled.discard(request_id)
+            self._pending.finishes.append(request_id)
+        return False, None

@@ -1,0 +1,472 @@
+"""Worker side (vLLM's worker process, where the KV tensors live): ledgers, transport, Producer / Consumer.
+
+- P (``kv_producer`` / ``kv_both``): a :class:`~kvlifecycle.ledger.SourceLedger` and a
+  :class:`~kvlifecycle.handoff.Producer` serving grants, handshakes and heartbeats on the side channel. A grant
+  command pins the request's blocks under a lease; a released lease (completed, failed, cancelled, expired) is
+  reported to vLLM as ``finished_sending`` and only then are the blocks freed (vLLM #21570).
+- D (``kv_consumer`` / ``kv_both``): a :class:`~kvlifecycle.ledger.TargetLedger` and a
+  :class:`~kvlifecycle.handoff.Consumer`. Everything that may block (fetching the grant, the handshake, the claim)
+  runs on one adapter thread, never on the forward thread; completions come back through a ledger listener.
+
+Neither side calls ``os.sched_setaffinity`` (vLLM's CPU NIXL worker pins the forward thread to one core) and the
+NIXL agent runs without UCX's progress thread (it spins a core); the transport's service thread drives progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvlifecycle import events as ev
+from kvlifecycle.handoff import Consumer, GetGrant, GrantReply, HandoffOptions, Heartbeat, LoadFailed, Producer
+from kvlifecycle.handshake import CompatInfo, CompatMismatchError
+from kvlifecycle.ledger import BlockBusyError, InvalidTransitionError, LedgerError, open_ledger
+from kvlifecycle.machines import TargetState
+from kvlifecycle.sidechannel import SideChannelClient, SideChannelError, SideChannelRefused
+from kvlifecycle.transport import KVLayout, MemoryKind, TransportError
+
+from .config import AdapterConfig
+from .metadata import KVLifecycleMetadata, PeerRef, RecvCmd
+from .scheduler import side_channel_port
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvlifecycle.adapters.vllm")
+RESERVED = int(TargetState.RESERVED)
+
+
+class LayoutError(ValueError):
+    """vLLM's KV tensors are not laid out block-major and block-contiguous: refused at registration."""
+
+
+def _layer_key(name: str) -> tuple[Any, ...]:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def kv_layout_from_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
+    """One region per distinct KV tensor (sorted by layer name, the same on P and D): block ``b`` of a region is
+    ``block_bytes`` bytes at ``base + b * block_bytes``."""
+    bases: list[int] = []
+    block_bytes: list[int] = []
+    seen: set[int] = set()
+    kind: MemoryKind | None = None
+    for name in sorted(kv_caches, key=_layer_key):
+        cache = kv_caches[name]
+        if cache.data_ptr() in seen:
+            continue  # layers sharing one KV cache
+        seen.add(cache.data_ptr())
+        this_kind = MemoryKind.DRAM if cache.device.type == "cpu" else MemoryKind.VRAM
+        if kind is not None and this_kind != kind:
+            raise LayoutError("KV caches live on different memory kinds")
+        kind = this_kind
+        if cache.dim() < 2 or cache.shape[0] != num_blocks:
+            raise LayoutError(f"{name}: KV cache shape {tuple(cache.shape)} is not block-major over "
+                              f"{num_blocks} blocks (cross-layer or K/V-outer layouts are not supported)")
+        per_block = cache[0].numel() * cache.element_size()
+        if cache.stride(0) * cache.element_size() != per_block or not cache[0].is_contiguous():
+            raise LayoutError(f"{name}: blocks are not contiguous (stride {cache.stride()})")
+        bases.append(int(cache.data_ptr()))
+        block_bytes.append(int(per_block))
+    if kind is None:
+        raise LayoutError("no KV caches to register")
+    device = 0 if kind is MemoryKind.DRAM else max(next(iter(kv_caches.values())).get_device(), 0)
+    return KVLayout(kind, device, num_blocks, tuple(bases), tuple(block_bytes))
+
+
+def compat_info(vllm_config: VllmConfig, layout: KVLayout, dtype: str) -> CompatInfo:
+    model = vllm_config.model_config
+    return CompatInfo(
+        model_id=str(model.model),
+        dtype=dtype,
+        num_layers=layout.num_regions,
+        num_kv_heads=int(model.get_total_num_kv_heads()),
+        head_size=int(model.get_head_size()),
+        block_size=int(vllm_config.cache_config.block_size),
+        kv_layout="HND",  # vLLM's CPU backend (LBHNC): heads outside tokens within a block
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+    )
+
+
+@dataclass
+class _Keepalive:
+    peer: PeerRef
+    grant: GrantReply
+    last_beat: float
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: VllmConfig, config: AdapterConfig, engine_id: str,
+                 kv_cache_config: KVCacheConfig) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.vllm_config = vllm_config
+        self.config = config
+        self.engine_id = engine_id
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        kv_config = vllm_config.kv_transfer_config
+        role = kv_config.kv_role if kv_config is not None else "kv_both"
+        self.is_producer = role in ("kv_producer", "kv_both")
+        self.is_consumer = role in ("kv_consumer", "kv_both")
+        self.failure_policy = getattr(kv_config, "kv_load_failure_policy", "fail") or "fail"
+        self.tp_rank = int(get_tensor_model_parallel_rank())
+        self.cache_blocks = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.options = HandoffOptions(
+            secret=config.secret.encode() if config.secret else None,
+            host=config.side_channel_host,
+            port=side_channel_port(config, vllm_config, self.tp_rank),
+            request_timeout_s=config.handshake_timeout_s,
+            load_timeout_s=config.load_timeout_s,
+        )
+        self.transport: Any = None
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self.source = None
+        self.target = None
+        # D: results for vLLM, filled by the ledger listener (any thread), drained on the forward thread
+        self._results_lock = threading.Lock()
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._unsendable: set[str] = set()  # P: grants that could not be made; their blocks go back at once
+        self._load_of_transfer: dict[str, str] = {}
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._grants: dict[str, GrantReply] = {}
+        self._keepalive: dict[str, _Keepalive] = {}
+        self._clients: dict[str, SideChannelClient] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- start-up ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvlifecycle.transports.nixl import NixlTransport
+
+        layout = kv_layout_from_caches(kv_caches, self.num_blocks)
+        dtype = str(next(iter(kv_caches.values())).dtype).removeprefix("torch.")
+        compat = compat_info(self.vllm_config, layout, dtype)
+        agent = f"kvl-{self.engine_id[:12]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        self.transport = NixlTransport(agent, backends=self.config.backends)
+        self.transport.register(layout)
+        log.info("KVLifecycleConnector: registered %d regions x %d blocks (%s bytes/block), agent %s, mode %s",
+                 layout.num_regions, layout.num_blocks, layout.block_bytes[0], agent, self.config.mode)
+        if self.is_producer:
+            self.source = open_ledger("source", self.num_blocks, self._log_dir("source"), fsync=self.config.fsync,
+                                      worker=f"p-{self.engine_id[:12]}-tp{self.tp_rank}",
+                                      default_ttl_s=self.config.lease_ttl_s)
+            self.producer = Producer(self.source, self.transport, compat, tp_rank=self.tp_rank,
+                                     options=self.options)
+            log.info("KVLifecycleConnector: producer side channel %s", self.producer.address)
+        if self.is_consumer:
+            self.target = open_ledger("target", self.num_blocks, self._log_dir("target"), fsync=self.config.fsync,
+                                      worker=f"d-{self.engine_id[:12]}-tp{self.tp_rank}",
+                                      failure_policy=self.failure_policy)
+            self.target.listeners.append(self._on_target_event)
+            consumer_options = HandoffOptions(
+                secret=self.options.secret, host=self.options.host, port=0,
+                request_timeout_s=self.options.request_timeout_s, load_timeout_s=self.options.load_timeout_s)
+            self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
+                                     options=consumer_options)
+            self._thread = threading.Thread(target=self._serve, name="kvl-vllm-consumer", daemon=True)
+            self._thread.start()
+
+    def _log_dir(self, side: str) -> str | None:
+        if not self.config.log_dir:
+            return None
+        path = Path(self.config.log_dir) / f"{side}-{self.engine_id[:12]}-tp{self.tp_rank}-{os.getpid()}"
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    # -- every step (forward thread): cheap, never blocks -------------------------------------------------------
+    def on_metadata(self, meta: KVLifecycleMetadata) -> None:
+        for cmd in meta.grants:
+            self._grant(cmd.request, np.asarray(cmd.block_ids, dtype=np.int32))
+        for peer in meta.announces:
+            self._commands.put(("announce", peer))
+        for recv in meta.recvs:
+            self._commands.put(("recv", recv))
+        for peer in meta.skips:
+            self._commands.put(("skip", peer))
+        for request in meta.cancels:
+            self._commands.put(("cancel", request))
+        for request in meta.finishes:
+            self._commands.put(("finish", request))
+
+    def _grant(self, request: str, block_ids: np.ndarray) -> None:
+        if self.producer is None or self.source is None:
+            log.error("grant for %s on a worker that is not a producer (kv_role)", request)
+            return
+        try:
+            try:
+                self.source.allocate(request, block_ids)
+            except BlockBusyError:
+                # a prefix-cache hit on blocks another request still has pinned: they are shared, not reallocated
+                self.source.share(request, block_ids)
+            self.source.prefill_done(request)
+            self.producer.grant(request, ttl_s=self.config.lease_ttl_s)
+        except (LedgerError, ValueError) as exc:
+            # the blocks cannot be handed off: D's grant lookup fails and it reports a load failure
+            log.error("cannot grant %s: %s", request, exc)
+            if request in self.source.requests:
+                try:
+                    self.source.cancel(request)
+                    self.source.free(request, cache=self.cache_blocks)
+                except LedgerError:
+                    pass
+            with self._results_lock:
+                self._unsendable.add(request)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        sending: set[str] = set()
+        if self.source is not None:
+            for released in self.source.take_released():
+                req = self.source.requests.get(released.request)
+                if req is None or req.leases:
+                    continue  # another lease still pins it (prefix shared by two grants)
+                try:
+                    self.source.free(released.request, cache=self.cache_blocks)
+                except LedgerError as exc:
+                    log.warning("freeing %s after its lease ended: %s", released.request, exc)
+                self._forget_grant(released.request)
+                sending.add(released.request)
+            self.source.commit()
+        with self._results_lock:
+            if self._unsendable:
+                sending |= self._unsendable
+                self._unsendable = set()
+            recving, self._done_recving = self._done_recving, set()
+            failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
+
+    def take_failed_blocks(self) -> set[int]:
+        with self._results_lock:
+            out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def _forget_grant(self, request: str) -> None:
+        producer = self.producer
+        if producer is not None:
+            with producer._lock:
+                producer.grants.pop(request, None)
+
+    # -- D: ledger listener (runs on whichever thread changed the target ledger) ---------------------------------
+    def _on_target_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.TgtLoadStarted):
+            self._load_of_transfer[event.transfer] = event.request
+        elif isinstance(event, ev.TgtPartDone):
+            if self.target is not None and event.transfer not in self.target.loads:
+                request = self._load_of_transfer.pop(event.transfer, None)
+                if request is not None:
+                    with self._results_lock:
+                        self._done_recving.add(request)
+        elif isinstance(event, ev.TgtLoadFailed):
+            request = self._load_of_transfer.pop(event.transfer, None)
+            if request is not None:
+                blocks = self.target.requests.get(request) if self.target is not None else None
+                with self._results_lock:
+                    self._failed_recving.add(request)
+                    self._done_recving.add(request)  # vLLM: a failed receive is also a finished receive
+                    if blocks is not None:
+                        self._failed_blocks.update(int(b) for b in blocks.blocks)
+                log.warning("KV load of %s failed: %s", request, event.reason)
+
+    # -- D: the adapter thread ---------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kind, arg = self._commands.get(timeout=0.05)
+            except queue.Empty:
+                kind, arg = "", None
+            try:
+                if kind == "announce":
+                    self._announce(arg)
+                elif kind == "recv":
+                    self._recv(arg)
+                elif kind == "skip":
+                    self._skip(arg)
+                elif kind == "cancel":
+                    self._cancel(arg)
+                elif kind == "finish":
+                    self._finish(arg)
+                self._beat_keepalives()
+                if self.target is not None:
+                    self.target.commit()
+            except Exception:
+                log.exception("KVLifecycleConnector adapter thread: %s failed", kind or "keepalive")
+
+    def _client(self, address: str) -> SideChannelClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = SideChannelClient(address, (GrantReply,), secret=self.options.secret,
+                                       timeout_s=self.config.handshake_timeout_s)
+            self._clients[address] = client
+        return client
+
+    def _fetch_grant(self, peer: PeerRef) -> GrantReply:
+        """P publishes the grant one scheduler step after its request finished: wait for it (bounded)."""
+        grant = self._grants.get(peer.request)
+        if grant is not None:
+            return grant
+        deadline = time.monotonic() + self.config.grant_wait_s
+        delay = 0.002
+        while True:
+            try:
+                grant = self._client(peer.address).request(GetGrant(peer.remote_request))
+                self._grants[peer.request] = grant
+                return grant
+            except SideChannelRefused as exc:
+                if exc.code != "unknown_request" or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _announce(self, peer: PeerRef) -> None:
+        try:
+            grant = self._fetch_grant(peer)
+        except SideChannelError as exc:
+            log.warning("request %s: no grant from %s yet (%s); will retry when blocks are reserved", peer.request,
+                        peer.address, exc)
+            return
+        self._keepalive[peer.request] = _Keepalive(peer, grant, 0.0)
+        self._beat_keepalives()
+
+    def _beat_keepalives(self) -> None:
+        now = time.monotonic()
+        for request, keep in list(self._keepalive.items()):
+            if now - keep.last_beat < keep.grant.ttl_s / 6:
+                continue
+            keep.last_beat = now
+            try:
+                ack = self._client(keep.peer.address).request(
+                    Heartbeat(keep.grant.transfer, keep.grant.generation), timeout_s=1.0)
+            except SideChannelError as exc:
+                log.info("heartbeat for %s to %s failed: %s", request, keep.peer.address, exc)
+                continue
+            if not ack.ok:
+                log.warning("lease of %s is gone on P: %s", request, ack.detail)
+                self._keepalive.pop(request, None)
+
+    def _recv(self, cmd: RecvCmd) -> None:
+        try:
+            self._recv_unguarded(cmd)
+        except Exception as exc:  # every shipped recv must settle, or vLLM waits on it forever
+            log.exception("request %s: recv failed unexpectedly", cmd.peer.request)
+            if self.target is not None and cmd.peer.request in self.target.requests:
+                self._fail_before_load(cmd.peer, None, f"internal error: {type(exc).__name__}: {exc}")
+            else:
+                with self._results_lock:
+                    self._failed_recving.add(cmd.peer.request)
+                    self._done_recving.add(cmd.peer.request)
+
+    def _recv_unguarded(self, cmd: RecvCmd) -> None:
+        assert self.consumer is not None and self.target is not None
+        peer = cmd.peer
+        self._keepalive.pop(peer.request, None)  # the consumer's claim heartbeat takes over
+        blocks = np.asarray(cmd.block_ids, dtype=np.int32)
+        try:
+            self.target.reserve(peer.request, blocks)
+        except LedgerError as exc:
+            # vLLM gave us blocks the ledger still sees in use: refuse to load into them
+            log.error("request %s: cannot reserve %d blocks: %s", peer.request, blocks.size, exc)
+            with self._results_lock:
+                self._failed_recving.add(peer.request)
+                self._done_recving.add(peer.request)
+            return
+        grant: GrantReply | None = None
+        try:
+            grant = self._fetch_grant(peer)
+            if peer.address not in self.consumer.links:
+                self.consumer.connect(peer.address, push=self.config.mode == "push")
+            if self.config.mode == "push":
+                self.consumer.request_push(peer.request, grant, address=peer.address)
+            else:
+                self.consumer.pull(peer.request, grant, address=peer.address)
+        except (CompatMismatchError, SideChannelError, TransportError, LedgerError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("request %s: handoff from %s refused: %s", peer.request, peer.address, reason)
+            self._fail_before_load(peer, grant, reason)
+        finally:
+            self._grants.pop(peer.request, None)
+
+    def _fail_before_load(self, peer: PeerRef, grant: GrantReply | None, reason: str) -> None:
+        """A handoff that never started (no grant, handshake refused): the ledger records a failed load so that
+        the failure policy applies, and P is told to release now rather than at lease expiry."""
+        assert self.target is not None
+        req = self.target.requests.get(peer.request)
+        if req is not None and req.transfer is not None:
+            self.target.fail(req.transfer, reason)
+        elif req is not None:
+            transfer = grant.transfer if grant is not None else f"{peer.request}/no-grant"
+            if transfer in self.target.loads:
+                transfer = f"{peer.request}/refused"
+            self.target.start_load(peer.request, transfer)
+            self.target.fail(transfer, reason)
+        if grant is not None:
+            try:
+                self._client(peer.address).request(LoadFailed(grant.transfer, grant.generation, reason[:400]),
+                                                   timeout_s=1.0)
+            except SideChannelError as exc:
+                log.info("could not tell %s that %s failed: %s", peer.address, grant.transfer, exc)
+
+    def _skip(self, peer: PeerRef) -> None:
+        """Nothing to load (full local prefix hit, or the request never got blocks): release P's grant now."""
+        self._keepalive.pop(peer.request, None)
+        try:
+            grant = self._fetch_grant(peer)
+            self._client(peer.address).request(LoadFailed(grant.transfer, grant.generation, "not needed by D"),
+                                               timeout_s=1.0)
+        except SideChannelError as exc:
+            log.info("could not release %s on %s: %s (its lease will expire)", peer.remote_request, peer.address, exc)
+        finally:
+            self._grants.pop(peer.request, None)
+
+    def _cancel(self, request: str) -> None:
+        """vLLM aborted a request whose load it had not seen settle. In flight: the ledger keeps the blocks
+        LOADING and the listener reports the request once the transfer settles (vLLM frees the blocks then).
+        Otherwise its settling was already reported: only the ledger needs to know."""
+        assert self.target is not None
+        self._keepalive.pop(request, None)
+        if request in self.target.requests:
+            self.target.cancel(request)
+
+    def _finish(self, request: str) -> None:
+        assert self.target is not None
+        req = self.target.requests.get(request)
+        if req is None:
+            return  # a failed load already freed it
+        try:
+            if req.transfer is None and req.blocks.size and int(self.target.state[req.blocks[0]]) == RESERVED:
+                self.target.local_fill(request)  # RESERVED after a failed load: vLLM recomputed it
+            self.target.finish(request)
+        except (InvalidTransitionError, LedgerError) as exc:
+            log.warning("finishing %s: %s", request, exc)
+
+    # -- teardown ------------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        for closer in (self.consumer, self.producer):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception as exc:  # shutdown must finish
+                    log.warning("closing %s: %s", type(closer).__name__, exc)
+        for client in self._clients.values():
+            client.close()
+        for ledger in (self.source, self.target):
+            if ledger is not None and ledger.log is not None:
+                ledger.log.close()
+        if self.transport is not None:
+            self.transport.close()

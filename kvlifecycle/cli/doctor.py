@@ -1,0 +1,525 @@
+"""``kvlifecycle doctor``: which NIXL plugins load, which UCX transports work, which backend a DRAM→DRAM (and, with
+CUDA, VRAM→VRAM) NIXL transfer really uses, and how fast each path is against the local copy ceiling.
+
+Every probe that touches NIXL runs in a child process with a timeout: UCX reads its environment (``UCX_TLS``) once
+per process, NIXL logs noisily, and a wedged transport must not hang the doctor. The whole run is bounded
+(``--budget-s``, 30 s by default); probes that do not fit are reported as skipped.
+
+Exit status: 0 when every measured default path reaches ``--min-ratio`` of its ceiling; 1 when one does not, or a
+default path cannot transfer at all (each with the known fix as a hint); 2 when NIXL is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TLS_VARIANTS = ("default", "sm", "cma", "posix", "tcp")
+PROBE_TIMEOUT_S = 12.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-mib", type=float, default=16.0, help="bytes moved per probe transfer (default 16)")
+    parser.add_argument("--block-kib", type=int, default=64, help="bytes per descriptor (default 64 KiB)")
+    parser.add_argument("--tls", default=",".join(DEFAULT_TLS_VARIANTS),
+                        help="UCX_TLS variants to probe, comma-separated; 'default' leaves UCX_TLS as it is "
+                             f"(default {','.join(DEFAULT_TLS_VARIANTS)})")
+    parser.add_argument("--min-ratio", type=float, default=0.1,
+                        help="a default path below this fraction of its ceiling fails the check (default 0.1)")
+    parser.add_argument("--budget-s", type=float, default=30.0, help="time bound for the whole run (default 30)")
+    parser.add_argument("--no-prog-thread-check", action="store_true",
+                        help="skip the check that NIXL's UCX progress thread spins a core")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+# --- results ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PathResult:
+    path: str  # "DRAM→DRAM", "VRAM→VRAM"
+    ucx_tls: str  # "default" or the UCX_TLS value used
+    ok: bool
+    backend: str = ""
+    gbps: float = 0.0
+    ceiling_gbps: float = 0.0
+    t_post_ms: float = 0.0
+    t_xfer_ms: float = 0.0
+    descriptors: int = 0
+    verified: bool = False
+    error: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.ceiling_gbps if self.ceiling_gbps > 0 else 0.0
+
+
+@dataclass
+class Report:
+    nixl_version: str = ""
+    plugins: list[dict[str, Any]] = field(default_factory=list)
+    ucx_modules: list[str] = field(default_factory=list)
+    ucx_info: list[str] = field(default_factory=list)
+    paths: list[PathResult] = field(default_factory=list)
+    checks: list[dict[str, str]] = field(default_factory=list)  # {"check", "status": OK|WARN|FAIL, "detail", "hint"}
+    env: dict[str, str] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def failed(self) -> bool:
+        return any(c["status"] == "FAIL" for c in self.checks)
+
+
+# --- probes (run in child processes) ---------------------------------------------------------------------------
+
+
+def _quiet_nixl() -> None:
+    import logging
+
+    logging.getLogger("nixl").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("nixl"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _probe_plugins() -> dict[str, Any]:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    _quiet_nixl()
+    agent = nixl_agent("kvl-doctor-plugins", nixl_agent_config(enable_prog_thread=False, backends=[]))
+    _quiet_nixl()
+    plugins = []
+    for name in agent.get_plugin_list():
+        try:
+            mem_types = list(agent.get_plugin_mem_types(name))
+            params = dict(agent.get_plugin_params(name)) if mem_types else {}
+            error = "" if mem_types else "plugin library present but did not load (missing dependency or device)"
+        except Exception as exc:  # a plugin's own failure is a finding, not a doctor crash
+            mem_types, params, error = [], {}, f"{type(exc).__name__}: {exc}"
+        plugins.append({"name": name, "loads": bool(mem_types), "mem_types": mem_types, "params": params,
+                        "error": error})
+    return {"plugins": plugins}
+
+
+def _probe_transfer(mem: str, nbytes: int, block_bytes: int, iterations: int, deadline_s: float) -> dict[str, Any]:
+    """Two NIXL agents in this process, UCX backend, no progress thread: READ ``nbytes`` as ``block_bytes``
+    descriptors from B's memory into A's; best of ``iterations``; bytes verified."""
+    import numpy as np
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    _quiet_nixl()
+    stop_at = time.monotonic() + deadline_s
+    config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    a, b = nixl_agent("kvl-doctor-a", config), nixl_agent("kvl-doctor-b", config)
+    _quiet_nixl()
+    count = max(1, nbytes // block_bytes)
+    nbytes = count * block_bytes
+    if mem == "VRAM":
+        import torch
+
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+        dst = torch.zeros_like(src)
+        src_ptr, dst_ptr, dev = src.data_ptr(), dst.data_ptr(), src.device.index or 0
+    else:
+        src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        src_ptr, dst_ptr, dev = src.ctypes.data, dst.ctypes.data, 0
+    a.register_memory(a.get_reg_descs([(dst_ptr, nbytes, dev, "")], mem))
+    b.register_memory(b.get_reg_descs([(src_ptr, nbytes, dev, "")], mem))
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    offsets = np.arange(count, dtype=np.uint64) * np.uint64(block_bytes)
+
+    def descs(agent: Any, base: int) -> Any:
+        rows = np.stack([offsets + np.uint64(base), np.full(count, block_bytes, dtype=np.uint64),
+                         np.full(count, dev, dtype=np.uint64)], axis=1)
+        return agent.get_xfer_descs(rows, mem)
+
+    handle = a.initialize_xfer("READ", descs(a, dst_ptr), descs(b, src_ptr), "kvl-doctor-b", b"doctor")
+    backend = str(a.query_xfer_backend(handle))
+    best_post, best_xfer = float("inf"), float("inf")
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        state = a.transfer(handle)
+        t_post = time.perf_counter() - t0
+        while state not in ("DONE", "ERR"):
+            if time.monotonic() > stop_at:
+                return {"ok": False, "backend": backend, "error": f"transfer not done within {deadline_s:.0f} s"}
+            b.get_new_notifs()  # with no progress thread, the target side must be driven too (tcp emulates RMA)
+            state = a.check_xfer_state(handle)
+        t_xfer = time.perf_counter() - t0
+        if state == "ERR":
+            return {"ok": False, "backend": backend, "error": "NIXL reported the transfer failed (ERR)"}
+        best_post, best_xfer = min(best_post, t_post), min(best_xfer, t_xfer)
+    if mem == "VRAM":
+        import torch
+
+        torch.cuda.synchronize()
+        verified = bool(torch.equal(src, dst))
+    else:
+        verified = bool(np.array_equal(src, dst))
+    a.release_xfer_handle(handle)
+    return {"ok": verified, "backend": backend, "t_post_s": best_post, "t_xfer_s": best_xfer,
+            "gbps": nbytes / best_xfer / 1e9, "descriptors": count, "verified": verified,
+            "error": "" if verified else "bytes differ after the transfer"}
+
+
+def _probe_prog_thread(seconds: float) -> dict[str, Any]:
+    """CPU time an idle agent with NIXL's default progress thread burns, per second of wall time."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent("kvl-doctor-prog", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    _quiet_nixl()
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(seconds)
+    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+    del agent
+    return {"cpu_per_wall": cpu / wall}
+
+
+_LANES = re.compile(r"UCX\s+INFO\s+(\S+)\s+(self|intra-node|inter-node)\s+cfg#\d+\s+(.*)$")
+_UCX_ERROR = re.compile(r"UCX\s+ERROR\s+(.*)$")
+
+
+def _capture_fd2(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+    """Run ``fn`` with file descriptor 2 (where UCX logs) going to a temporary file; return its result and text."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        return result, tmp.read().decode(errors="replace")
+
+
+def _emit(item: str, payload: dict[str, Any]) -> None:
+    sys.stdout.write("\nKVL-DOCTOR " + json.dumps({"item": item, **payload}) + "\n")
+    sys.stdout.flush()
+
+
+def _probe_all(variants: list[str], mems: list[str], nbytes: int, block_bytes: int, deadline_s: float,
+               prog_thread: bool) -> None:
+    """Everything that needs NIXL, in this (child) process, importing NIXL once. UCX reads ``UCX_TLS`` when a
+    context is created, so each variant sets it before creating its agents. Results stream out one line each, so
+    a probe that wedges still leaves the earlier ones to the parent."""
+    stop_at = time.monotonic() + deadline_s
+    _emit("plugins", _probe_plugins())
+    original = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES")}
+    for mem in mems:
+        _emit("ceiling", {"mem": mem, "gbps": _copy_ceiling_gbps(mem, nbytes)})
+        for variant in variants:
+            left = stop_at - time.monotonic()
+            if left < 1.0:
+                _emit("path", {"mem": mem, "variant": variant, "ok": False, "error": "skipped: time budget"})
+                continue
+            env = dict(original) if variant == "default" else _tls_env(variant, mem)
+            for key in ("UCX_TLS", "UCX_NET_DEVICES"):
+                if env.get(key) is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = str(env[key])
+            result, log = _capture_fd2(_probe_transfer, mem, nbytes, block_bytes, 3, left)
+            lanes = [m.group(3).strip() for m in map(_LANES.search, log.splitlines())
+                     if m and m.group(1) == "kvl-doctor-a" and m.group(2) != "self"]
+            errors = [m.group(1).strip() for m in map(_UCX_ERROR.search, log.splitlines()) if m]
+            _emit("path", {"mem": mem, "variant": variant, "ucx_tls": env.get("UCX_TLS") or "(unset)",
+                           "lanes": lanes[-1] if lanes else "", "ucx_errors": errors[:3], **result})
+    for key, value in original.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if prog_thread and stop_at - time.monotonic() > 1.0:
+        _emit("prog_thread", _probe_prog_thread(0.5))
+
+
+def _probe_main(spec_json: str) -> None:
+    try:
+        _probe_all(**json.loads(spec_json))
+    except Exception as exc:
+        _emit("error", {"error": f"{type(exc).__name__}: {exc}"})
+    os._exit(0)  # skip NIXL/UCX teardown: it can be slow and adds nothing here
+
+
+def _run_probes(spec: dict[str, Any], timeout_s: float) -> tuple[list[dict[str, Any]], str]:
+    """Run :func:`_probe_all` in a child with UCX's INFO log on (it names the transports each lane uses)."""
+    cmd = [sys.executable, "-c", "import sys; from kvlifecycle.cli.doctor import _probe_main; _probe_main(sys.argv[1])",
+           json.dumps(spec)]
+    env = {**os.environ, "UCX_LOG_LEVEL": "info"}
+    problem = ""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout_s, 1.0), env=env)
+        stdout, stderr = done.stdout, done.stderr
+        if done.returncode != 0:
+            problem = f"probe process exited {done.returncode}"
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr = ""
+        problem = f"probe process did not finish within {timeout_s:.0f} s (a wedged transport?)"
+    items = [json.loads(line[len("KVL-DOCTOR "):]) for line in stdout.splitlines() if line.startswith("KVL-DOCTOR ")]
+    if not items and not problem:
+        problem = "probe process printed nothing: " + ((stderr.strip().splitlines() or ["no output"])[-1][:200])
+    return items, problem
+
+
+# --- local facts -----------------------------------------------------------------------------------------------
+
+
+def _ucx_modules() -> list[str]:
+    """UCX transport modules shipped with the NIXL wheel (libuct_<name>.so)."""
+    import importlib.util
+
+    names: set[str] = set()
+    for dist in ("nixl_cu13", "nixl_cu12", "nixl"):
+        spec = importlib.util.find_spec(dist)
+        if spec is None or not spec.origin:
+            continue
+        libs = Path(spec.origin).parent.parent / f"{dist}.libs" / "ucx"
+        for lib in libs.glob("libuct_*.so*"):
+            names.add(lib.name.split(".so")[0].removeprefix("libuct_"))
+        if names:
+            break
+    return sorted(names)
+
+
+def _ucx_info(timeout_s: float) -> list[str]:
+    """Transports ``ucx_info -d`` lists, when the tool is on PATH."""
+    import shutil
+
+    tool = shutil.which("ucx_info")
+    if tool is None:
+        return []
+    try:
+        out = subprocess.run([tool, "-d"], capture_output=True, text=True, timeout=timeout_s).stdout
+    except (subprocess.TimeoutExpired, OSError):
+        return []
+    found = []
+    for line in out.splitlines():
+        if "Transport:" in line:
+            found.append(line.split("Transport:", 1)[1].strip())
+    return sorted(set(found))
+
+
+def _copy_ceiling_gbps(mem: str, nbytes: int) -> float:
+    """Best-of-5 contiguous copy of ``nbytes`` (numpy for DRAM, torch on the device for VRAM)."""
+    if mem == "VRAM":
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+# --- diagnosis -------------------------------------------------------------------------------------------------
+
+
+def _tls_env(variant: str) -> dict[str, str]:
+    if variant == "default":
+        return {}
+    env = {"UCX_TLS": variant}
+    if "tcp" in variant.split(","):
+        env["UCX_NET_DEVICES"] = "lo"  # loopback only (the project's rule); also what a one-host pair uses
+    return env
+
+
+def diagnose(report: Report, min_ratio: float) -> None:
+    """Turn measured paths into checks with hints."""
+    for mem in ("DRAM", "VRAM"):
+        rows = [p for p in report.paths if p.path.startswith(mem)]
+        if not rows:
+            continue
+        default = next((p for p in rows if p.ucx_tls == "default"), rows[0])
+        working = [p for p in rows if p.ok]
+        best = max(working, key=lambda p: p.gbps, default=None)
+        name = f"{default.path} via NIXL/{default.backend or 'UCX'}"
+        if not default.ok:
+            hint = (f"UCX_TLS={best.ucx_tls} works here: export UCX_TLS={best.ucx_tls}" if best is not None else
+                    "no UCX transport worked: check that /dev/shm is writable and large enough, that ptrace is "
+                    "allowed (cma), or set UCX_TLS=tcp UCX_NET_DEVICES=lo")
+            report.checks.append({"check": name, "status": "FAIL", "detail": default.error or "failed", "hint": hint})
+            continue
+        detail = (f"{default.gbps:.2f} GB/s = {default.ratio:.0%} of the {default.ceiling_gbps:.2f} GB/s "
+                  f"{'device' if mem == 'VRAM' else 'memcpy'} ceiling")
+        if default.ratio < min_ratio:
+            hints = []
+            if best is not None and best is not default and best.gbps >= 2 * default.gbps:
+                hints.append(f"UCX_TLS={best.ucx_tls} measured {best.gbps:.2f} GB/s: export UCX_TLS={best.ucx_tls}")
+            if mem == "VRAM":
+                hints.append("UCX may be staging through host memory: make sure the cuda_copy/cuda_ipc transports "
+                             "load (UCX_TLS=cuda_copy,cuda_ipc,sm) or use kvlifecycle's same-node CUDA IPC "
+                             "transport (ANCHORS: 0.33–0.47 GB/s via NIXL vs 312+ GB/s via CUDA IPC on an H200)")
+            hints.append("a spinning UCX progress thread competes for the cores: "
+                         "nixl_agent_config(enable_prog_thread=False) and poll instead")
+            report.checks.append({"check": name, "status": "FAIL", "detail": f"{detail}, below {min_ratio:.0%}",
+                                  "hint": "; ".join(hints)})
+        else:
+            report.checks.append({"check": name, "status": "OK", "detail": detail, "hint": ""})
+        if default.t_xfer_ms > 0 and default.t_post_ms >= 0.9 * default.t_xfer_ms:
+            report.checks.append({
+                "check": f"{default.path} post vs completion", "status": "WARN",
+                "detail": f"T_post {default.t_post_ms:.2f} ms ≈ T_xfer {default.t_xfer_ms:.2f} ms: transfer() "
+                          "returns only after the copy",
+                "hint": "never post on the scheduler thread (kvlifecycle's NIXL transport posts from its own thread)"})
+
+
+# --- the verb --------------------------------------------------------------------------------------------------
+
+
+def collect(args: argparse.Namespace) -> Report:
+    started = time.monotonic()
+    deadline = started + args.budget_s
+    report = Report(env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))})
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        report.nixl_version = version("nixl")
+    except PackageNotFoundError:
+        report.nixl_version = "unknown"
+    plugins = _run_probe({"kind": "plugins"}, min(PROBE_TIMEOUT_S, left()))
+    report.plugins = plugins.get("plugins", [])
+    if not report.plugins:
+        report.checks.append({"check": "NIXL plugins", "status": "FAIL", "detail": plugins.get("error", "none found"),
+                              "hint": "NIXL_PLUGIN_DIR must point at the wheel's plugin directory if it was moved"})
+    elif not any(p["name"] == "UCX" and p["loads"] for p in report.plugins):
+        report.checks.append({"check": "NIXL UCX plugin", "status": "FAIL", "detail": "UCX plugin did not load",
+                              "hint": "reinstall nixl==1.5.1 (the UCX plugin ships in the wheel)"})
+    report.ucx_modules = _ucx_modules()
+    report.ucx_info = _ucx_info(min(5.0, max(left(), 0.1)))
+
+    nbytes = int(args.size_mib * (1 << 20))
+    block_bytes = int(args.block_kib) << 10
+    mems = ["DRAM"] + (["VRAM"] if _cuda_available() else [])
+    variants = [v.strip() for v in args.tls.split(",") if v.strip()] or ["default"]
+    if "default" not in variants:
+        variants.insert(0, "default")
+    for mem in mems:
+        ceiling = _copy_ceiling_gbps(mem, nbytes)
+        for variant in variants:
+            env = _tls_env(variant)
+            if mem == "VRAM" and variant != "default":
+                env = _tls_env(f"{variant},cuda_copy,cuda_ipc") if variant in ("sm", "tcp") else env
+            budget = min(PROBE_TIMEOUT_S, left() - 1.0)
+            path = f"{mem}→{mem}"
+            if budget < 3.0:
+                report.paths.append(PathResult(path, variant, False, ceiling_gbps=ceiling,
+                                               error=f"skipped: outside the {args.budget_s:.0f} s time budget"))
+                continue
+            spec = {"kind": "transfer", "mem": mem, "nbytes": nbytes, "block_bytes": block_bytes, "iterations": 3,
+                    "deadline_s": budget - 2.0}
+            got = _run_probe(spec, budget, env)
+            report.paths.append(PathResult(
+                path, variant if variant == "default" else env.get("UCX_TLS", variant), bool(got.get("ok")),
+                backend=got.get("backend", ""), gbps=float(got.get("gbps", 0.0)), ceiling_gbps=ceiling,
+                t_post_ms=float(got.get("t_post_s", 0.0)) * 1e3, t_xfer_ms=float(got.get("t_xfer_s", 0.0)) * 1e3,
+                descriptors=int(got.get("descriptors", 0)), verified=bool(got.get("verified", False)),
+                error=str(got.get("error", ""))))
+    diagnose(report, args.min_ratio)
+
+    if not args.no_prog_thread_check and left() > 4.0:
+        got = _run_probe({"kind": "prog_thread", "seconds": 0.5}, min(PROBE_TIMEOUT_S, left() - 1.0))
+        if "cpu_per_wall" in got:
+            busy = got["cpu_per_wall"]
+            spinning = busy > 0.5
+            report.checks.append({
+                "check": "UCX progress thread (idle agent)", "status": "WARN" if spinning else "OK",
+                "detail": f"an idle agent with NIXL's default progress thread used {busy:.0%} of a core",
+                "hint": "nixl_agent_config(enable_prog_thread=False) and drive progress by polling "
+                        "(kvlifecycle's NIXL transport does)" if spinning else ""})
+    report.elapsed_s = time.monotonic() - started
+    return report
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def render(report: Report) -> str:
+    parts = [f"NIXL {report.nixl_version}" + (f"   env: {report.env}" if report.env else "")]
+    parts.append(_table(["plugin", "loads", "memory types", "note"],
+                        [[p["name"], "yes" if p["loads"] else "no", ",".join(p["mem_types"]) or "-",
+                          "" if p["loads"] else p["error"][:70]] for p in report.plugins]))
+    parts.append("UCX transport modules in the wheel: " + (", ".join(report.ucx_modules) or "none found"))
+    if report.ucx_info:
+        parts.append("ucx_info -d transports: " + ", ".join(report.ucx_info))
+    parts.append(_table(
+        ["path", "UCX_TLS", "backend", "result", "GB/s", "ceiling GB/s", "ratio", "T_post ms", "T_xfer ms", "descs"],
+        [[p.path, p.ucx_tls, p.backend or "-", "ok" if p.ok else f"FAILED: {p.error[:60]}",
+          f"{p.gbps:.2f}" if p.ok else "-", f"{p.ceiling_gbps:.2f}", f"{p.ratio:.0%}" if p.ok else "-",
+          f"{p.t_post_ms:.2f}" if p.ok else "-", f"{p.t_xfer_ms:.2f}" if p.ok else "-",
+          str(p.descriptors or "-")] for p in report.paths]))
+    if not any(p.path.startswith("VRAM") for p in report.paths):
+        parts.append("VRAM→VRAM: skipped (no CUDA device)")
+    parts.append(_table(["check", "status", "detail"],
+                        [[c["check"], c["status"], c["detail"]] for c in report.checks]))
+    hints = [f"  hint ({c['check']}): {c['hint']}" for c in report.checks if c["hint"] and c["status"] != "OK"]
+    if hints:
+        parts.append("\n".join(hints))
+    parts.append(f"doctor {'FAILED' if report.failed() else 'OK'} in {report.elapsed_s:.1f} s")
+    return "\n\n".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("nixl") is None:
+        print("kvlifecycle doctor: NIXL is not installed (pip install 'kvlifecycle[transports]', nixl==1.5.1)",
+              file=sys.stderr)
+        return 2
+    report = collect(args)
+    if args.json:
+        payload = asdict(report)
+        for row, path in zip(payload["paths"], report.paths, strict=True):
+            row["ratio"] = path.ratio
+        payload["failed"] = report.failed()
+        print(json.dumps(payload, indent=2))
+    else:
+        print(render(report))
+    return 1 if report.failed() else 0

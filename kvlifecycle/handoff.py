@@ -1,0 +1,574 @@
+"""Producer (P) and Consumer (D): a ledger tied to a transport and a side channel.
+
+Flow (pull, the vLLM way): P's engine allocates and prefills (``SourceLedger.allocate`` / ``prefill_done``), then
+:meth:`Producer.grant` pins the blocks under a lease and publishes a :class:`GrantReply`. D reserves target blocks
+(``TargetLedger.reserve``) and calls :meth:`Consumer.pull`: the load starts in D's ledger, D claims the lease with a
+heartbeat, posts one READ for all regions, and its completion notification tells P (``consumer_done``); the last
+consumer releases the lease. Push (the SGLang way): :meth:`Consumer.request_push` asks P to WRITE into D's blocks;
+P's completion is P's ``consumer_done`` and a notification to D (``part_done``). Failures travel both ways (a
+failed write tells D; a failed read tells P) and every end goes through the ledgers' one release path.
+
+Threads: the caller (an engine's scheduler) only touches ledgers and queues. Each side runs one service thread
+that claims, posts, polls, drains notifications, heartbeats, sweeps expired leases and commits the log; the
+transport's own thread does the NIXL calls; the side channel has its thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvlifecycle.handshake import (
+    CompatInfo,
+    CompatMismatchError,
+    EpochTracker,
+    GetMeta,
+    HandshakePlan,
+    MetaReply,
+    negotiate,
+    scale_view,
+)
+from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.sidechannel import Ack, SideChannelClient, SideChannelError, SideChannelRefused, SideChannelServer
+from kvlifecycle.transport import (
+    Notification,
+    PeerMetadata,
+    PreparedPlan,
+    RemoteMismatchError,
+    TransferHandle,
+    Transport,
+    TransportError,
+    XferOp,
+    XferStatus,
+)
+
+log = logging.getLogger("kvlifecycle.handoff")
+
+
+# --- control messages ---------------------------------------------------------------------------------------------
+
+
+class GetGrant(msgspec.Struct, frozen=True, tag=True):
+    request: str
+
+
+class GrantReply(msgspec.Struct, frozen=True, tag=True):
+    """A published grant (what vLLM carries in ``kv_transfer_params``)."""
+
+    request: str
+    transfer: str
+    generation: int
+    worker: str
+    block_ids: list[int]
+    consumers: int
+    ttl_s: float
+    agent: str
+    epoch: int
+    tp_rank: int = 0
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    transfer: str
+    generation: int
+
+
+class PushRequest(msgspec.Struct, frozen=True, tag=True):
+    """D → P: write the granted blocks into mine (``blocks``), then notify ``target_request`` part ``part``."""
+
+    transfer: str
+    generation: int
+    agent: str
+    epoch: int
+    blocks: list[int]
+    target_request: str
+    part: int = 0
+
+
+class LoadFailed(msgspec.Struct, frozen=True, tag=True):
+    """D → P: my read of this grant failed; release it now rather than at lease expiry."""
+
+    transfer: str
+    generation: int
+    reason: str
+
+
+REPLY_TYPES = (MetaReply, GrantReply)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffOptions:
+    secret: bytes | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    service_poll_s: float = 0.0005
+    request_timeout_s: float = 5.0
+    load_timeout_s: float = 60.0
+    heartbeat_every_s: float | None = None  # default: a sixth of the grant's TTL (vLLM's rhythm)
+    unit_bytes: int = 0  # head_size × dtype bytes, for heterogeneous TP views (0: views are already in bytes)
+
+
+# --- Producer -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Push:
+    handle: TransferHandle
+    transfer: str
+    generation: int
+    peer: str
+    note: Notification
+
+
+class Producer:
+    """P side: serves metadata, grants and heartbeats on a side channel; counts consumer notifications."""
+
+    def __init__(self, ledger: SourceLedger, transport: Transport, compat: CompatInfo, *, tp_rank: int = 0,
+                 options: HandoffOptions = HandoffOptions()) -> None:
+        self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
+        self.options = options
+        self.grants: dict[str, GrantReply] = {}
+        self.epochs = EpochTracker()
+        self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
+        self._push_refusals: dict[tuple[str, int], str] = {}
+        self._pushes: list[_Push] = []
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.notifications_seen = 0
+        self.server = SideChannelServer(
+            {GetMeta: self._on_get_meta, GetGrant: self._on_get_grant, Heartbeat: self._on_heartbeat,
+             PushRequest: self._on_push, LoadFailed: self._on_load_failed},
+            host=options.host, port=options.port, secret=options.secret, name=f"side-{transport.agent}")
+        self._thread = threading.Thread(target=self._serve, name=f"producer-{transport.agent}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    # -- engine-facing ----------------------------------------------------------------------------------------------
+    def grant(self, request: str, *, consumers: int = 1, ttl_s: float | None = None, peer: str = "") -> GrantReply:
+        g = self.ledger.grant(request, consumers=consumers, ttl_s=ttl_s, peer=peer)
+        reply = GrantReply(g.request, g.transfer, g.generation, g.worker, g.block_ids.tolist(), g.consumers, g.ttl_s,
+                           self.transport.agent, self.transport.epoch, self.tp_rank)
+        with self._lock:
+            self.grants[request] = reply
+        return reply
+
+    # -- side-channel handlers (side-channel thread: short) ---------------------------------------------------------
+    def _on_get_meta(self, msg: GetMeta, _peer: bytes) -> MetaReply:
+        try:
+            negotiate(msg.compat, self.compat, d_rank=msg.tp_rank)
+        except CompatMismatchError as exc:
+            raise SideChannelRefused("compat", str(exc)) from exc
+        change = self.epochs.observe(msg.agent, msg.epoch)
+        if change.kind == "stale":
+            raise SideChannelRefused("stale_epoch", f"{msg.agent}: epoch {msg.epoch} < known {change.previous}")
+        if change.kind in ("new", "restarted"):
+            self.ledger.peer_restarted(msg.agent, msg.epoch)  # records the epoch; drops push leases of the old one
+        if msg.meta is not None:  # push mode: P writes into D, so P needs D's metadata too
+            peer = self.transport.add_peer(msg.meta)
+            try:
+                self._push_plans[(peer, msg.meta.epoch)] = self.transport.prepare(peer)
+            except RemoteMismatchError as exc:  # e.g. heterogeneous TP: D pulls its slices, P does not push
+                log.info("push to %s unavailable: %s", peer, exc)
+                self._push_refusals[(peer, msg.meta.epoch)] = str(exc)
+        return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata())
+
+    def _on_get_grant(self, msg: GetGrant, _peer: bytes) -> GrantReply:
+        with self._lock:
+            reply = self.grants.get(msg.request)
+        if reply is None:
+            raise SideChannelRefused("unknown_request", f"no grant published for {msg.request!r}")
+        return reply
+
+    def _on_heartbeat(self, msg: Heartbeat, _peer: bytes) -> Ack:
+        ok = self.ledger.heartbeat(msg.transfer, msg.generation)
+        return Ack(ok, "" if ok else "lease is gone (released, expired or stale)")
+
+    def _on_load_failed(self, msg: LoadFailed, _peer: bytes) -> Ack:
+        return Ack(self.ledger.fail(msg.transfer, msg.generation, f"consumer: {msg.reason}"))
+
+    def _on_push(self, msg: PushRequest, _peer: bytes) -> Ack:
+        lease = self.ledger.leases.get(msg.transfer)
+        plan = self._push_plans.get((msg.agent, msg.epoch))
+        if lease is None or plan is None:
+            why = self._push_refusals.get((msg.agent, msg.epoch), "handshake with push metadata first")
+            return Ack(False, "no live lease" if lease is None else f"push unavailable: {why}")
+        if not self.ledger.heartbeat(msg.transfer, msg.generation):  # claim before the write
+            return Ack(False, "lease is gone (released, expired or stale)")
+        src = lease.blocks
+        dst = np.asarray(msg.blocks, dtype=np.int32)
+        note = Notification(msg.target_request, msg.transfer, msg.generation, self.transport.epoch, "done", msg.part)
+        self._jobs.put(lambda: self._start_push(plan, src, dst, msg, note))
+        return Ack(True)
+
+    # -- service thread ---------------------------------------------------------------------------------------------
+    def _start_push(self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest,
+                    note: Notification) -> None:
+        try:
+            handle = self.transport.post(XferOp.WRITE, plan, src, dst, notification=note, transfer=msg.transfer)
+        except (TransportError, ValueError) as exc:
+            self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"post failed: {exc}")
+            return
+        self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
+
+    def _push_failed(self, transfer: str, generation: int, peer: str, note: Notification, reason: str) -> None:
+        self.ledger.fail(transfer, generation, reason)
+        try:  # P failures must reach D (SGLang #36033)
+            self.transport.send_notification(peer, msgspec.structs.replace(note, kind="failed",
+                                                                           payload=reason.encode()[:512]))
+        except TransportError as exc:
+            log.warning("could not tell %s that push %s failed: %s", peer, transfer, exc)
+
+    def _poll_pushes(self) -> None:
+        still = []
+        for push in self._pushes:
+            status = self.transport.poll(push.handle)
+            if status is XferStatus.PENDING:
+                still.append(push)
+                continue
+            stats = self.transport.stats(push.handle)
+            if status is XferStatus.DONE:
+                if stats is not None:
+                    self.ledger.observe_transfer(push.transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s,
+                                                 nbytes=stats.bytes, descriptors=stats.desc_count,
+                                                 backend=stats.backend, ok=True)
+                self.ledger.consumer_done(push.transfer, push.generation, push.note.part)
+            else:
+                err = self.transport.error(push.handle)
+                self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write failed: {err}")
+            self.transport.release(push.handle)
+        self._pushes = still
+
+    def _drain(self) -> None:
+        for _sender, note in self.transport.notifications():
+            self.notifications_seen += 1
+            if note.kind == "done":
+                self.ledger.consumer_done(note.transfer, note.generation, note.part)
+            elif note.kind == "failed":
+                self.ledger.fail(note.transfer, note.generation, f"consumer: {note.payload.decode(errors='replace')}")
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=self.options.service_poll_s if not self._pushes else 0)
+                job()
+            except queue.Empty:
+                pass
+            except Exception:
+                log.exception("producer job failed")
+            try:
+                if self._pushes:
+                    self._poll_pushes()
+                self._drain()
+                self.ledger.sweep()
+                self.ledger.commit()
+            except Exception:
+                log.exception("producer service step failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.server.close()
+        self.ledger.commit()
+
+
+# --- Consumer -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PeerLink:
+    """D's view of one P rank after a handshake."""
+
+    address: str
+    agent: str
+    epoch: int
+    plan: HandshakePlan
+    prepared: PreparedPlan  # the descriptor lists for this P rank's read
+    client: SideChannelClient
+
+
+@dataclass(slots=True)
+class _Load:
+    request: str
+    transfer: str  # D ledger's transfer id
+    mode: str  # pull | push
+    parts: list[tuple[PeerLink, GrantReply, int]]  # (link, grant, part index)
+    started: float
+    handles: dict[int, TransferHandle] = field(default_factory=dict)  # part -> handle
+    done: set[int] = field(default_factory=set)
+    last_beat: float = 0.0
+    failed: bool = False
+
+
+class Consumer:
+    """D side: handshakes with P ranks, pulls (or asks for pushes), heartbeats leases, settles its ledger."""
+
+    def __init__(self, ledger: TargetLedger, transport: Transport, compat: CompatInfo, *, tp_rank: int = 0,
+                 options: HandoffOptions = HandoffOptions()) -> None:
+        self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
+        self.options = options
+        self.links: dict[str, PeerLink] = {}
+        self.epochs = EpochTracker()
+        self._loads: dict[str, _Load] = {}
+        self._by_p_transfer: dict[str, str] = {}
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"consumer-{transport.agent}", daemon=True)
+        self._thread.start()
+
+    # -- handshake --------------------------------------------------------------------------------------------------
+    def connect(self, address: str, *, push: bool = True) -> PeerLink:
+        """Handshake with the P rank at ``address`` (compat check, epochs, metadata both ways, prepared plans).
+
+        Raises :class:`CompatMismatchError` (field by field) or :class:`SideChannelRefused`."""
+        with self._lock:
+            old = self.links.get(address)
+            client = old.client if old is not None else SideChannelClient(
+                address, REPLY_TYPES, secret=self.options.secret, timeout_s=self.options.request_timeout_s)
+        me: PeerMetadata | None = self.transport.local_metadata() if push else None
+        try:
+            reply: MetaReply = client.request(GetMeta(self.compat, self.tp_rank, self.transport.agent,
+                                                      self.transport.epoch, me))
+        except SideChannelRefused as exc:
+            if old is None:
+                client.close()
+            if exc.code == "compat":
+                raise CompatMismatchError(exc.message, []) from exc
+            raise
+        plan = negotiate(self.compat, reply.compat, d_rank=self.tp_rank)  # D refuses too, field by field
+        change = self.epochs.observe(address, reply.meta.epoch)
+        if change.kind == "stale":
+            raise SideChannelRefused("stale_epoch", f"{address}: epoch {reply.meta.epoch} < {change.previous}")
+        if change.kind == "restarted":
+            self._peer_restarted(reply.meta.agent, reply.meta.epoch)
+        self.ledger.peer_restarted(reply.meta.agent, reply.meta.epoch)  # records new epochs; fails stale loads
+        agent = self.transport.add_peer(reply.meta)  # a new epoch: old agent removed first (vLLM #49238)
+        reads = [r for r in plan.reads if r.p_rank == reply.tp_rank]
+        if not reads:
+            raise CompatMismatchError(
+                f"D rank {self.tp_rank} reads P ranks {[r.p_rank for r in plan.reads]}, not {reply.tp_rank}", [])
+        read, unit = reads[0], self.options.unit_bytes
+        prepared = self.transport.prepare(
+            agent, local_view=scale_view(read.local_view, unit) if unit else read.local_view,
+            remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view)
+        link = PeerLink(address, agent, reply.meta.epoch, plan, prepared, client)
+        with self._lock:
+            self.links[address] = link
+        return link
+
+    def _peer_restarted(self, agent: str, epoch: int) -> None:
+        with self._lock:
+            for load in self._loads.values():
+                if any(link.agent == agent and link.epoch < epoch for link, _, _ in load.parts):
+                    load.failed = True
+
+    def fetch_grant(self, address: str, request: str) -> GrantReply:
+        """Ask P for a published grant (engines usually carry it in the request instead)."""
+        link = self.links[address]
+        return link.client.request(GetGrant(request))
+
+    # -- loads ------------------------------------------------------------------------------------------------------
+    def pull(self, request: str, grants: Sequence[tuple[str, GrantReply]] | GrantReply, *,
+             address: str | None = None) -> str:
+        """Start loading ``request`` (already reserved) by READs of each (P address, grant). Returns D's transfer
+        id. Non-blocking: the claim and the post happen on the service thread."""
+        return self._start(request, grants, address, "pull")
+
+    def request_push(self, request: str, grant: GrantReply, *, address: str) -> str:
+        """Ask P to WRITE the granted blocks into ``request``'s reserved blocks. Non-blocking."""
+        return self._start(request, grant, address, "push")
+
+    def _start(self, request: str, grants: Any, address: str | None, mode: str) -> str:
+        pairs = [(address, grants)] if isinstance(grants, GrantReply) else list(grants)
+        parts = [(self.links[addr], grant, i) for i, (addr, grant) in enumerate(pairs)]
+        if len(parts) != parts[0][0].plan.parts:
+            raise ValueError(f"this D rank reads {parts[0][0].plan.parts} P rank(s); got {len(parts)} grant(s)")
+        if mode == "push" and len(parts) != 1:
+            raise ValueError("push supports one P rank with equal layouts")
+        transfer = pairs[0][1].transfer if len(pairs) == 1 else f"{request}<-" + "+".join(g.transfer for _, g in pairs)
+        first = parts[0][0]
+        self.ledger.start_load(request, transfer, parts=len(parts), generation=pairs[0][1].generation,
+                               peer=first.agent, peer_epoch=first.epoch)
+        load = _Load(request, transfer, mode, parts, time.monotonic())
+        with self._lock:
+            self._loads[transfer] = load
+            for _, grant, _ in parts:
+                self._by_p_transfer[grant.transfer] = transfer
+        self._jobs.put(lambda: self._launch(load))
+        return transfer
+
+    def _consumer_index(self, link: PeerLink) -> int:
+        # D TP > P TP: D ranks sharing one P rank count as consumers 0..r-1 of P's lease
+        return self.tp_rank % link.plan.consumers_per_p_rank
+
+    def _launch(self, load: _Load) -> None:
+        blocks = self.ledger.requests[load.request].blocks
+        for link, grant, part in load.parts:
+            try:
+                beat = link.client.request(Heartbeat(grant.transfer, grant.generation))  # claim before reading
+            except SideChannelError as exc:
+                self._fail(load, f"claim failed: {exc}")
+                return
+            if not beat.ok:
+                self._fail(load, f"lease refused: {beat.detail}")
+                return
+            if load.mode == "push":
+                try:
+                    ack = link.client.request(PushRequest(grant.transfer, grant.generation, self.transport.agent,
+                                                          self.transport.epoch, blocks.tolist(), load.request, part))
+                except SideChannelError as exc:
+                    self._fail(load, f"push request failed: {exc}")
+                    return
+                if not ack.ok:
+                    self._fail(load, f"push refused: {ack.detail}")
+                    return
+                continue
+            prepared = link.prepared
+            local, remote = self._map_blocks(blocks, np.asarray(grant.block_ids, dtype=np.int32), link)
+            note = Notification(grant.request, grant.transfer, grant.generation, self.transport.epoch, "done",
+                                self._consumer_index(link))
+            try:
+                load.handles[part] = self.transport.post(XferOp.READ, prepared, local, remote, notification=note,
+                                                         transfer=grant.transfer)
+            except (TransportError, ValueError) as exc:
+                self._fail(load, f"post failed: {exc}")
+                return
+        load.last_beat = time.monotonic()
+
+    @staticmethod
+    def _map_blocks(local: np.ndarray, remote: np.ndarray, link: PeerLink) -> tuple[np.ndarray, np.ndarray]:
+        ls, rs = link.plan.local_split, link.plan.remote_split
+        if ls > 1:  # D blocks are bigger: D sub-blocks in token order, one per P block
+            local = (local[:, None] * ls + np.arange(ls)[None, :]).reshape(-1)[: remote.size]
+        if rs > 1:  # P blocks are bigger: P sub-blocks in token order, one per D block
+            remote = (remote[:, None] * rs + np.arange(rs)[None, :]).reshape(-1)[: local.size]
+        n = min(local.size, remote.size)
+        return local[:n], remote[-n:] if remote.size > n else remote  # partial prefix hit: P's tail
+
+    def _fail(self, load: _Load, reason: str) -> None:
+        if load.failed and load.transfer not in self._loads:
+            return
+        load.failed = True
+        with self._lock:
+            self._loads.pop(load.transfer, None)
+        for handle in load.handles.values():
+            with contextlib.suppress(TransportError):
+                self.transport.release(handle)
+        if load.transfer in self.ledger.loads:
+            self.ledger.fail(load.transfer, reason)
+        for link, grant, _ in load.parts:  # tell P now rather than at lease expiry
+            try:
+                link.client.request(LoadFailed(grant.transfer, grant.generation, reason), timeout_s=1.0)
+            except SideChannelError as exc:
+                log.info("could not tell %s that %s failed: %s", link.address, grant.transfer, exc)
+
+    # -- service thread ---------------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            loads = list(self._loads.values())
+        for load in loads:
+            if load.failed:
+                self._fail(load, "peer restarted (new agent epoch)")
+                continue
+            for part, handle in list(load.handles.items()):
+                status = self.transport.poll(handle)
+                if status is XferStatus.PENDING:
+                    continue
+                if status is XferStatus.FAILED:
+                    self._fail(load, f"read failed: {self.transport.error(handle)}")
+                    break
+                stats = self.transport.stats(handle)
+                if stats is not None:
+                    self.ledger.observe_transfer(load.transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s,
+                                                 nbytes=stats.bytes, descriptors=stats.desc_count,
+                                                 backend=stats.backend, ok=True)
+                self.transport.release(handle)
+                del load.handles[part]
+                self._part_done(load, part)
+            if load.transfer in self._loads and now - load.started > self.options.load_timeout_s:
+                self._fail(load, f"load timed out after {self.options.load_timeout_s}s")
+            elif load.transfer in self._loads and load.mode == "push":
+                self._heartbeat(load, now)
+        for _sender, note in self.transport.notifications():  # push completions / failures from P
+            transfer = self._by_p_transfer.get(note.transfer)
+            load = self._loads.get(transfer) if transfer else None
+            if load is None:
+                continue
+            if note.kind == "done":
+                self._part_done(load, note.part)
+            elif note.kind == "failed":
+                self._fail(load, f"producer: {note.payload.decode(errors='replace')}")
+
+    def _heartbeat(self, load: _Load, now: float) -> None:
+        ttl = min(g.ttl_s for _, g, _ in load.parts)
+        every = self.options.heartbeat_every_s or ttl / 6
+        if now - load.last_beat < every:
+            return
+        load.last_beat = now
+        for link, grant, _ in load.parts:
+            try:
+                beat = link.client.request(Heartbeat(grant.transfer, grant.generation), timeout_s=every)
+            except SideChannelError as exc:
+                log.info("heartbeat to %s failed: %s", link.address, exc)
+                continue
+            if not beat.ok:
+                self._fail(load, f"lease lost: {beat.detail}")
+                return
+
+    def _part_done(self, load: _Load, part: int) -> None:
+        if part in load.done:
+            return
+        load.done.add(part)
+        self.ledger.part_done(load.transfer, part)
+        if len(load.done) == len(load.parts):
+            with self._lock:
+                self._loads.pop(load.transfer, None)
+                for _, grant, _ in load.parts:
+                    self._by_p_transfer.pop(grant.transfer, None)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=self.options.service_poll_s)
+                job()
+            except queue.Empty:
+                pass
+            except Exception:
+                log.exception("consumer job failed")
+            try:
+                self._step()
+                self.ledger.commit()
+            except Exception:
+                log.exception("consumer service step failed")
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._loads)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.pending():
+                return True
+            time.sleep(0.001)
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for link in self.links.values():
+            link.client.close()
+        self.ledger.commit()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test command (README, and what .ci/run calls): set up every part this machine can run, then run the tests.
+#
+#   main venv (.venv)          scripts/setup.sh          core, NIXL (DRAM) transports, CLI
+#   vLLM venv (.venv-vllm)     scripts/setup-vllm-env.sh     real vLLM on CPU (cached after the first run)
+#   SGLang venv (.venv-sglang) scripts/setup-sglang-env.sh   real SGLang on CPU (cached after the first run)
+#
+# KVL_SKIP_ENGINES=1 skips the two engine environments for a quick core run (their tests then skip).
+# In CI (CI=true) nothing may be skipped: KVL_REQUIRE_ALL=1 turns such skips into failures.
+# Extra arguments go to pytest. pytest's "no tests ran" (exit 5) is a failure here.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+if [[ "${KVL_SKIP_ENGINES:-0}" != "1" ]]; then
+    bash scripts/setup-vllm-env.sh
+    bash scripts/setup-sglang-env.sh
+fi
+if [[ "${CI:-}" == "true" ]]; then
+    export KVL_REQUIRE_ALL=1
+fi
+set +e
+.venv/bin/python -m pytest -ra "$@"
+status=$?
+set -e
+if [[ $status -eq 5 ]]; then
+    echo "scripts/test.sh: pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit $status

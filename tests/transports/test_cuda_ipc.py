@@ -1,0 +1,572 @@
+"""The CUDA IPC transport: the conformance suite with VRAM regions (also for NIXL), two-process IPC pull/push,
+lifecycle on GPU, the batched kernel's edge cases, the vLLM KV layout, and backend selection.
+
+Everything that needs a GPU is skipped with the reason printed (``pytest -rs``) when CUDA is absent; the selection
+checks that need no GPU always run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from kvlifecycle.transports import cuda_ipc
+from transport_conformance import BLOCK_BYTES, BLOCKS, REGIONS, TransportConformance, wait_notes, wait_status
+
+from kvlifecycle.clock import ManualClock
+from kvlifecycle.ledger import BlockBusyError, SourceLedger
+from kvlifecycle.transport import (
+    BlockView,
+    KVLayout,
+    LayoutWire,
+    MemoryKind,
+    Notification,
+    PeerEpochError,
+    PeerMetadata,
+    RegistrationError,
+    RemoteMismatchError,
+    TransportError,
+    XferStatus,
+)
+
+HAVE_CUDA = torch.cuda.is_available()
+NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False (the CUDA IPC transport moves VRAM only)"
+gpu = pytest.mark.skipif(not HAVE_CUDA, reason=NO_CUDA)
+WAIT_S = 30.0
+
+
+def vram_tensors(fill: str, seed: int = 0, regions: int = REGIONS, blocks: int = BLOCKS,
+                 block_bytes: int = BLOCK_BYTES) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if fill == "random":
+        return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, device="cuda", generator=gen)
+                for _ in range(regions)]
+    return [torch.zeros((blocks, block_bytes), dtype=torch.uint8, device="cuda") for _ in range(regions)]
+
+
+def vram_layout(tensors: list[torch.Tensor]) -> KVLayout:
+    blocks = tensors[0].shape[0]
+    block_bytes = tensors[0][0].numel() * tensors[0].element_size()
+    return KVLayout(MemoryKind.VRAM, tensors[0].device.index or 0, blocks, tuple(t.data_ptr() for t in tensors),
+                    tuple(block_bytes for _ in tensors))
+
+
+class VramPair:
+    """Mixin: the conformance suite's endpoints with their regions in VRAM instead of DRAM."""
+
+    @pytest.fixture
+    def pair(self, request: pytest.FixtureRequest) -> Any:
+        suffix = f"{request.node.name}-{time.monotonic_ns()}"
+        a, b = self.make_transport(f"a-{suffix}"), self.make_transport(f"b-{suffix}")  # type: ignore[attr-defined]
+        ta, tb = vram_tensors("random", 1), vram_tensors("zeros")
+        a.register(vram_layout(ta))
+        b.register(vram_layout(tb))
+        b_sees_a = b.add_peer(a.local_metadata())
+        a_sees_b = a.add_peer(b.local_metadata())
+        yield a, b, ta, tb, a_sees_b, b_sees_a
+        for t in (a, b):
+            t.close()
+
+    def test_clean_teardown_leaves_nothing_registered(self) -> None:
+        t = self.make_transport(f"solo-{time.monotonic_ns()}")  # type: ignore[attr-defined]
+        t.register(vram_layout(vram_tensors("zeros")))
+        assert t.registered_regions() == REGIONS
+        t.close()
+        assert t.registered_regions() == 0
+        t.close()
+        with pytest.raises(TransportError):
+            t.post("READ", None, [0], [0])  # type: ignore[arg-type]
+
+
+@gpu
+@pytest.mark.gpu
+class TestCudaIpcConformance(VramPair, TransportConformance):
+    def make_transport(self, name: str) -> cuda_ipc.CudaIpcTransport:
+        return cuda_ipc.CudaIpcTransport(name)
+
+
+@gpu
+@pytest.mark.gpu
+class TestCudaIpcTorchFallbackConformance(VramPair, TransportConformance):
+    """The same suite through the torch fallback (what runs where Triton is missing)."""
+
+    def make_transport(self, name: str) -> cuda_ipc.CudaIpcTransport:
+        return cuda_ipc.CudaIpcTransport(name, use_triton=False)
+
+
+def _nixl_or_skip() -> Any:
+    try:
+        from kvlifecycle.transports.nixl import NixlTransport
+    except ImportError as exc:
+        pytest.skip(f"needs the real NIXL package (nixl==1.5.1): {exc}")
+    return NixlTransport
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.nixl
+class TestNixlVramConformance(VramPair, TransportConformance):
+    """Issue 3: the NIXL transport's conformance suite with VRAM regions (UCX on one GPU)."""
+
+    def make_transport(self, name: str) -> Any:
+        return _nixl_or_skip()(name)
+
+
+# --- the kernel ---------------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_triton", [True, False])
+@pytest.mark.parametrize("block_bytes", [256, 100, 6, 32768 + 48])
+def test_block_copier_odd_sizes_byte_exact(use_triton: bool, block_bytes: int) -> None:
+    from kvlifecycle.transports.triton_copy import BlockCopier, RegionSpec
+
+    src = vram_tensors("random", 3, regions=3, blocks=40, block_bytes=block_bytes)
+    dst = [torch.full_like(t, 0xA5) for t in src]
+    copier = BlockCopier([RegionSpec.of_tensor(t) for t in src], [RegionSpec.of_tensor(t) for t in dst],
+                         src[0].device, use_triton=use_triton)
+    rng = np.random.default_rng(block_bytes)
+    s = rng.choice(40, 17, replace=False).astype(np.int32)
+    d = rng.choice(40, 17, replace=False).astype(np.int32)
+    copier.check_ids(s, d)
+    copier.copy(torch.from_numpy(s).cuda(), torch.from_numpy(d).cuda())
+    torch.cuda.synchronize()
+    untouched = torch.from_numpy(np.setdiff1d(np.arange(40), d)).long()
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(b[torch.from_numpy(d).long()], a[torch.from_numpy(s).long()])
+        assert bool((b[untouched] == 0xA5).all())
+
+
+@gpu
+@pytest.mark.gpu
+def test_block_copier_refuses_out_of_range_ids() -> None:
+    from kvlifecycle.transports.triton_copy import BlockCopier, RegionSpec
+
+    src, dst = vram_tensors("random", regions=1), vram_tensors("zeros", regions=1)
+    copier = BlockCopier([RegionSpec.of_tensor(src[0])], [RegionSpec.of_tensor(dst[0])], src[0].device)
+    with pytest.raises(ValueError, match="out of range"):
+        copier.check_ids(np.array([0, BLOCKS]), np.array([0, 1]))
+    with pytest.raises(ValueError, match="out of range"):
+        copier.check_ids(np.array([0]), np.array([-1]))
+    with pytest.raises(ValueError, match="unit sizes differ"):
+        BlockCopier([RegionSpec.of_tensor(src[0])], [RegionSpec.of_tensor(dst[0][:, :128])], src[0].device)
+
+
+# --- two processes: real CUDA IPC -----------------------------------------------------------------------------------
+
+
+def _peer_process(conn: Any, seed: int, fill: str) -> None:
+    """The other process: registers VRAM regions, exchanges metadata, then serves commands from the pipe."""
+    try:
+        tensors = vram_tensors(fill, seed)
+        t = cuda_ipc.CudaIpcTransport(f"peer-{os.getpid()}")
+        t.register(vram_layout(tensors))
+        conn.send(msgspec.msgpack.encode(t.local_metadata()))
+        peer = t.add_peer(msgspec.msgpack.decode(conn.recv(), type=PeerMetadata))
+        plan = t.prepare(peer)
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "write":
+                _, local, remote, note = cmd
+                h = t.post("WRITE", plan, local, remote, notification=Notification(*note))
+                conn.send(("written", wait_status(t, h).value))
+            elif cmd[0] == "notes":
+                conn.send(("notes", [(s, msgspec.structs.astuple(n)) for s, n in wait_notes(t, cmd[1])]))
+            elif cmd[0] == "read_then_die":
+                _, local, remote = cmd
+                t.post("READ", plan, local, remote)
+                conn.send(("posted", None))
+                os._exit(3)  # die while mapped, with a copy possibly in flight
+            elif cmd[0] == "bytes":
+                conn.send(("bytes", [x.cpu().numpy().tobytes() for x in tensors]))
+            else:
+                t.close()
+                conn.send(("bye", None))
+                return
+    except BaseException as exc:  # report, so the test fails with the reason instead of a timeout
+        conn.send(("error", repr(exc)))
+
+
+class PeerProcess:
+    def __init__(self, local: cuda_ipc.CudaIpcTransport, seed: int, fill: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_process, args=(child, seed, fill), daemon=True)
+        self.proc.start()
+        meta = msgspec.msgpack.decode(self.recv_raw(), type=PeerMetadata)
+        self.name = local.add_peer(meta)
+        self.meta = meta
+        self.conn.send(msgspec.msgpack.encode(local.local_metadata()))
+
+    def recv_raw(self, timeout_s: float = 60.0) -> Any:
+        assert self.conn.poll(timeout_s), "peer process did not answer"
+        msg = self.conn.recv()
+        if isinstance(msg, tuple) and msg[0] == "error":
+            raise AssertionError(f"peer process failed: {msg[1]}")
+        return msg
+
+    def ask(self, *cmd: Any) -> Any:
+        self.conn.send(cmd)
+        return self.recv_raw()[1]
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(AssertionError, OSError, EOFError):
+                self.ask("stop")
+            self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+@pytest.fixture
+def local_zero() -> Any:
+    t = cuda_ipc.CudaIpcTransport(f"local-{time.monotonic_ns()}")
+    tensors = vram_tensors("zeros")
+    t.register(vram_layout(tensors))
+    yield t, tensors
+    t.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_two_process_pull_is_byte_exact_and_notifies(local_zero: Any) -> None:
+    t, tensors = local_zero
+    peer = PeerProcess(t, seed=21, fill="random")
+    try:
+        assert t.peer_info(peer.name)["ipc_mappings"] >= 1 and not t.peer_info(peer.name)["same_process"]
+        expected = vram_tensors("random", 21)  # same generator, same device: the peer's bytes
+        rng = np.random.default_rng(0)
+        remote = rng.choice(BLOCKS, 20, replace=False).astype(np.int32)
+        local = rng.choice(BLOCKS, 20, replace=False).astype(np.int32)
+        note = Notification("req", "xfer-pull", 5, t.epoch, "done", 0)
+        h = t.post("READ", t.prepare(peer.name), local, remote, notification=note)
+        assert wait_status(t, h) is XferStatus.DONE, t.error(h)
+        li, ri = torch.from_numpy(local).long(), torch.from_numpy(remote).long()
+        for r in range(REGIONS):
+            assert torch.equal(tensors[r][li], expected[r][ri])
+        assert peer.ask("notes", 1) == [(t.agent, msgspec.structs.astuple(note))]
+    finally:
+        peer.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_two_process_push_is_byte_exact_and_notifies() -> None:
+    t = cuda_ipc.CudaIpcTransport(f"src-{time.monotonic_ns()}")
+    tensors = vram_tensors("random", 33)
+    t.register(vram_layout(tensors))
+    peer = PeerProcess(t, seed=0, fill="zeros")
+    try:
+        local = np.array([3, 1, 4, 15, 9], dtype=np.int32)  # our blocks, overwritten by the push
+        theirs = np.array([2, 7, 18, 28, 30], dtype=np.int32)  # the peer's (zero) blocks it WRITEs into ours
+        status = peer.ask("write", theirs.tolist(), local.tolist(), ("req", "xfer-push", 9, 0, "done", 0, b""))
+        assert status == XferStatus.DONE.value
+        for r in range(REGIONS):
+            assert int(tensors[r][torch.from_numpy(local).long()].sum()) == 0  # overwritten with the peer's zeros
+            others = np.setdiff1d(np.arange(BLOCKS), local)
+            assert int(tensors[r][torch.from_numpy(others).long()].sum()) > 0
+        got = wait_notes(t, 1)
+        assert [(s, n.transfer, n.generation) for s, n in got] == [(peer.name, "xfer-push", 9)]
+    finally:
+        peer.close()
+        t.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_consumer_dying_while_mapped_leaves_p_to_reclaim_by_lease_expiry() -> None:
+    """P (this process) grants a lease; D maps P, posts a READ and dies. P's bytes are intact, the lease expires,
+    the blocks go back to the allocator, and P's transport keeps working."""
+    clock = ManualClock(100.0)
+    ledger = SourceLedger(BLOCKS, clock=clock, worker="p0", default_ttl_s=5.0)
+    t = cuda_ipc.CudaIpcTransport(f"p-{time.monotonic_ns()}")
+    tensors = vram_tensors("random", 44)
+    before = [x.clone() for x in tensors]
+    t.register(vram_layout(tensors))
+    blocks = np.arange(8, dtype=np.int32)
+    ledger.allocate("req", blocks)
+    ledger.prefill_done("req")
+    ledger.grant("req")
+    peer = PeerProcess(t, seed=0, fill="zeros")
+    try:
+        peer.conn.send(("read_then_die", blocks.tolist(), blocks.tolist()))
+        peer.recv_raw()
+        peer.proc.join(30)
+        assert peer.proc.exitcode == 3
+        with pytest.raises(BlockBusyError):
+            ledger.allocate("again", blocks)  # still pinned: nothing but expiry may release it
+        clock.advance(6.0)
+        assert ledger.sweep() != []
+        assert [r.reason for r in ledger.take_released()] == ["expired"]
+        ledger.free("req")
+        ledger.allocate("again", blocks)
+        torch.cuda.synchronize()
+        for a, b in zip(tensors, before, strict=True):
+            assert torch.equal(a, b)
+        t.remove_peer(peer.name)
+    finally:
+        peer.close()
+        t.close()
+
+
+# --- lifecycle on GPU: the lease outlives the kernel ----------------------------------------------------------------
+
+
+class _HeldEvent:
+    """Stands in for a copy's completion event that has not fired yet (no timing involved)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.fired = real, False
+
+    def query(self) -> bool:
+        return self.fired and self.real.query()
+
+    def synchronize(self) -> None:
+        self.real.synchronize()
+
+
+@gpu
+@pytest.mark.gpu
+def test_lease_is_released_only_after_the_copy_event_completed() -> None:
+    clock = ManualClock(0.0)
+    ledger = SourceLedger(BLOCKS, clock=clock, worker="p0")
+    p = cuda_ipc.CudaIpcTransport(f"p-{time.monotonic_ns()}")
+    d = cuda_ipc.CudaIpcTransport(f"d-{time.monotonic_ns()}")
+    tp, td = vram_tensors("random", 5), vram_tensors("zeros")
+    p.register(vram_layout(tp))
+    d.register(vram_layout(td))
+    try:
+        d_sees_p = d.add_peer(p.local_metadata())
+        p.add_peer(d.local_metadata())
+        blocks = np.array([1, 2, 3], dtype=np.int32)
+        ledger.allocate("req", blocks)
+        ledger.prefill_done("req")
+        g = ledger.grant("req")
+        note = Notification("req", g.transfer, g.generation, d.epoch, "done", 0)
+        h = d.post("READ", d.prepare(d_sees_p), blocks, blocks, notification=note)
+        held = _HeldEvent(d._inflight[h.id].end)
+        d._inflight[h.id].end = held
+        torch.cuda.synchronize()  # the kernel itself is finished; only the event we hold says otherwise
+        for _ in range(3):
+            assert d.poll(h) is XferStatus.PENDING
+            assert p.notifications() == []  # no completion notification before the event
+        with pytest.raises(BlockBusyError):
+            ledger.allocate("other", blocks)
+        held.fired = True
+        assert wait_status(d, h) is XferStatus.DONE
+        got = wait_notes(p, 1)
+        assert [n.transfer for _, n in got] == [g.transfer]
+        assert ledger.consumer_done(note.transfer, note.generation)
+        assert [r.reason for r in ledger.take_released()] == ["completed"]
+        ledger.free("req")
+        ledger.allocate("other", blocks)
+    finally:
+        d.close()
+        p.close()
+
+
+# --- epochs, malformed input ------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.gpu
+def test_restarted_peer_voids_old_plans_and_maps_the_new_one() -> None:
+    a = cuda_ipc.CudaIpcTransport("restarting-peer", epoch=1000)
+    b = cuda_ipc.CudaIpcTransport(f"b-{time.monotonic_ns()}")
+    ta, tb = vram_tensors("random", 8), vram_tensors("zeros")
+    a.register(vram_layout(ta))
+    b.register(vram_layout(tb))
+    a2 = None
+    try:
+        plan = b.prepare(b.add_peer(a.local_metadata()))
+        a.close()
+        a2 = cuda_ipc.CudaIpcTransport("restarting-peer", epoch=2000)
+        ta2 = vram_tensors("random", 9)
+        a2.register(vram_layout(ta2))
+        with pytest.raises(PeerEpochError):
+            b.add_peer(msgspec.structs.replace(a2.local_metadata(), epoch=500))  # older than known: refused
+        peer = b.add_peer(a2.local_metadata())
+        with pytest.raises(PeerEpochError):
+            b.post("READ", plan, [0], [0])
+        h = b.post("READ", b.prepare(peer), [0, 1], [5, 6])
+        assert wait_status(b, h) is XferStatus.DONE
+        assert torch.equal(tb[0][:2], ta2[0][5:7])
+    finally:
+        b.close()
+        a.close()
+        if a2 is not None:
+            a2.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_malformed_side_channel_messages_are_counted_and_dropped(local_zero: Any) -> None:
+    import zmq
+
+    t, _ = local_zero
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(t.endpoint)
+    try:
+        sock.send_multipart([b"not msgpack \xff", b"x"])
+        sock.send(b"one frame only")
+        sock.send_multipart([msgspec.msgpack.encode(("someone", 1)), b"\x93garbage"])
+        deadline = time.monotonic() + WAIT_S
+        while t.malformed_notifications < 3 and time.monotonic() < deadline:
+            assert t.notifications() == []
+            time.sleep(0.001)
+        assert t.malformed_notifications == 3
+    finally:
+        sock.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_register_refuses_dram_and_memory_it_cannot_export() -> None:
+    t = cuda_ipc.CudaIpcTransport(f"r-{time.monotonic_ns()}")
+    try:
+        host = torch.zeros(BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+        with pytest.raises(RegistrationError, match="VRAM"):
+            t.register(KVLayout(MemoryKind.DRAM, 0, BLOCKS, (host.data_ptr(),), (BLOCK_BYTES,)))
+        with pytest.raises(RegistrationError):
+            t.register(KVLayout(MemoryKind.VRAM, 0, BLOCKS, (host.data_ptr(),), (BLOCK_BYTES,)))
+        assert t.registered_regions() == 0
+    finally:
+        t.close()
+
+
+# --- the vLLM layout ------------------------------------------------------------------------------------------------
+
+
+def vllm_kv_caches(layers: int, num_blocks: int, block_size: int, kv_heads: int, head_size: int, *,
+                   dtype: torch.dtype, seed: int | None) -> list[torch.Tensor]:
+    """One tensor per layer, shaped as vLLM's FlashAttention backend allocates it: [2, blocks, block_size, heads,
+    head_size] (K then V)."""
+    shape = (2, num_blocks, block_size, kv_heads, head_size)
+    if seed is None:
+        return [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(layers)]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(shape, dtype=torch.float32, device="cuda", generator=gen).to(dtype) for _ in range(layers)]
+
+
+def vllm_layout(caches: list[torch.Tensor]) -> KVLayout:
+    """Regions = K and V of every layer (``cache[0]``, ``cache[1]``), each [blocks, block_size, heads, head_size]."""
+    halves = [half for cache in caches for half in (cache[0], cache[1])]
+    return vram_layout(halves)
+
+
+@gpu
+@pytest.mark.gpu
+def test_vllm_shaped_kv_moves_byte_exact_with_sliced_heads() -> None:
+    """vLLM-shaped bf16 caches: a whole-request pull, then heterogeneous TP (D reads half of P's heads: HND view
+    per block is [heads, block_size, head_size] here, so one rank's heads are one contiguous slice)."""
+    layers, nb, bs, heads, hd = 4, 48, 16, 8, 128
+    p = cuda_ipc.CudaIpcTransport(f"vllm-p-{time.monotonic_ns()}")
+    d = cuda_ipc.CudaIpcTransport(f"vllm-d-{time.monotonic_ns()}")
+    src = vllm_kv_caches(layers, nb, bs, heads, hd, dtype=torch.bfloat16, seed=3)
+    dst = vllm_kv_caches(layers, nb, bs, heads, hd, dtype=torch.bfloat16, seed=None)
+    p.register(vllm_layout(src))
+    d.register(vllm_layout(dst))
+    try:
+        peer = d.add_peer(p.local_metadata())
+        p_blocks = np.array([40, 2, 17, 33, 5], dtype=np.int32)
+        d_blocks = np.array([0, 1, 2, 3, 4], dtype=np.int32)
+        h = d.post("READ", d.prepare(peer), d_blocks, p_blocks)
+        assert wait_status(d, h) is XferStatus.DONE
+        pi, di = torch.from_numpy(p_blocks).long(), torch.from_numpy(d_blocks).long()
+        for s, t in zip(src, dst, strict=True):
+            assert torch.equal(t[:, di].view(torch.int16), s[:, pi].view(torch.int16))  # bit-exact, not allclose
+        # heterogeneous TP on an HND-permuted view: rank 1 of 2 reads heads 4..7 of each P block
+        block_bytes = bs * heads * hd * 2
+        half = block_bytes // 2
+        src_hnd = [x.permute(0, 1, 3, 2, 4).contiguous() for x in src]  # [2, blocks, heads, bs, hd]
+        dst_half = vllm_kv_caches(layers, nb, bs, heads // 2, hd, dtype=torch.bfloat16, seed=None)
+        p2 = cuda_ipc.CudaIpcTransport(f"vllm-p2-{time.monotonic_ns()}")
+        d2 = cuda_ipc.CudaIpcTransport(f"vllm-d2-{time.monotonic_ns()}")
+        p2.register(vllm_layout(src_hnd))
+        d2.register(vllm_layout(dst_half))
+        try:
+            plan = d2.prepare(d2.add_peer(p2.local_metadata()), remote_view=BlockView(half, half))
+            h2 = d2.post("READ", plan, d_blocks, p_blocks)
+            assert wait_status(d2, h2) is XferStatus.DONE
+            for s, t in zip(src_hnd, dst_half, strict=True):
+                got = t[:, di].view(2, len(d_blocks), heads // 2, bs, hd)  # the D cache read as HND
+                assert torch.equal(got.view(torch.int16), s[:, pi, heads // 2:].view(torch.int16))
+        finally:
+            d2.close()
+            p2.close()
+    finally:
+        d.close()
+        p.close()
+
+
+# --- selection (no GPU needed for the refusals) ---------------------------------------------------------------------
+
+
+def _meta(host: str, kind: str = "VRAM") -> PeerMetadata:
+    blob = cuda_ipc.CudaIpcBlob(host, 1, "GPU-x", 0, "tcp://127.0.0.1:1", [], 0, 0)
+    return PeerMetadata("peer", 1, cuda_ipc.NAME, msgspec.msgpack.encode(blob),
+                        LayoutWire(kind, 0, 4, [0x1000], [256]))
+
+
+VRAM_LAYOUT = KVLayout(MemoryKind.VRAM, 0, 4, (0x1000,), (256,))
+
+
+class _Fallback:
+    name = "nixl"
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "why"),
+    [
+        (KVLayout(MemoryKind.DRAM, 0, 4, (0x1000,), (256,)), _meta(cuda_ipc.node_identity()), "not VRAM"),
+        (VRAM_LAYOUT, None, "offers no cuda_ipc"),
+        (VRAM_LAYOUT, _meta(cuda_ipc.node_identity(), kind="DRAM"), "not VRAM"),
+        (VRAM_LAYOUT, _meta("another-boot@another-host"), "another node"),
+        (VRAM_LAYOUT, msgspec.structs.replace(_meta("h"), blob=b"\xc1junk"), "malformed"),
+    ],
+)
+def test_selection_falls_back_to_nixl_and_says_why(local: KVLayout, remote: PeerMetadata | None, why: str,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="kvlifecycle.transports.cuda_ipc")
+    transport, peer, selection = cuda_ipc.select_same_node(local, None, remote, _Fallback)
+    assert isinstance(transport, _Fallback) and peer == ""
+    assert selection.backend == "nixl" and why in selection.reason
+    assert any("transport selected: nixl" in r.getMessage() and why in r.getMessage() for r in caplog.records)
+
+
+@gpu
+@pytest.mark.gpu
+def test_selection_picks_cuda_ipc_on_one_node_and_reports_the_self_test(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="kvlifecycle.transports.cuda_ipc")
+    p = cuda_ipc.CudaIpcTransport(f"sel-p-{time.monotonic_ns()}")
+    d = cuda_ipc.CudaIpcTransport(f"sel-d-{time.monotonic_ns()}")
+    tp, td = vram_tensors("random", 2), vram_tensors("zeros")
+    p.register(vram_layout(tp))
+    d.register(vram_layout(td))
+    try:
+        transport, peer, selection = cuda_ipc.select_same_node(vram_layout(td), d, p.local_metadata(), _Fallback)
+        assert transport is d and peer == p.agent and selection.backend == "cuda_ipc"
+        assert selection.measured["self_test_gbps"] > 0
+        assert any("transport selected: cuda_ipc" in r.getMessage() for r in caplog.records)
+        # a peer whose probe does not hold its epoch's pattern fails the self-test: fall back
+        blob = msgspec.msgpack.decode(p.local_metadata().blob, type=cuda_ipc.CudaIpcBlob)
+        lying = msgspec.structs.replace(blob, probe_addr=tp[0].data_ptr(), probe_bytes=BLOCK_BYTES)
+        bad = msgspec.structs.replace(p.local_metadata(), epoch=p.epoch + 1, blob=msgspec.msgpack.encode(lying))
+        d.remove_peer(peer)
+        transport, peer, selection = cuda_ipc.select_same_node(vram_layout(td), d, bad, _Fallback)
+        assert isinstance(transport, _Fallback) and "self-test failed" in selection.reason
+        with pytest.raises(RemoteMismatchError):
+            d.add_peer(msgspec.structs.replace(bad, blob=b"\x00"))
+    finally:
+        d.close()
+        p.close()

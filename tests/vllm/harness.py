@@ -1,0 +1,299 @@
+"""Start and drive real ``vllm serve`` processes and the kvlifecycle proxy on 127.0.0.1 (stdlib only).
+
+Shared by the end-to-end tests (tests/vllm/) and the benchmark (bench/vllm_pd.py). Every wait is bounded; every
+process is started in its own session so that stopping it stops its engine and worker children too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_VENV = Path(os.environ.get("KVL_VLLM_VENV", REPO_ROOT / ".venv-vllm"))
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+VLLM_CLI = VLLM_VENV / "bin" / "vllm"
+MODEL_NAME = "tiny"
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p+1 also free (vLLM's side channel uses base + DP rank)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind((HOST, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair on 127.0.0.1")
+
+
+def build_tiny_model(cache_dir: Path, timeout_s: float = 300.0) -> Path:
+    """Build (or reuse) the tiny random Llama inside the vLLM venv; returns its directory."""
+    out = subprocess.run(
+        [str(VLLM_PYTHON), str(Path(__file__).with_name("tiny_model.py")), str(cache_dir)],
+        check=True, capture_output=True, text=True, timeout=timeout_s,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def prompt_of_length(num_tokens: int, offset: int = 0) -> str:
+    """Same words as tiny_model.prompt_of_length (kept here so the harness needs no torch)."""
+    words = 4096 - 4 - 2
+    return " ".join(f"w{(offset + 7 * i) % words}" for i in range(num_tokens))
+
+
+def base_env(cores: Sequence[int] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_HOST_IP=HOST,
+        VLLM_NIXL_SIDE_CHANNEL_HOST=HOST,
+        UCX_TLS=env.get("UCX_TLS", "self,sm,tcp"),
+        UCX_NET_DEVICES=env.get("UCX_NET_DEVICES", "lo"),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    else:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+@dataclass
+class ManagedProcess:
+    """A child process in its own session; ``stop()`` ends the whole group (SIGTERM, then SIGKILL)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    cores: Sequence[int] | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = list(self.argv)
+        if self.cores:
+            argv = ["taskset", "-c", ",".join(map(str, self.cores)), *argv]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=REPO_ROOT)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)  # the session we created for this child: its engine and workers
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (a crash, as seen by its peers)."""
+        self._signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        self._signal_group(signal.SIGKILL)  # leftovers of the group (engine core, workers)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+@dataclass
+class VLLMServer(ManagedProcess):
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited while starting:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                status, _ = http_get(self.port, "/health", timeout_s=2.0)
+                if status == 200:
+                    return
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+
+def vllm_server(name: str, model_dir: Path, port: int, log_dir: Path, *, kv_transfer_config: dict | None = None,
+                cores: Sequence[int] | None = None, side_channel_port: int | None = None,
+                block_size: int | None = None, extra_env: dict[str, str] | None = None,
+                extra_args: Sequence[str] = ()) -> VLLMServer:
+    env = base_env(cores)
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    env.update(extra_env or {})
+    argv = [
+        str(VLLM_CLI), "serve", str(model_dir), "--host", HOST, "--port", str(port),
+        "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048",
+        "--enforce-eager", "--disable-log-stats", "--seed", "0", *extra_args,
+    ]
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return VLLMServer(name=name, argv=argv, env=env, log_path=log_dir / f"{name}.log", cores=cores, port=port)
+
+
+def proxy_process(port: int, prefill: Sequence[str], decode: Sequence[str], log_dir: Path,
+                  python: str | None = None) -> VLLMServer:
+    argv = [python or sys.executable, "-m", "kvlifecycle", "proxy", "--port", str(port),
+            "--prefill", *prefill, "--decode", *decode]
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return VLLMServer(name="proxy", argv=argv, env=env, log_path=log_dir / "proxy.log", port=port)
+
+
+# -- HTTP ------------------------------------------------------------------------------------------------------
+
+
+def http_get(port: int, path: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def post_json(port: int, path: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            return resp.status, json.loads(raw)
+        except json.JSONDecodeError:
+            return resp.status, {"raw": raw.decode(errors="replace")}
+    finally:
+        conn.close()
+
+
+def completion_body(prompt: str, max_tokens: int, **extra: object) -> dict:
+    body: dict = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                  "ignore_eos": True}
+    body.update(extra)
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class StreamResult:
+    text: str
+    ttft_s: float
+    e2e_s: float
+    status: int
+
+
+def iter_sse(resp: http.client.HTTPResponse) -> Iterator[dict]:
+    for raw in resp:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+def stream_completion(port: int, prompt: str, max_tokens: int, timeout_s: float = 300.0,
+                      path: str = "/v1/completions") -> StreamResult:
+    """Stream one greedy completion; TTFT is the time to the first SSE event that carries text."""
+    body = completion_body(prompt, max_tokens, stream=True)
+    if path.endswith("chat/completions"):
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    ttft = None
+    parts: list[str] = []
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return StreamResult(resp.read().decode(errors="replace"), float("nan"), time.perf_counter() - start,
+                                resp.status)
+        for event in iter_sse(resp):
+            for choice in event.get("choices", []):
+                piece = choice.get("text")
+                if piece is None:
+                    piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    parts.append(piece)
+        return StreamResult("".join(parts), ttft if ttft is not None else float("nan"),
+                            time.perf_counter() - start, resp.status)
+    finally:
+        conn.close()
+
+
+def process_cpu_seconds(root_pid: int) -> float:
+    """User+system CPU seconds of a process and all its descendants (from /proc; Linux only)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2:].split()
+        pid, ppid = int(entry), int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        stats[pid] = (int(fields[11]) + int(fields[12])) / tick
+    total, stack = 0.0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        total += stats.get(pid, 0.0)
+        stack.extend(children.get(pid, []))
+    return total

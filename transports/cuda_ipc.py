@@ -1,0 +1,818 @@
+"""Same-node GPU fast path: a CUDA IPC transport whose transfers are one batched block-copy kernel.
+
+Why it is shaped this way:
+- P's (and D's) KV regions are exported **once**, at :meth:`~CudaIpcTransport.register`, as CUDA IPC handles of
+  the allocations that hold them (``cuIpcGetMemHandle``; one handle per allocation, however many regions it holds).
+  The peer maps them **once**, at :meth:`~CudaIpcTransport.add_peer`, and drops the mapping when the peer's agent
+  epoch changes (a restarted peer's old handles are never used, vLLM #49238).
+- A transfer is one launch of :mod:`kvlifecycle.transports.triton_copy`'s kernel over every (region × block) pair
+  on the transport's own stream; nothing is prepared per block (vLLM #55434: 90k–120k descriptors per transfer on
+  cuda_ipc, posting 57 % of the transfer time). Its completion handle is a CUDA event: :meth:`poll` asks
+  ``event.query()`` and never blocks.
+- Pull (``READ``: local ← peer) and push (``WRITE``: peer ← local) both run on the side that posts.
+- Notifications (``done`` after a copy, or the caller's own) go over a small ZMQ side channel bound on 127.0.0.1:
+  the notification a post carries is sent when :meth:`poll` (or any progress call) first sees the copy's event
+  complete, never earlier. The caller releases a source lease only then, so the P allocator cannot hand a block
+  out while a kernel still reads it.
+- At connect the peer runs a self-test: it copies the exporter's probe buffer (a pattern derived from its agent
+  epoch) through the mapping with the same kernel and compares the bytes. :func:`select_same_node` uses this to
+  choose this transport or fall back to NIXL.
+- A peer in the same process is reached by address (CUDA cannot IPC-open a handle in the exporting process).
+- A D process that dies while mapped leaves P's memory untouched; P reclaims its pinned blocks by lease expiry.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvlifecycle.layout import check_block_ids
+from kvlifecycle.transport import (
+    WHOLE_BLOCK,
+    BackendUnavailableError,
+    BlockView,
+    KVLayout,
+    LayoutWire,
+    MalformedNotificationError,
+    MemoryKind,
+    Notification,
+    PeerEpochError,
+    PeerMetadata,
+    PreparedPlan,
+    RegistrationError,
+    RemoteMismatchError,
+    TransferFailedError,
+    TransferHandle,
+    Transport,
+    TransportError,
+    UnknownPeerError,
+    XferOp,
+    XferStats,
+    XferStatus,
+    decode_notification,
+    encode_notification,
+)
+
+from ._common import HandleTable, XferRecord, check_pairing, new_epoch
+
+log = logging.getLogger("kvlifecycle.transports.cuda_ipc")
+
+NAME = "cuda_ipc"
+PROBE_BYTES = 1 << 16
+DRAIN_TIMEOUT_S = 10.0
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+# --- the CUDA driver, through ctypes (no extra dependency) ------------------------------------------------------
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class CudaDriver:
+    """The few driver calls CUDA IPC needs. Raises :class:`BackendUnavailableError` if libcuda is missing."""
+
+    _instance: CudaDriver | None = None
+
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise BackendUnavailableError(f"libcuda.so.1 not loadable: {exc}") from exc
+        lib = self.lib
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.c_uint64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
+        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
+        lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+
+    @classmethod
+    def get(cls) -> CudaDriver:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise TransportError(f"{what} failed: {(name.value or b'?').decode()} ({rc})")
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """(allocation base, allocation size) of the allocation holding ``ptr``."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
+                    f"cuMemGetAddressRange({ptr:#x})")
+        return base.value, size.value
+
+    def export(self, base: int) -> bytes:
+        handle = _IpcHandle()
+        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), base), f"cuIpcGetMemHandle({base:#x})")
+        return bytes(handle.reserved)
+
+    def open(self, raw: bytes) -> int:
+        if len(raw) != 64:
+            raise RemoteMismatchError(f"an IPC handle is 64 bytes, got {len(raw)}")
+        handle = _IpcHandle()
+        ctypes.memmove(handle.reserved, raw, 64)
+        ptr = ctypes.c_uint64()
+        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS),
+                    "cuIpcOpenMemHandle")
+        return ptr.value
+
+    def close(self, ptr: int) -> None:
+        self._check(self.lib.cuIpcCloseMemHandle(ptr), f"cuIpcCloseMemHandle({ptr:#x})")
+
+
+# --- wire format --------------------------------------------------------------------------------------------------
+
+
+class AllocationWire(msgspec.Struct, frozen=True, array_like=True):
+    handle: bytes
+    base: int
+    size: int
+
+
+class CudaIpcBlob(msgspec.Struct, frozen=True):
+    """This transport's part of :class:`PeerMetadata` (``blob``)."""
+
+    host: str  # node identity: boot id + hostname; IPC only between equal hosts
+    pid: int
+    device_uuid: str
+    device_id: int
+    endpoint: str  # the side channel (ZMQ ROUTER) for notifications
+    allocations: list[AllocationWire]
+    probe_addr: int
+    probe_bytes: int
+
+
+_blob_encoder = msgspec.msgpack.Encoder()
+_blob_decoder = msgspec.msgpack.Decoder(CudaIpcBlob)
+_header_decoder = msgspec.msgpack.Decoder(tuple[str, int])
+
+
+def node_identity() -> str:
+    """Boot id + hostname: two processes with the same value share a kernel, hence GPUs and IPC."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{boot}@{socket.gethostname()}"
+
+
+def probe_pattern(epoch: int, nbytes: int = PROBE_BYTES) -> np.ndarray:
+    """Bytes the exporter writes into its probe buffer; the peer recomputes them to check what it read."""
+    seed = np.uint64(epoch & 0xFFFFFFFF)
+    idx = np.arange(nbytes, dtype=np.uint64)
+    return ((idx * np.uint64(2654435761) + seed) >> np.uint64(7)).astype(np.uint8)
+
+
+# --- bookkeeping --------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Peer:
+    name: str
+    epoch: int
+    layout: KVLayout  # as the peer sees it
+    mapped: KVLayout  # the same regions at addresses this process can use
+    opened: list[int]  # IPC mappings to close
+    dealer: Any  # ZMQ socket to the peer's side channel
+    same_process: bool
+    probe: tuple[int, int]  # the peer's probe buffer (local address, bytes)
+    self_test_s: float = 0.0
+    self_test_gbps: float = 0.0
+
+
+@dataclass(slots=True)
+class _Group:
+    """Regions that share unit size and strides on both sides: one copier (one launch) per direction."""
+
+    regions: np.ndarray  # region indices, ascending
+    read: Any  # BlockCopier peer -> local
+    write: Any  # BlockCopier local -> peer
+    unit_bytes: int
+
+
+@dataclass(slots=True)
+class _Plan:
+    plan: PreparedPlan
+    groups: list[_Group]
+    subsets: dict[tuple[int, tuple[int, ...]], _Group] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Inflight:
+    start: Any  # torch.cuda.Event
+    end: Any
+    keep: list[Any]  # device id tensors, alive until the copy finished
+    notify: tuple[str, Notification] | None = None
+
+
+class CudaIpcTransport:
+    """The CUDA IPC transport. See the module docstring; implements :class:`kvlifecycle.transport.Transport`."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        epoch: int | None = None,
+        bind_host: str = "127.0.0.1",
+        self_test: bool = True,
+        chunk_bytes: int | None = None,
+        num_warps: int | None = None,
+        use_triton: bool | None = None,
+    ) -> None:
+        try:
+            import torch
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise BackendUnavailableError("the CUDA IPC transport needs torch") from exc
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("the CUDA IPC transport needs a CUDA device (torch.cuda.is_available())")
+        import zmq
+
+        self._torch = torch
+        self._driver = CudaDriver.get()
+        self.agent = agent
+        self.epoch = new_epoch() if epoch is None else int(epoch)
+        self.self_test = self_test
+        self._copier_kwargs: dict[str, Any] = {}
+        if chunk_bytes is not None:
+            self._copier_kwargs["chunk_bytes"] = chunk_bytes
+        if num_warps is not None:
+            self._copier_kwargs["num_warps"] = num_warps
+        if use_triton is not None:
+            self._copier_kwargs["use_triton"] = use_triton
+        self.layout: KVLayout | None = None
+        self.device: Any = None
+        self._stream: Any = None
+        self._exports: list[AllocationWire] = []
+        self._probe: Any = None
+        self._peers: dict[str, _Peer] = {}
+        self._known_epochs: dict[str, int] = {}
+        self._plans: dict[int, _Plan] = {}
+        self._plan_keys = itertools.count(1)
+        self._handles = HandleTable()
+        self._inflight: dict[int, _Inflight] = {}
+        self._draining: list[tuple[str, Any]] = []  # (peer, end event) of released handles still copying
+        self._inbox: collections.deque[tuple[str, Notification]] = collections.deque()
+        self._lock = threading.RLock()
+        self.malformed_notifications = 0
+        self.stale_notifications = 0
+        self.failed_notifications = 0
+        self._closed = False
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+        port = self._router.bind_to_random_port(f"tcp://{bind_host}")
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self._host = node_identity()
+
+    # -- registration -----------------------------------------------------------------------------------------------
+    def register(self, layout: KVLayout) -> None:
+        torch = self._torch
+        with self._lock:
+            if self._closed:
+                raise TransportError("transport is closed")
+            if self.layout is not None:
+                raise RegistrationError("regions are already registered")
+            if layout.kind is not MemoryKind.VRAM:
+                raise RegistrationError(f"the CUDA IPC transport moves VRAM only, got {layout.kind.value}")
+            device = torch.device("cuda", layout.device_id)
+            with torch.cuda.device(device):
+                self._stream = torch.cuda.Stream(device)
+                probe = torch.from_numpy(probe_pattern(self.epoch)).to(device)
+                torch.cuda.synchronize(device)
+                allocations: dict[int, AllocationWire] = {}
+                spans = [*zip(layout.base_addrs, layout.region_bytes, strict=True), (probe.data_ptr(), probe.numel())]
+                for addr, nbytes in spans:
+                    try:
+                        base, size = self._driver.address_range(addr)
+                    except TransportError as exc:
+                        raise RegistrationError(f"region at {addr:#x} is not device memory: {exc}") from exc
+                    if addr + nbytes > base + size:
+                        raise RegistrationError(
+                            f"region {addr:#x}+{nbytes} runs past its allocation {base:#x}+{size}")
+                    if base not in allocations:
+                        try:
+                            allocations[base] = AllocationWire(self._driver.export(base), base, size)
+                        except TransportError as exc:
+                            raise RegistrationError(f"cannot export {base:#x} for IPC: {exc}") from exc
+            self.device = device
+            self._probe = probe
+            self._exports = list(allocations.values())
+            self.layout = layout
+
+    def registered_regions(self) -> int:
+        return 0 if self.layout is None else self.layout.num_regions
+
+    def local_metadata(self) -> PeerMetadata:
+        if self.layout is None:
+            raise RegistrationError("register before exporting metadata")
+        props = self._torch.cuda.get_device_properties(self.device)
+        blob = CudaIpcBlob(self._host, os.getpid(), str(getattr(props, "uuid", "")), self.device.index,
+                           self.endpoint, self._exports, self._probe.data_ptr(), int(self._probe.numel()))
+        return PeerMetadata(self.agent, self.epoch, self.name, _blob_encoder.encode(blob), LayoutWire.of(self.layout))
+
+    # -- peers ------------------------------------------------------------------------------------------------------
+    def add_peer(self, meta: PeerMetadata) -> str:
+        if meta.transport != self.name:
+            raise TransportError(f"peer speaks {meta.transport!r}, not {self.name}")
+        try:
+            blob = _blob_decoder.decode(meta.blob)
+        except msgspec.DecodeError as exc:
+            raise RemoteMismatchError(f"{meta.agent}: malformed cuda_ipc metadata: {exc}") from exc
+        remote = meta.layout.to_layout()
+        with self._lock:
+            if self.layout is None:
+                raise RegistrationError("register before adding peers")
+            if blob.host != self._host:
+                raise RemoteMismatchError(f"{meta.agent} is on another node ({blob.host}); CUDA IPC is same-node only")
+            if remote.kind is not MemoryKind.VRAM:
+                raise RemoteMismatchError(f"{meta.agent} registered {remote.kind.value}, CUDA IPC needs VRAM")
+            known = self._peers.get(meta.agent)
+            if known is not None:
+                if known.epoch == meta.epoch:
+                    return known.name
+                if meta.epoch < known.epoch:
+                    raise PeerEpochError(f"{meta.agent}: metadata epoch {meta.epoch} older than known {known.epoch}")
+                self._drop_peer(known, f"peer restarted: epoch {known.epoch} -> {meta.epoch}")
+            peer = self._map_peer(meta, blob, remote)
+            try:
+                if self.self_test:
+                    self._run_self_test(peer, meta.epoch)
+                peer.dealer = self._ctx.socket(self._zmq.DEALER)
+                peer.dealer.setsockopt(self._zmq.LINGER, 0)
+                peer.dealer.setsockopt(self._zmq.SNDHWM, 10000)
+                peer.dealer.connect(blob.endpoint)
+            except BaseException:
+                self._unmap(peer)
+                raise
+            self._peers[peer.name] = peer
+            self._known_epochs[peer.name] = peer.epoch
+            log.info("cuda_ipc peer %s epoch %d mapped (%s, %d allocations, self-test %.1f us, %.1f GB/s)",
+                     peer.name, peer.epoch, "same process" if peer.same_process else "IPC",
+                     len(peer.opened), peer.self_test_s * 1e6, peer.self_test_gbps)
+            return peer.name
+
+    def _map_peer(self, meta: PeerMetadata, blob: CudaIpcBlob, remote: KVLayout) -> _Peer:
+        """Translate the peer's addresses into this process: IPC-open each allocation once."""
+        same_process = blob.pid == os.getpid()
+        opened: list[int] = []
+        table: list[tuple[int, int, int]] = []  # (remote base, size, local base)
+        with self._torch.cuda.device(self.device):
+            try:
+                for alloc in blob.allocations:
+                    local = alloc.base if same_process else self._driver.open(alloc.handle)
+                    if not same_process:
+                        opened.append(local)
+                    table.append((alloc.base, alloc.size, local))
+            except TransportError as exc:
+                for ptr in opened:
+                    self._driver.close(ptr)
+                raise RemoteMismatchError(f"{meta.agent}: cannot map its memory: {exc}") from exc
+
+        def translate(addr: int, nbytes: int) -> int:
+            for base, size, local in table:
+                if base <= addr and addr + nbytes <= base + size:
+                    return local + (addr - base)
+            raise RemoteMismatchError(f"{meta.agent}: region {addr:#x}+{nbytes} is in no exported allocation")
+
+        try:
+            mapped = KVLayout(remote.kind, self.device.index, remote.num_blocks,
+                              tuple(translate(a, n) for a, n in zip(remote.base_addrs, remote.region_bytes,
+                                                                    strict=True)),
+                              remote.block_bytes)
+            probe = translate(blob.probe_addr, blob.probe_bytes)
+        except RemoteMismatchError:
+            for ptr in opened:
+                self._driver.close(ptr)
+            raise
+        return _Peer(meta.agent, meta.epoch, remote, mapped, opened, None, same_process, (probe, blob.probe_bytes))
+
+    def _run_self_test(self, peer: _Peer, epoch: int) -> None:
+        """Copy the peer's probe through the mapping with the transfer kernel; refuse the peer if bytes differ."""
+        from .triton_copy import BlockCopier, RegionSpec
+
+        torch = self._torch
+        addr, nbytes = peer.probe
+        scratch = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        copier = BlockCopier([RegionSpec(addr, nbytes, 1, nbytes)], [RegionSpec(scratch.data_ptr(), nbytes, 1, nbytes)],
+                             self.device, **self._copier_kwargs)
+        ids = torch.zeros(1, dtype=torch.int32, device=self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            copier.copy(ids, ids)  # compile / warm up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            scratch.zero_()
+            start.record()
+            copier.copy(ids, ids)
+            end.record()
+        end.synchronize()
+        got = scratch.cpu().numpy()
+        if not np.array_equal(got, probe_pattern(epoch, nbytes)):
+            bad = int(np.count_nonzero(got != probe_pattern(epoch, nbytes)))
+            raise TransferFailedError(f"{peer.name}: connect-time self-test read {bad} wrong bytes of {nbytes}")
+        peer.self_test_s = start.elapsed_time(end) / 1e3
+        peer.self_test_gbps = nbytes / max(peer.self_test_s, 1e-9) / 1e9
+
+    def peer_info(self, peer: str) -> dict[str, Any]:
+        """What connecting to ``peer`` found and measured (for selection logs)."""
+        p = self._peers.get(peer)
+        if p is None:
+            raise UnknownPeerError(peer)
+        return {"peer": p.name, "epoch": p.epoch, "same_process": p.same_process, "ipc_mappings": len(p.opened),
+                "self_test_us": round(p.self_test_s * 1e6, 2), "self_test_gbps": round(p.self_test_gbps, 2)}
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is not None:
+                self._drop_peer(p, "peer removed")
+
+    def _drop_peer(self, peer: _Peer, reason: str) -> None:
+        """Void the peer's plans, fail its pending transfers, wait for copies that touch its memory, unmap it."""
+        del self._peers[peer.name]
+        self._plans = {k: p for k, p in self._plans.items() if p.plan.peer != peer.name}
+        events = []
+        for rec in self._handles.live.values():
+            if rec.handle.peer == peer.name and rec.status is XferStatus.PENDING:
+                flight = self._inflight.pop(rec.handle.id, None)
+                if flight is not None:
+                    events.append(flight.end)
+                rec.status, rec.error = XferStatus.FAILED, PeerEpochError(f"{peer.name}: {reason}")
+        events += [e for name, e in self._draining if name == peer.name]
+        self._draining = [(n, e) for n, e in self._draining if n != peer.name]
+        if self._wait(events):
+            self._unmap(peer)
+        else:  # never unmap under a running kernel: leak the mapping instead
+            log.error("cuda_ipc: copies touching %s still running after %.0f s; its mapping is kept",
+                      peer.name, DRAIN_TIMEOUT_S)
+            if peer.dealer is not None:
+                peer.dealer.close(0)
+
+    def _wait(self, events: list[Any]) -> bool:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        for event in events:
+            while not event.query():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(1e-4)
+        return True
+
+    def _unmap(self, peer: _Peer) -> None:
+        with self._torch.cuda.device(self.device):
+            for ptr in peer.opened:
+                try:
+                    self._driver.close(ptr)
+                except TransportError as exc:
+                    log.warning("cuda_ipc: unmapping %s: %s", peer.name, exc)
+        peer.opened = []
+        if peer.dealer is not None:
+            peer.dealer.close(0)
+            peer.dealer = None
+
+    # -- plans ------------------------------------------------------------------------------------------------------
+    def prepare(self, peer: str, *, local_view: BlockView = WHOLE_BLOCK,
+                remote_view: BlockView = WHOLE_BLOCK) -> PreparedPlan:
+        with self._lock:
+            if self.layout is None:
+                raise RegistrationError("register before preparing")
+            p = self._peers.get(peer)
+            if p is None:
+                raise UnknownPeerError(peer)
+            nl, nr = check_pairing(self.layout, (local_view, remote_view), p.layout)
+            local_specs = _specs(self.layout, local_view)
+            remote_specs = _specs(p.mapped, remote_view)
+            plan = PreparedPlan(next(self._plan_keys), peer, p.epoch, local_view, remote_view, nl, nr,
+                                self.layout.num_regions)
+            groups = self._groups(local_specs, remote_specs, np.arange(self.layout.num_regions))
+            self._plans[plan.key] = _Plan(plan, groups)
+            return plan
+
+    def _groups(self, local_specs: list[Any], remote_specs: list[Any], regions: np.ndarray) -> list[_Group]:
+        from .triton_copy import BlockCopier
+
+        by_shape: dict[tuple[Any, ...], list[int]] = {}
+        for r in regions.tolist():
+            ls, rs = local_specs[r], remote_specs[r]
+            key = (ls.stride, ls.unit_bytes, ls.split, ls.sub_stride, rs.stride, rs.split, rs.sub_stride)
+            by_shape.setdefault(key, []).append(r)
+        groups = []
+        for regs in by_shape.values():
+            loc = [local_specs[r] for r in regs]
+            rem = [remote_specs[r] for r in regs]
+            groups.append(_Group(np.asarray(regs, dtype=np.int64),
+                                 BlockCopier(rem, loc, self.device, **self._copier_kwargs),
+                                 BlockCopier(loc, rem, self.device, **self._copier_kwargs),
+                                 loc[0].unit_bytes))
+        return groups
+
+    def _plan_groups(self, prepared: _Plan, regions: np.ndarray | Sequence[int] | None) -> list[_Group]:
+        if regions is None:
+            return prepared.groups
+        regs = np.unique(np.asarray(regions, dtype=np.int64))
+        if regs.size != len(regions) or (regs.size and (regs[0] < 0 or regs[-1] >= prepared.plan.num_regions)):
+            raise RemoteMismatchError(f"regions must be distinct indices in [0, {prepared.plan.num_regions})")
+        out = []
+        for i, group in enumerate(prepared.groups):
+            mine = np.intersect1d(group.regions, regs)
+            if mine.size == group.regions.size:
+                out.append(group)
+            elif mine.size:
+                key = (i, tuple(mine.tolist()))
+                sub = prepared.subsets.get(key)
+                if sub is None:
+                    pick = np.searchsorted(group.regions, mine)
+                    sub = _Group(mine, _subset(group.read, pick), _subset(group.write, pick), group.unit_bytes)
+                    prepared.subsets[key] = sub
+                out.append(sub)
+        return out
+
+    # -- data -------------------------------------------------------------------------------------------------------
+    def post(
+        self,
+        op: XferOp | str,
+        plan: PreparedPlan,
+        local_blocks: np.ndarray | Sequence[int],
+        remote_blocks: np.ndarray | Sequence[int],
+        *,
+        regions: np.ndarray | Sequence[int] | None = None,
+        notification: Notification | None = None,
+        transfer: str = "",
+    ) -> TransferHandle:
+        torch = self._torch
+        op = XferOp(op)
+        with self._lock:
+            if self._closed:
+                raise TransportError("transport is closed")
+            prepared = self._plans.get(plan.key)
+            if prepared is None or prepared.plan != plan:
+                raise PeerEpochError(f"plan {plan.key} for {plan.peer} is void (peer removed or restarted)")
+            try:
+                local = check_block_ids(local_blocks, plan.local_blocks, "local")
+                remote = check_block_ids(remote_blocks, plan.remote_blocks, "remote")
+            except ValueError as exc:
+                raise RemoteMismatchError(str(exc)) from exc
+            if local.size != remote.size:
+                raise RemoteMismatchError(f"{local.size} local blocks vs {remote.size} remote blocks")
+            groups = self._plan_groups(prepared, regions)
+            rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
+            rec.t_post_start = time.perf_counter()
+            src, dst = (remote, local) if op is XferOp.READ else (local, remote)
+            ids_host = torch.from_numpy(np.concatenate([src, dst]).astype(np.int32))
+            n = local.size
+            engine_stream = torch.cuda.current_stream(self.device)
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                # Blocks may have been written (P) or last read (D) on the caller's stream: order after it.
+                self._stream.wait_stream(engine_stream)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(self._stream)
+                ids = ids_host.to(self.device, non_blocking=True)
+                for group in groups:
+                    copier = group.read if op is XferOp.READ else group.write
+                    copier.copy(ids[:n], ids[n:])
+                end.record(self._stream)
+            rec.nbytes = int(sum(n * g.unit_bytes * g.regions.size for g in groups))
+            rec.ndesc = int(n * sum(g.regions.size for g in groups))
+            rec.t_post_end = time.perf_counter()
+            rec.native = "+".join(sorted({(g.read if op is XferOp.READ else g.write).backend for g in groups}))
+            if n == 0 or not groups:
+                rec.status = XferStatus.DONE
+            notify = (plan.peer, notification) if notification is not None else None
+            self._inflight[rec.handle.id] = _Inflight(start, end, [ids, ids_host], notify)
+            if rec.status is XferStatus.DONE:
+                self._complete(rec)
+            return rec.handle
+
+    def _complete(self, rec: XferRecord) -> None:
+        """The copy's event completed: stats, then the notification (never before the bytes landed)."""
+        flight = self._inflight.pop(rec.handle.id)
+        rec.t_done = time.perf_counter()
+        rec.status = XferStatus.DONE
+        try:
+            t_xfer = flight.start.elapsed_time(flight.end) / 1e3
+        except Exception:  # an event that cannot time (e.g. recorded before timing was on): fall back to wall
+            t_xfer = rec.t_done - rec.t_post_start
+        rec.stats = XferStats(rec.t_post_end - rec.t_post_start, t_xfer, rec.nbytes, rec.ndesc,
+                              f"cuda_ipc/{rec.native}")
+        if flight.notify is not None:
+            peer, note = flight.notify
+            try:
+                self._send(peer, note)
+            except TransportError as exc:
+                self.failed_notifications += 1
+                log.warning("cuda_ipc: notification for %s to %s failed: %s", rec.handle.transfer, peer, exc)
+
+    def _progress(self) -> None:
+        """Complete every in-flight copy whose event has fired (non-blocking)."""
+        for hid in list(self._inflight):
+            rec = self._handles.live.get(hid)
+            if rec is not None and self._inflight[hid].end.query():
+                self._complete(rec)
+        self._draining = [(n, e) for n, e in self._draining if not e.query()]
+
+    def poll(self, handle: TransferHandle) -> XferStatus:
+        with self._lock:
+            rec = self._handles.get(handle)
+            if rec.status is XferStatus.PENDING:
+                flight = self._inflight.get(rec.handle.id)
+                if flight is not None and flight.end.query():
+                    self._complete(rec)
+            return rec.status
+
+    def error(self, handle: TransferHandle) -> TransportError | None:
+        with self._lock:
+            return self._handles.get(handle).error
+
+    def stats(self, handle: TransferHandle) -> XferStats | None:
+        with self._lock:
+            return self._handles.get(handle).stats
+
+    def release(self, handle: TransferHandle) -> None:
+        """Forget a handle. A copy still running cannot be cancelled: it keeps its peer mapped until it ends, and
+        its notification is not sent (the caller gave it up)."""
+        with self._lock:
+            rec = self._handles.pop(handle)
+            flight = self._inflight.pop(rec.handle.id, None)
+            if flight is not None and not flight.end.query():
+                self._draining.append((rec.handle.peer, flight.end))
+
+    # -- notifications ----------------------------------------------------------------------------------------------
+    def _send(self, peer: str, note: Notification) -> None:
+        p = self._peers.get(peer)
+        if p is None or p.dealer is None:
+            raise UnknownPeerError(f"unknown peer {peer!r}")
+        raw = encode_notification(note)
+        header = msgspec.msgpack.encode((self.agent, self.epoch))
+        try:
+            p.dealer.send_multipart([header, raw], flags=self._zmq.NOBLOCK)
+        except self._zmq.ZMQError as exc:
+            raise TransportError(f"notification to {peer}: {exc}") from exc
+
+    def send_notification(self, peer: str, note: Notification) -> None:
+        with self._lock:
+            self._send(peer, note)
+
+    def notifications(self) -> list[tuple[str, Notification]]:
+        """Drain the side channel. Malformed messages and messages from a peer's older epoch are counted and
+        dropped; each call also completes copies that have finished (so their notifications go out)."""
+        zmq = self._zmq
+        with self._lock:
+            if self._closed:
+                return []
+            self._progress()
+            for _ in range(100_000):  # bounded drain
+                try:
+                    frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) != 3:
+                    self.malformed_notifications += 1
+                    continue
+                try:
+                    sender, sender_epoch = _header_decoder.decode(frames[1])
+                    note = decode_notification(frames[2])
+                except (msgspec.DecodeError, MalformedNotificationError):
+                    self.malformed_notifications += 1
+                    continue
+                known = self._known_epochs.get(sender)
+                if known is not None and sender_epoch < known:
+                    self.stale_notifications += 1
+                    continue
+                self._inbox.append((sender, note))
+            out = list(self._inbox)
+            self._inbox.clear()
+            return out
+
+    # -- teardown ---------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for peer in list(self._peers.values()):
+                self._drop_peer(peer, "transport closed")
+            for rec in self._handles.live.values():
+                if rec.status is XferStatus.PENDING:
+                    rec.status, rec.error = XferStatus.FAILED, TransportError("transport closed")
+            if not self._wait([f.end for f in self._inflight.values()] + [e for _, e in self._draining]):
+                log.error("cuda_ipc: copies still running at close")
+            self._inflight.clear()
+            self._draining.clear()
+            self._handles.live.clear()
+            self._router.close(0)
+            self._plans.clear()
+            self.layout = None
+            self._probe = None
+            self._closed = True
+
+    def __enter__(self) -> CudaIpcTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _specs(layout: KVLayout, view: BlockView) -> list[Any]:
+    """Per-region :class:`RegionSpec` of ``layout`` under ``view`` (offset, length and split of every block)."""
+    from .triton_copy import RegionSpec
+
+    out = []
+    for base, block in zip(layout.base_addrs, layout.block_bytes, strict=True):
+        length = block - view.offset if view.length == 0 else view.length
+        unit = length // view.split
+        out.append(RegionSpec(base + view.offset, block, layout.num_blocks, unit, view.split, unit))
+    return out
+
+
+def _subset(copier: Any, pick: np.ndarray) -> Any:
+    from .triton_copy import BlockCopier
+
+    return BlockCopier([copier.src[i] for i in pick.tolist()], [copier.dst[i] for i in pick.tolist()], copier.device,
+                       chunk_bytes=copier.chunk * copier.word, num_warps=copier.num_warps,
+                       use_triton=copier.use_triton)
+
+
+# --- selection ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which path a connection took, why, and what the connect-time check measured."""
+
+    backend: str  # "cuda_ipc" or the fallback's name
+    reason: str
+    measured: dict[str, Any]
+
+
+def cuda_ipc_possible(local: KVLayout, remote: PeerMetadata | None) -> tuple[bool, str]:
+    """Cheap checks before any mapping: both sides VRAM, the peer offers cuda_ipc metadata, same node."""
+    if local.kind is not MemoryKind.VRAM:
+        return False, f"local KV is {local.kind.value}, not VRAM"
+    if remote is None or remote.transport != NAME:
+        return False, "the peer offers no cuda_ipc metadata"
+    if remote.layout.kind != MemoryKind.VRAM.value:
+        return False, f"the peer's KV is {remote.layout.kind}, not VRAM"
+    try:
+        blob = _blob_decoder.decode(remote.blob)
+    except msgspec.DecodeError as exc:
+        return False, f"malformed cuda_ipc metadata: {exc}"
+    if blob.host != node_identity():
+        return False, f"the peer is on another node ({blob.host})"
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device here"
+    return True, "same node, VRAM on both sides"
+
+
+def select_same_node(
+    local: KVLayout,
+    cuda_transport: CudaIpcTransport | None,
+    remote_cuda_meta: PeerMetadata | None,
+    fallback: Callable[[], Transport],
+    *,
+    fallback_name: str = "nixl",
+) -> tuple[Transport, str, Selection]:
+    """Pick the transport for one peer: CUDA IPC when both sides hold VRAM on one node and the connect-time
+    self-test passes, else ``fallback()`` (NIXL). Returns (transport, peer name or "", selection) and logs the
+    choice with what was measured. ``cuda_transport`` must be registered already; on fallback it is left as is.
+    """
+    ok, reason = cuda_ipc_possible(local, remote_cuda_meta)
+    if ok and cuda_transport is None:
+        ok, reason = False, "no local cuda_ipc transport"
+    if ok:
+        assert cuda_transport is not None and remote_cuda_meta is not None
+        try:
+            peer = cuda_transport.add_peer(remote_cuda_meta)
+        except TransportError as exc:
+            reason = f"connect-time self-test failed: {exc}"
+        else:
+            info = cuda_transport.peer_info(peer)
+            selection = Selection(NAME, reason, info)
+            log.info("transport selected: %s for %s (%s; measured %s)", NAME, peer, reason, info)
+            return cuda_transport, peer, selection
+    selection = Selection(fallback_name, reason, {})
+    log.info("transport selected: %s (cuda_ipc not used: %s)", fallback_name, reason)
+    return fallback(), "", selection
