@@ -69,20 +69,24 @@ class HybridLogicalClock:
     __slots__ = ("_last", "_lock", "_wall_ms")
 
     def __init__(self, wall_ms: Callable[[], int] | None = None) -> None:
-        self._wall_ms = wall_ms or (lambda: time.time_ns() // 1_000_000)
+        self._wall_ms = wall_ms  # None: the system clock
         self._last = 0
         self._lock = threading.Lock()
 
+    def _physical(self) -> int:
+        wall = time.time_ns() // 1_000_000 if self._wall_ms is None else self._wall_ms()
+        return wall << LOGICAL_BITS
+
     def tick(self) -> int:
+        physical = self._physical()
         with self._lock:
-            physical = self._wall_ms() << LOGICAL_BITS
             last = self._last
             self._last = physical if physical > last else last + 1
             return self._last
 
     def observe(self, remote: int) -> int:
+        physical = self._physical()
         with self._lock:
-            physical = self._wall_ms() << LOGICAL_BITS
             self._last = max(physical, self._last + 1, remote + 1)
             return self._last
 

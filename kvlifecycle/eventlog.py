@@ -6,7 +6,8 @@ Layout of a log directory::
     seg-00000001.kvl   ...
 
 A frame is ``<u32 length><u32 crc32(payload, seed)><payload>`` (a damaged length reads the wrong span, which fails the
-checksum); the header frame is a msgpack map with the
+checksum). An event frame's payload is one committed batch: a msgpack array of events, written with one ``write``
+and decoded with one call, so a batch is the unit of atomicity — a crash keeps whole batches or loses the last; the header frame is a msgpack map with the
 schema version and the ledger's configuration (side, worker, number of blocks), so a log replays on its own.
 
 Durability: appends go into an in-memory batch; the batch is written (one ``write``) and fsynced according to the
@@ -30,12 +31,15 @@ from typing import Any
 
 import msgspec
 
-from kvlifecycle.events import SCHEMA_VERSION, Event, decode, encode
+from kvlifecycle.events import SCHEMA_VERSION, AnyEvent, Event, encode
+
+BATCH_DECODER = msgspec.msgpack.Decoder(list[AnyEvent])
 
 MAGIC = b"KVLLOG\x01\n"
 FRAME = struct.Struct("<II")
 FRAME_SIZE = FRAME.size
 _pack_frame = FRAME.pack
+_monotonic = time.monotonic
 CRC_SEED = 0x4B564C31  # a non-zero seed: a run of zero bytes is never a valid (empty) frame
 
 
@@ -106,7 +110,7 @@ class TailRecovery:
 @dataclass(frozen=True, slots=True)
 class Record:
     segment: int  # segment index
-    offset: int  # byte offset of the frame in its segment
+    offset: int  # byte offset of the frame (the committed batch) holding the event
     index: int  # position of the event in the whole log (0-based)
     event: Event
     incarnation: int = 0  # the writing ledger's incarnation: a change marks a restart of the worker
@@ -259,9 +263,10 @@ class LogReader:
         for scan in self.scans():
             seg_index = _segment_index(scan.path)
             incarnation = int(scan.header.get("incarnation", 0))
-            for offset, event in zip(scan.offsets, decode_payloads(scan), strict=True):
-                yield Record(seg_index, offset, index, event, incarnation)
-                index += 1
+            for offset, batch in decode_frames(scan):
+                for event in batch:
+                    yield Record(seg_index, offset, index, event, incarnation)
+                    index += 1
 
     def __iter__(self) -> Iterator[Event]:
         for scan in self.scans():
@@ -275,17 +280,24 @@ class LogReader:
         return scan.header
 
 
+def decode_frames(scan: SegmentScan) -> list[tuple[int, list[Event]]]:
+    """Each frame's events, with the frame's offset; a frame that passes its checksum but does not decode is
+    corruption too."""
+    out = []
+    for offset, payload in zip(scan.offsets, scan.payloads, strict=True):
+        try:
+            out.append((offset, BATCH_DECODER.decode(payload)))
+        except msgspec.DecodeError as exc:
+            raise CorruptLogError(scan.path, offset, f"record does not decode: {exc}") from exc
+    return out
+
+
 def decode_payloads(scan: SegmentScan) -> list[Event]:
-    """Decode a segment's records; a record that passes its checksum but does not decode is corruption too."""
-    try:
-        return [decode(p) for p in scan.payloads]
-    except msgspec.DecodeError:
-        for offset, payload in zip(scan.offsets, scan.payloads, strict=True):
-            try:
-                decode(payload)
-            except msgspec.DecodeError as exc:
-                raise CorruptLogError(scan.path, offset, f"record does not decode: {exc}") from exc
-        raise
+    """A segment's events, in order."""
+    events: list[Event] = []
+    for _, batch in decode_frames(scan):
+        events += batch
+    return events
 
 
 def read_events(directory: str | os.PathLike[str]) -> list[Event]:
@@ -312,15 +324,20 @@ class EventLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.policy = FsyncPolicy.parse(fsync) if isinstance(fsync, str) else fsync
         self.segment_bytes = segment_bytes
-        self.batch_bytes = batch_bytes
+        self.batch_bytes = min(batch_bytes, MAX_RECORD // 2)
         self.header = {"schema": SCHEMA_VERSION, **(header or {})}
         self.recovered: TailRecovery | None = None
         self._lock = threading.Lock()
-        self._batch = bytearray()
+        self._pending: list[bytes] = []  # encoded events of the batch being built
+        self._pending_bytes = 0
         self._fh: Any = None
         self._segment_size = 0
         self._last_sync = time.monotonic()
         self._unsynced = False
+        self._sync_each = self.policy.mode == "always"
+        # interval mode: the first append after this moment writes and syncs the batch; otherwise only size does
+        self._interval_s = self.policy.interval_ms / 1000.0 if self.policy.mode == "interval" else float("inf")
+        self._deadline = self._last_sync + self._interval_s
         self.appended = 0
         self._closed = False
         existing = segment_paths(self.directory)
@@ -375,21 +392,17 @@ class EventLog:
         self.append_payload(encode(event))
 
     def append_payload(self, payload: bytes) -> None:
-        head = _pack_frame(len(payload), _crc32(payload))
+        """Add one encoded event to the batch being built (no I/O unless the batch is due)."""
         with self._lock:
             if self._closed:
                 raise LogError("append to a closed event log")
-            batch = self._batch
-            batch += head
-            batch += payload
+            self._pending.append(payload)
+            self._pending_bytes += len(payload)
             self.appended += 1
-            if self.policy.mode == "always":
+            if self._sync_each:
                 self._write_batch()
                 self._sync()
-            elif len(self._batch) >= self.batch_bytes or (
-                self.policy.mode == "interval"
-                and (time.monotonic() - self._last_sync) * 1000.0 >= self.policy.interval_ms
-            ):
+            elif self._pending_bytes >= self.batch_bytes or _monotonic() >= self._deadline:
                 self._write_batch()
                 self._maybe_sync()
 
@@ -407,15 +420,22 @@ class EventLog:
                 self._sync()
 
     def _write_batch(self) -> None:
-        if not self._batch:
+        pending = self._pending
+        if not pending:
             return
-        if self._segment_size + len(self._batch) > self.segment_bytes and self._segment_size > 64:
+        n = len(pending)
+        # a msgpack array header followed by the encoded elements is the encoding of the list: no re-encoding
+        head = bytes((0x90 | n,)) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big"))
+        payload = head + b"".join(pending)
+        frame = _pack_frame(len(payload), _crc32(payload)) + payload
+        if self._segment_size + len(frame) > self.segment_bytes and self._segment_size > 64:
             self._sync()
             self._fh.close()
             self._open_segment()
-        self._fh.write(self._batch)
-        self._segment_size += len(self._batch)
-        self._batch.clear()
+        self._fh.write(frame)
+        self._segment_size += len(frame)
+        self._pending = []
+        self._pending_bytes = 0
         self._unsynced = True
 
     def _maybe_sync(self) -> None:
@@ -428,6 +448,7 @@ class EventLog:
         if self.policy.mode != "never":
             os.fsync(self._fh.fileno())
         self._last_sync = time.monotonic()
+        self._deadline = self._last_sync + self._interval_s
         self._unsynced = False
 
     def close(self) -> None:

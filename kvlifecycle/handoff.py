@@ -109,7 +109,8 @@ class HandoffOptions:
     secret: bytes | None = None
     host: str = "127.0.0.1"
     port: int = 0
-    service_poll_s: float = 0.0005
+    service_poll_s: float = 0.0005  # while transfers are in flight
+    idle_poll_s: float = 0.005  # nothing in flight: sweep leases and commit the log at this rhythm
     request_timeout_s: float = 5.0
     load_timeout_s: float = 60.0
     heartbeat_every_s: float | None = None  # default: a sixth of the grant's TTL (vLLM's rhythm)
@@ -261,7 +262,8 @@ class Producer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                job = self._jobs.get(timeout=self.options.service_poll_s if not self._pushes else 0)
+                busy = self._pushes or self.ledger.leases
+                job = self._jobs.get(timeout=self.options.service_poll_s if busy else self.options.idle_poll_s)
                 job()
             except queue.Empty:
                 pass
@@ -542,7 +544,8 @@ class Consumer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                job = self._jobs.get(timeout=self.options.service_poll_s)
+                poll = self.options.service_poll_s if self._loads else self.options.idle_poll_s
+                job = self._jobs.get(timeout=poll)
                 job()
             except queue.Empty:
                 pass

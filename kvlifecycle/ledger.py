@@ -24,6 +24,7 @@ from kvlifecycle.clock import Clock, HybridLogicalClock, MonotonicClock
 from kvlifecycle.machines import INVALID, SOURCE, TARGET, SourceState, TargetState
 
 BLOCK_DTYPE = ev.BLOCK_DTYPE
+_encode = ev.ENCODER.encode
 DEFAULT_TTL_S = 30.0
 
 
@@ -235,9 +236,10 @@ class _Ledger:
     def _record(self, event: ev.Event) -> None:
         self._handlers[type(event)](event)
         if self.log is not None:
-            self.log.append(event)
-        for listener in self.listeners:
-            listener(event)
+            self.log.append_payload(_encode(event))
+        if self.listeners:
+            for listener in self.listeners:
+                listener(event)
 
     def apply(self, event: ev.Event) -> None:
         """Fold one event into the state (replay). Raises :class:`ReplayError` for an impossible event."""

@@ -27,16 +27,19 @@ event (:func:`measure_tracing_overhead` measures it).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvlifecycle import events as ev
 from kvlifecycle.machines import SourceState, TargetState
@@ -70,6 +73,15 @@ def handoff_context(transfer: str) -> Any:
     """An OpenTelemetry ``Context`` whose parent is the handoff's virtual root: spans started in it join the
     handoff's trace (``tracer.start_span(name, context=handoff_context(tid))``)."""
     return trace.set_span_in_context(NonRecordingSpan(handoff_span_context(transfer)))
+
+
+def source_transfers(transfer: str) -> list[str]:
+    """The P transfer ids a D load reads: itself, or the parts of a multi-rank load ``<request><-<t1>+<t2>``."""
+    if "<-" in transfer:
+        parts = [t for t in transfer.split("<-", 1)[1].split("+") if t]
+        if parts:
+            return parts
+    return [transfer]
 
 
 def traceparent(transfer: str) -> str:
@@ -260,16 +272,25 @@ class Instrumentation:
         self._handoffs.clear()
         self._requests.clear()
 
+    def shutdown(self) -> None:
+        """Detach, and flush and close what this subscription owns (providers it made: see
+        :func:`instrument_to_files`). Providers passed in stay the caller's to shut down."""
+        self.detach()
+
     @property
     def open_handoffs(self) -> int:
         return len(self._handoffs)
 
     # -- helpers --------------------------------------------------------------------------------------------------
-    def _parent(self, transfer: str) -> Any:
+    def _parent(self, transfer: str) -> tuple[Any, list[Link]]:
+        """Parent context and links of a handoff's top span. A D load that reads several P ranks at once is named
+        ``<request><-<t1>+<t2>...`` by :class:`~kvlifecycle.handoff.Consumer`: it joins the first P transfer's
+        trace and links the others'."""
         remote = self._remote_parents.pop(transfer, None)
         if remote is not None:
-            return trace.set_span_in_context(NonRecordingSpan(remote))
-        return handoff_context(transfer)
+            return trace.set_span_in_context(NonRecordingSpan(remote)), []
+        sources = source_transfers(transfer)
+        return handoff_context(sources[0]), [Link(handoff_span_context(t)) for t in sources[1:]]
 
     def _child(self, handoff: _Handoff, name: str, start_ns: int, attributes: dict[str, Any] | None = None) -> Any:
         return self.tracer.start_span(name, context=trace.set_span_in_context(handoff.root),
@@ -325,7 +346,8 @@ class Instrumentation:
             span_attrs["kv.request_id"] = handoff.request
             span = self._child(handoff, "kv.transfer", start, span_attrs)
         else:  # observed after the lease settled, or on a side that holds no span for it: still the same trace
-            span = self.tracer.start_span("kv.transfer", context=handoff_context(e.transfer), attributes=span_attrs,
+            span = self.tracer.start_span("kv.transfer", context=handoff_context(source_transfers(e.transfer)[0]),
+                                          attributes=span_attrs,
                                           start_time=start)
         span.add_event("posted", {"kv.t_post_s": e.t_post_s}, timestamp=start + int(max(e.t_post_s, 0.0) * 1e9))
         if not e.ok:
@@ -350,7 +372,7 @@ class Instrumentation:
             handoff.phase.add_event(name, event_attrs, timestamp=now)
         elif e.transfer:
             # a late or stale token for a settled handoff: show it in that handoff's trace all the same
-            span = self.tracer.start_span("kv.refused", context=handoff_context(e.transfer),
+            span = self.tracer.start_span("kv.refused", context=handoff_context(source_transfers(e.transfer)[0]),
                                           attributes={**self._base, **event_attrs}, start_time=now)
             span.add_event(name, event_attrs, timestamp=now)
             span.set_status(Status(StatusCode.ERROR, e.reason))
@@ -378,8 +400,9 @@ class Instrumentation:
         if lease is not None:
             attrs.update(_block_attributes("kv.epochs", lease.epochs))
             attrs["kv.blocks"] = int(lease.blocks.size)
-        root = self.tracer.start_span("kv.source.handoff", context=self._parent(e.transfer), kind=SpanKind.PRODUCER,
-                                      attributes=attrs, start_time=req.start_ns)
+        parent, links = self._parent(e.transfer)
+        root = self.tracer.start_span("kv.source.handoff", context=parent, kind=SpanKind.PRODUCER,
+                                      attributes=attrs, links=links, start_time=req.start_ns)
         handoff = _Handoff(e.request, root, None, req.at, now, attributes=attrs)
         if req.prefill_ns:
             self._child(handoff, "kv.prefill", req.start_ns, {"kv.request_id": e.request}).end(end_time=req.prefill_ns)
@@ -434,8 +457,9 @@ class Instrumentation:
         treq = getattr(self.ledger, "requests", {}).get(e.request)
         if treq is not None:
             attrs.update(_block_attributes("kv.epochs", treq.epochs))
-        root = self.tracer.start_span("kv.target.load", context=self._parent(e.transfer), kind=SpanKind.CONSUMER,
-                                      attributes=attrs, start_time=req.start_ns)
+        parent, links = self._parent(e.transfer)
+        root = self.tracer.start_span("kv.target.load", context=parent, kind=SpanKind.CONSUMER,
+                                      attributes=attrs, links=links, start_time=req.start_ns)
         handoff = _Handoff(e.request, root, None, req.at, now, parts=e.parts, attributes=attrs)
         self._child(handoff, "kv.reserved", req.start_ns, {"kv.request_id": e.request}).end(end_time=now)
         handoff.phase = self._child(handoff, "kv.load", now, {"kv.transfer_id": e.transfer, "kv.parts": e.parts})
@@ -495,6 +519,62 @@ def instrument(ledger: Any, tracer_provider: Any = None, meter_provider: Any = N
     """Subscribe OpenTelemetry traces and metrics to ``ledger``'s events. Providers default to the global ones
     (no-ops until the application installs an SDK). Returns the subscription; ``.detach()`` ends it."""
     return Instrumentation(ledger, tracer_provider, meter_provider)
+
+
+# --- files, for demos and issue reports (needs the SDK: pip install 'kvlifecycle[otel]') -------------------------
+
+ENV_OTEL_DIR = "KVLIFECYCLE_OTEL_DIR"
+
+
+def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instrumentation:
+    """Instrument ``ledger`` with SDK providers of its own that write ``<worker>.spans.jsonl`` (each span as it
+    ends) and ``<worker>.metrics.jsonl`` (at shutdown, also at process exit) into ``directory``: one file pair per
+    process, and the spans of all of them group into traces by transfer. Needs ``opentelemetry-sdk``."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    spans_file = open(out / f"{ledger.worker}.spans.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the provider
+    metrics_file = open(out / f"{ledger.worker}.metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+    resource = Resource.create({"service.name": f"kvlifecycle-{ledger.side}", "service.instance.id": ledger.worker})
+    tracer_provider = TracerProvider(resource=resource)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(
+        out=spans_file, formatter=lambda span: span.to_json(indent=None) + "\n")))
+    reader = PeriodicExportingMetricReader(ConsoleMetricExporter(
+        out=metrics_file, formatter=lambda data: data.to_json(indent=None) + "\n"), export_interval_millis=3_600_000)
+    meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
+    subscription = instrument(ledger, tracer_provider, meter_provider)
+    done = False
+
+    def shutdown() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        subscription.detach()
+        meter_provider.shutdown()  # exports the metrics one last time
+        tracer_provider.shutdown()
+        spans_file.close()
+        metrics_file.close()
+
+    subscription.shutdown = shutdown  # type: ignore[method-assign]
+    atexit.register(shutdown)
+    # multiprocessing children leave through os._exit, which skips atexit; its finalizers still run
+    from multiprocessing import util
+
+    util.Finalize(subscription, shutdown, exitpriority=10)
+    return subscription
+
+
+def instrument_from_env(ledger: Any) -> Instrumentation:
+    """``$KVLIFECYCLE_OTEL_DIR`` set: :func:`instrument_to_files` there; unset: :func:`instrument` with the global
+    providers (no-ops unless the application installed an SDK)."""
+    directory = os.environ.get(ENV_OTEL_DIR)
+    return instrument_to_files(ledger, directory) if directory else instrument(ledger)
 
 
 # --- overhead measurement (for the lifecycle benchmark) --------------------------------------------------------

@@ -83,7 +83,7 @@ def test_commit_makes_events_visible_to_a_reader_before_close(tmp_path: Path) ->
 
 def _single_segment(tmp_path: Path, n: int = 6) -> tuple[Path, list[ev.Event], list[int]]:
     events = make_events(n)
-    write_log(tmp_path / "log", events)
+    write_log(tmp_path / "log", events, fsync="always")  # one frame per event: every record is its own unit
     records = list(LogReader(tmp_path / "log").records())
     segment = segment_paths(tmp_path / "log")[0]
     ends = [r.offset for r in records[1:]] + [segment.stat().st_size]
@@ -177,3 +177,24 @@ def test_fsync_policy_parse() -> None:
     assert FsyncPolicy.parse("25ms") == FsyncPolicy("interval", 25.0)
     with pytest.raises(ValueError, match="fsync policy"):
         FsyncPolicy.parse("sometimes")
+
+
+def test_a_committed_batch_is_one_frame_and_survives_or_goes_whole(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "log", header={"side": "source"}, fsync="never")
+    first, second = make_events(5), make_events(7)
+    for e in first:
+        log.append(e)
+    log.commit()
+    for e in second:
+        log.append(e)
+    log.commit()
+    log.close()
+    records = list(LogReader(tmp_path / "log").records())
+    assert len({r.offset for r in records}) == 2  # two commits, two frames
+    segment = segment_paths(tmp_path / "log")[0]
+    data = segment.read_bytes()
+    segment.write_bytes(data[:-3])  # a crash while writing the second batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TornTailWarning)
+        EventLog(tmp_path / "log", header={"side": "source"}).close()
+    assert read_events(tmp_path / "log") == first

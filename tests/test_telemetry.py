@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -288,3 +289,76 @@ def test_measure_tracing_overhead_reports_all_variants() -> None:
     assert result.handoffs == 50
     assert result.untraced_s > 0 and result.noop_s > 0 and result.sdk_s is not None and result.sdk_s > 0
     assert result.ratio == result.noop_s / result.untraced_s
+
+
+def test_multi_rank_load_joins_the_first_trace_and_links_the_others(otel: Otel) -> None:
+    _, _, target = make_pair(otel)
+    target.reserve("req-7", np.arange(2))
+    transfer = "req-7<-p0.a.1+p1.b.1"
+    target.start_load("req-7", transfer, parts=2)
+    target.part_done(transfer, 0)
+    target.part_done(transfer, 1)
+    (root,) = otel.spans("kv.target.load")
+    assert root.context.trace_id == handoff_ids("p0.a.1")[0]
+    assert [link.context.trace_id for link in root.links] == [handoff_ids("p1.b.1")[0]]
+
+
+def test_real_handoff_over_loopback_traces_both_sides(otel: Otel) -> None:
+    """Producer and Consumer (side channel on 127.0.0.1, loopback transport): one pull and one push, both traced."""
+    torch = pytest.importorskip("torch")
+    from kvlifecycle.transports.loopback import LoopbackTransport
+
+    from kvlifecycle.handoff import Consumer, Producer
+    from kvlifecycle.handshake import CompatInfo
+    from kvlifecycle.transport import KVLayout, MemoryKind
+
+    compat = CompatInfo(model_id="tiny", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64,
+                        block_size=16, kv_layout="NHD")
+    blocks, block_bytes = 16, 2048
+    src = [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8) for _ in range(4)]
+    dst = [torch.zeros((blocks, block_bytes), dtype=torch.uint8) for _ in range(4)]
+
+    def layout(tensors):
+        return KVLayout(MemoryKind.DRAM, 0, blocks, tuple(t.data_ptr() for t in tensors),
+                        tuple(block_bytes for _ in tensors))
+
+    p_transport, d_transport = LoopbackTransport("p-otel"), LoopbackTransport("d-otel")
+    p_transport.register(layout(src))
+    d_transport.register(layout(dst))
+    source = SourceLedger(blocks, worker="p-otel")
+    target = TargetLedger(blocks, worker="d-otel")
+    otel.instrument(source)
+    otel.instrument(target)
+    producer = Producer(source, p_transport, compat)
+    consumer = Consumer(target, d_transport, compat)
+    try:
+        consumer.connect(producer.address)
+        transfers = []
+        for i, mode in enumerate(("pull", "push")):
+            request = f"req-{mode}"
+            source.allocate(request, np.arange(i * 4, i * 4 + 4))
+            source.prefill_done(request)
+            grant = producer.grant(request)
+            target.reserve(request, np.arange(8 + i * 4, 12 + i * 4))
+            if mode == "pull":
+                transfers.append(consumer.pull(request, [(producer.address, grant)]))
+            else:
+                transfers.append(consumer.request_push(request, grant, address=producer.address))
+            assert consumer.wait_idle(30.0)
+        deadline = time.monotonic() + 30.0  # P sees the pull's completion notification on its service thread
+        while source.leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        consumer.close()
+        producer.close()
+    for transfer in transfers:
+        trace_id = handoff_ids(transfer)[0]
+        names = {s.name for s in otel.spans() if s.context.trace_id == trace_id}
+        assert {"kv.source.handoff", "kv.lease", "kv.prefill", "kv.target.load", "kv.load", "kv.part_wait",
+                "kv.transfer"} <= names
+        (p_root,) = [s for s in otel.spans("kv.source.handoff") if s.attributes["kv.transfer_id"] == transfer]
+        assert p_root.attributes["kv.outcome"] == "completed"
+    m = otel.metrics()
+    assert total(m["kv.transfers"], **{"kv.side": "target", "kv.outcome": "ready"}) == 2
+    assert sum(p.count for p in m["kv.transfer.xfer_time"]) == 2  # one observed transfer per handoff
+    assert sum(p.count for p in m["kv.visible_wait"]) == 2

@@ -122,13 +122,13 @@ class CudaDriver:
     def export(self, base: int) -> bytes:
         handle = _IpcHandle()
         self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), base), f"cuIpcGetMemHandle({base:#x})")
-        return bytes(handle.reserved)
+        return ctypes.string_at(ctypes.addressof(handle), 64)  # all 64 bytes: a c_char field stops at NUL
 
     def open(self, raw: bytes) -> int:
         if len(raw) != 64:
             raise RemoteMismatchError(f"an IPC handle is 64 bytes, got {len(raw)}")
         handle = _IpcHandle()
-        ctypes.memmove(handle.reserved, raw, 64)
+        ctypes.memmove(ctypes.addressof(handle), raw, 64)
         ptr = ctypes.c_uint64()
         self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS),
                     "cuIpcOpenMemHandle")
@@ -578,8 +578,12 @@ class CudaIpcTransport:
             rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
             rec.t_post_start = time.perf_counter()
             src, dst = (remote, local) if op is XferOp.READ else (local, remote)
-            ids_host = torch.from_numpy(np.concatenate([src, dst]).astype(np.int32))
             n = local.size
+            pad = -(-n // 4) * 4  # both id lists 16-byte aligned on the device: one kernel specialisation
+            ids_host = torch.empty(2 * pad, dtype=torch.int32, pin_memory=True)
+            staged = ids_host.numpy()
+            staged[:n] = src
+            staged[pad:pad + n] = dst
             engine_stream = torch.cuda.current_stream(self.device)
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
                 # Blocks may have been written (P) or last read (D) on the caller's stream: order after it.
@@ -587,10 +591,10 @@ class CudaIpcTransport:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record(self._stream)
-                ids = ids_host.to(self.device, non_blocking=True)
+                ids = ids_host.to(self.device, non_blocking=True)  # pinned: the host allocator tracks reuse
                 for group in groups:
                     copier = group.read if op is XferOp.READ else group.write
-                    copier.copy(ids[:n], ids[n:])
+                    copier.copy(ids[:n], ids[pad:pad + n])
                 end.record(self._stream)
             rec.nbytes = int(sum(n * g.unit_bytes * g.regions.size for g in groups))
             rec.ndesc = int(n * sum(g.regions.size for g in groups))

@@ -101,7 +101,7 @@ class NixlTransport:
         epoch: int | None = None,
         enable_prog_thread: bool = False,
         capture_telemetry: bool = True,
-        idle_poll_s: float = 0.001,
+        idle_poll_s: float = 0.002,
         call_timeout_s: float = 30.0,
         num_threads: int = 0,
     ) -> None:

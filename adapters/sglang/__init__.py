@@ -1,0 +1,27 @@
+"""kvlifecycle as an SGLang P/D transfer backend: ``--disaggregation-transfer-backend kvlifecycle``.
+
+Importing this package imports no SGLang (the plugin entry point loads :mod:`.plugin`, which defers SGLang imports
+to call time); the backend classes live in :mod:`.conn` and are exported lazily here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BACKEND_NAME",
+    "KVLifecycleKVBootstrapServer",
+    "KVLifecycleKVManager",
+    "KVLifecycleKVReceiver",
+    "KVLifecycleKVSender",
+]
+
+BACKEND_NAME = "kvlifecycle"
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__[1:]:
+        from kvlifecycle.adapters.sglang import conn
+
+        return getattr(conn, name)
+    raise AttributeError(name)

@@ -57,7 +57,7 @@ from sglang.srt.utils.network import NetworkAddress
 from kvlifecycle.adapters.sglang import wire
 from kvlifecycle.adapters.sglang.plane import NixlPlane, PlaneError, Regions
 from kvlifecycle.ledger import LedgerError, SourceLedger, TargetLedger, open_ledger
-from kvlifecycle.machines import SourceState
+from kvlifecycle.machines import SourceState, TargetState
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class _PRoom:
     failure: str | None = None
     acks: dict[tuple[str, int], int | None] = dataclasses.field(default_factory=dict)
     success_sent: bool = False
+    failure_sent: bool = False
 
     @property
     def bootstrapped(self) -> bool:
@@ -139,6 +140,7 @@ class _PRoom:
 @dataclasses.dataclass(slots=True)
 class _Chunk:
     room: int
+    request: str
     transfer: str
     generation: int
     src_pages: np.ndarray
@@ -182,9 +184,10 @@ class _DRoom:
     transfer: str = ""
     parts: int = 1
     ranks_done: set[int] = dataclasses.field(default_factory=set)
-    peers: set[str] = dataclasses.field(default_factory=set)  # prefill agents this room waits on
-    peer_epochs: dict[str, int] = dataclasses.field(default_factory=dict)
+    peers: set[str] = dataclasses.field(default_factory=set)  # prefill peer ids this room waits on
+    agents: set[str] = dataclasses.field(default_factory=set)  # their agent names (one incarnation each)
     loading: bool = False
+    cleared: bool = False
     acks: set[int] = dataclasses.field(default_factory=set)
     created: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -296,7 +299,7 @@ class KVLifecycleKVManager(CommonKVManager):
         self.d_peers: dict[str, _DPeer] = {}
         self._queue: deque[_Chunk] = deque()
         self._queue_cv = threading.Condition()
-        self._gen_of: dict[str, int] = {}
+        self._room_of_transfer: dict[str, int] = {}
         assert isinstance(self.ledger, SourceLedger)
         self.ledger.listeners.append(self._on_source_event)
         self._threads = [
@@ -424,11 +427,14 @@ class KVLifecycleKVManager(CommonKVManager):
             self._send(ip, port, wire.encode(ack))
 
     def _fail_room_locked(self, r: _PRoom) -> None:
+        """Record the failure now; tell D as soon as no write of the room is in flight (D then frees its pages)."""
         reason = r.failure or "KV transfer failed"
         self.record_failure(r.room, reason)
         if r.room in self.request_status:
             self.update_status(r.room, KVPoll.Failed)
-        self._notify_decodes(r, KVPoll.Failed, reason)
+        if r.inflight == 0 and not r.failure_sent:
+            r.failure_sent = True
+            self._notify_decodes(r, KVPoll.Failed, reason)
 
     def _notify_decodes(self, r: _PRoom, status: int, reason: str = "", transfer: str = "") -> None:
         for dst in r.dsts.values():
@@ -444,7 +450,7 @@ class KVLifecycleKVManager(CommonKVManager):
 
         if not isinstance(event, ev.SrcLeaseReleased):
             return
-        room = self._room_of_transfer.get(event.transfer) if hasattr(self, "_room_of_transfer") else None
+        room = self._room_of_transfer.get(event.transfer)
         if room is None:
             return
         with self._lock:
@@ -471,8 +477,6 @@ class KVLifecycleKVManager(CommonKVManager):
     ) -> None:
         """Scheduler thread: put the chunk's pages under a lease, then hand the write to the worker thread."""
         assert isinstance(self.ledger, SourceLedger)
-        if not hasattr(self, "_room_of_transfer"):
-            self._room_of_transfer: dict[str, int] = {}
         with self._lock:
             r = self.rooms.get(bootstrap_room)
             if r is None or r.failure is not None or not r.dsts:
@@ -500,7 +504,7 @@ class KVLifecycleKVManager(CommonKVManager):
             r.last_sent = r.last_sent or is_last_chunk
         self.update_status(bootstrap_room, KVPoll.Transferring)
         with self._queue_cv:
-            self._queue.append(_Chunk(bootstrap_room, transfer, grant.generation, pages, index_slice,
+            self._queue.append(_Chunk(bootstrap_room, request, transfer, grant.generation, pages, index_slice,
                                       is_last_chunk, aux_index))
             self._queue_cv.notify()
 
@@ -544,6 +548,10 @@ class KVLifecycleKVManager(CommonKVManager):
                 if peer is None or peer.epoch != dst.meta.epoch:
                     error = f"decode {dst.meta.agent} restarted or unregistered before the write"
                     break
+                # claim the lease before the write reads the pages: a cancel racing it defers until it settled
+                if not self.ledger.heartbeat(chunk.transfer, chunk.generation):
+                    error = f"lease {chunk.transfer} no longer live before the write (expired or cancelled)"
+                    break
                 dst_pages = np.frombuffer(dst.meta.dst_pages, dtype=np.int32)[chunk.index_slice]
                 if dst_pages.size < chunk.src_pages.size:
                     error = f"decode reserved {dst_pages.size} pages for a {chunk.src_pages.size}-page chunk"
@@ -570,7 +578,7 @@ class KVLifecycleKVManager(CommonKVManager):
                     r.failure = error
             self.ledger.fail(chunk.transfer, chunk.generation, error)
         elif failed and chunk.transfer in self.ledger.leases:
-            self.ledger.cancel(f"{chunk.room}#{self._chunk_index(chunk)}")
+            self.ledger.cancel(chunk.request)
         with self._lock:
             if r is None:
                 return
@@ -584,10 +592,6 @@ class KVLifecycleKVManager(CommonKVManager):
             inflight = r.inflight
         if inflight == 0:
             self._p_send_acks(chunk.room)
-
-    @staticmethod
-    def _chunk_index(chunk: _Chunk) -> int:
-        return int(chunk.transfer.rsplit("#", 1)[1]) if "#" in chunk.transfer else 0
 
     def _p_housekeeping(self) -> None:
         """Heartbeats to decodes, lease sweep, unclaimed rooms and silent decodes."""
@@ -660,7 +664,7 @@ class KVLifecycleKVManager(CommonKVManager):
                     self.ledger.free(request, cache=True)
             except LedgerError as exc:
                 logger.warning("kvlifecycle: releasing room %s: %s", room, exc)
-            self._room_of_transfer.pop(transfer, None) if hasattr(self, "_room_of_transfer") else None
+            self._room_of_transfer.pop(transfer, None)
         if self.ledger.log is not None:
             self.ledger.commit()
 
@@ -669,9 +673,7 @@ class KVLifecycleKVManager(CommonKVManager):
     # ==============================================================================================================
     def _init_decode(self) -> None:
         self.d_rooms: dict[int, _DRoom] = {}
-        self.p_ranks: dict[tuple[str, str], _PRank] = {}  # (bootstrap_addr, agent) -> rank
-        self.p_epochs: dict[str, dict[str, int]] = {}  # bootstrap_addr -> {agent: epoch}
-        self._registered: set[tuple[str, int]] = set()
+        self.p_ranks: dict[str, _PRank] = {}  # peer id ("addr#dp/cp/tp/pp") -> what D knows of that prefill rank
         self._threads = [
             threading.Thread(target=self._recv_loop, args=(self._d_handle,), name="kvl-d-recv", daemon=True),
             threading.Thread(target=self._d_housekeeping, name="kvl-d-hb", daemon=True),
@@ -679,6 +681,11 @@ class KVLifecycleKVManager(CommonKVManager):
         ]
         for t in self._threads:
             t.start()
+
+    @staticmethod
+    def peer_id(bootstrap_addr: str, info: dict) -> str:
+        """A prefill rank's stable identity across its restarts (its epoch is what changes)."""
+        return f"{bootstrap_addr}#{info.get('kvl_rank_key', '?')}"
 
     def register_message(self) -> wire.Register:
         return wire.Register(
@@ -701,76 +708,98 @@ class KVLifecycleKVManager(CommonKVManager):
         elif isinstance(msg, wire.AbortAck):
             self._d_abort_ack(msg)
         elif isinstance(msg, wire.Heartbeat):
-            self._d_heartbeat(msg)
+            now = time.monotonic()
+            with self._lock:
+                for rank in self.p_ranks.values():
+                    if rank.agent == msg.agent and rank.epoch == msg.epoch:
+                        rank.last_seen = now
         else:
             raise wire.MalformedMessage(f"{type(msg).__name__} is not a P → D message")
 
-    def _d_heartbeat(self, msg: wire.Heartbeat) -> None:
-        with self._lock:
-            for key, rank in self.p_ranks.items():
-                if key[1] == msg.agent and rank.epoch == msg.epoch:
-                    rank.last_seen = time.monotonic()
-
     def _d_status(self, msg: wire.Status) -> None:
         self.ledger.hlc.observe(msg.hlc)
-        assert isinstance(self.ledger, TargetLedger)
         with self._lock:
             d = self.d_rooms.get(msg.room)
-            if d is None:
-                return  # a late status for a cleared room
-            if msg.agent in d.peer_epochs and d.peer_epochs[msg.agent] != msg.epoch:
-                return  # from another incarnation of that prefill: stale, never applied
-            transfer = d.transfer
+            if d is None or msg.agent not in d.agents:
+                return  # a late status for a settled room, or from another incarnation: never applied
         if msg.status == KVPoll.Success:
             with self._lock:
-                if msg.prefill_rank in d.ranks_done:
+                if msg.prefill_rank in d.ranks_done or not d.loading:
                     return
                 d.ranks_done.add(msg.prefill_rank)
                 part = len(d.ranks_done) - 1
-            if d.loading and part < d.parts:
-                self.ledger.part_done(transfer, part)
-            self._d_refresh(msg.room)
+            if part < d.parts:
+                self.ledger.part_done(d.transfer, part)
+            self._d_settled(msg.room)
         elif msg.status == KVPoll.Failed:
+            # P sends Failed only once none of its writes for the room is in flight
             self._d_fail(msg.room, msg.reason or self.DEFAULT_PREFILL_FAILURE_REASON)
 
     def _d_abort_ack(self, msg: wire.AbortAck) -> None:
         self.ledger.hlc.observe(msg.hlc)
         with self._lock:
             d = self.d_rooms.get(msg.room)
-            if d is None:
+            if d is None or msg.agent not in d.agents:
                 return
             d.acks.add(msg.prefill_rank)
             if msg.generation >= 0:
                 self.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
-            settled = d.loading and len(d.acks) >= d.parts
-        if settled:
-            assert isinstance(self.ledger, TargetLedger)
-            self.ledger.fail(d.transfer, "aborted; prefill acknowledged that its writes settled")
-            with self._lock:
-                d.loading = False
+        self._d_fail(msg.room, "aborted by decode; prefill acknowledged that its writes settled")
 
     def _d_fail(self, room: int, reason: str) -> None:
+        """The room failed and no prefill write is in flight towards it: its load fails in the ledger."""
         assert isinstance(self.ledger, TargetLedger)
         with self._lock:
             d = self.d_rooms.get(room)
-            if d is None or room not in self.request_status:
+            if d is None:
                 return
-            self.record_failure(room, reason)
-            self.update_status(room, KVPoll.Failed)
+            if room in self.request_status:
+                self.record_failure(room, reason)
+                self.update_status(room, KVPoll.Failed)
             loading, d.loading = d.loading, False
-        if loading:
+        if loading and d.transfer in self.ledger.loads:
             self.ledger.fail(d.transfer, reason)
+        self._d_settled(room)
 
-    def _d_refresh(self, room: int) -> None:
-        """Success once the ledger made the pages READY_FOR_ATTENTION."""
+    def _d_settled(self, room: int) -> None:
+        """Success once the ledger made the pages READY_FOR_ATTENTION; a cleared room leaves once settled."""
         assert isinstance(self.ledger, TargetLedger)
         with self._lock:
             d = self.d_rooms.get(room)
-            if d is None or not d.loading:
+            if d is None:
                 return
-            if len(d.ranks_done) >= d.parts and d.transfer not in self.ledger.loads:
+            if d.loading and d.transfer not in self.ledger.loads:
                 d.loading = False
-                self.update_status(room, KVPoll.Success)
+                if self.ledger.requests.get(str(room)) is not None:
+                    self.update_status(room, KVPoll.Success)
+            if d.cleared and not d.loading:
+                self.d_rooms.pop(room, None)
+
+    def d_claim(self, receiver: KVLifecycleKVReceiver) -> None:
+        """receiver.init(): tell every prefill rank of the room that a decode waits for it, learn the ranks."""
+        room = receiver.bootstrap_room
+        infos = receiver.bootstrap_infos or []
+        assert isinstance(self.ledger, TargetLedger)
+        with self._lock:
+            d = self.d_rooms.setdefault(room, _DRoom(room, receiver.bootstrap_addr))
+            d.agents = {i.get("kvl_agent", "") for i in infos}
+            d.peers = {self.peer_id(receiver.bootstrap_addr, i) for i in infos}
+        for info in infos:
+            pid = self.peer_id(receiver.bootstrap_addr, info)
+            epoch = int(info.get("kvl_epoch", 0))
+            with self._lock:
+                known = self.p_ranks.get(pid)
+                if known is None or known.epoch != epoch:
+                    self.p_ranks[pid] = _PRank(receiver.bootstrap_addr, info.get("kvl_agent", ""), epoch,
+                                               info["rank_ip"], int(info["rank_port"]), time.monotonic())
+            if known is None:
+                self.ledger.peer_restarted(pid, epoch)  # first sight: records the epoch loads are checked against
+            sock, lock = receiver._connect_to_bootstrap_server(info)
+            try:
+                with lock:
+                    sock.send_multipart(wire.encode(wire.Claim(room, self.kvl_agent, self.kvl_epoch)))
+            except zmq.ZMQError:
+                pass  # the heartbeat window decides about a prefill we cannot reach
 
     def d_publish(self, receiver: KVLifecycleKVReceiver, kv_indices: np.ndarray, aux_index: int | None,
                   decode_prefix_len: int | None) -> None:
@@ -780,19 +809,20 @@ class KVLifecycleKVManager(CommonKVManager):
         pages = np.asarray(kv_indices, dtype=np.int32)
         transfer = room_transfer_id(room)
         infos = receiver.bootstrap_infos or []
-        agents = {i.get("kvl_agent", "") for i in infos if not i.get("is_dummy")}
-        epochs = {i.get("kvl_agent", ""): int(i.get("kvl_epoch", 0)) for i in infos}
+        real = [i for i in infos if not i.get("is_dummy")] or infos
+        peer = self.peer_id(receiver.bootstrap_addr, real[0]) if real else ""
         with self._lock:
             d = self.d_rooms.setdefault(room, _DRoom(room, receiver.bootstrap_addr))
             d.transfer = transfer
-            d.parts = max(1, receiver.required_prefill_response_num or 1)
-            d.peers = agents
-            d.peer_epochs = epochs
-        peer = next(iter(sorted(agents)), "")
+            d.parts = max(1, int(getattr(receiver, "required_prefill_response_num", 1) or 1))
+            d.agents = {i.get("kvl_agent", "") for i in infos}
         try:
             self.ledger.reserve(str(room), pages)
-            self.ledger.start_load(str(room), transfer, parts=d.parts, peer=peer, peer_epoch=epochs.get(peer, 0))
+            self.ledger.start_load(str(room), transfer, parts=d.parts, peer=peer,
+                                   peer_epoch=int(real[0].get("kvl_epoch", 0)) if real else 0)
         except (LedgerError, ValueError) as exc:
+            if str(room) in self.ledger.requests:
+                self.ledger.cancel(str(room))
             self.record_failure(room, f"decode ledger refused the pages: {exc}")
             self.update_status(room, KVPoll.Failed)
             return
@@ -808,45 +838,32 @@ class KVLifecycleKVManager(CommonKVManager):
                 with lock:
                     sock.send_multipart(wire.encode(meta))
             except zmq.ZMQError as exc:
+                # nothing can have been written yet to pages P never heard of
                 self._d_fail(room, f"send_metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} "
                                    f"failed: {exc}")
                 return
         self.update_status(room, KVPoll.Transferring)
 
-    def d_claim(self, receiver: KVLifecycleKVReceiver) -> None:
-        room = receiver.bootstrap_room
-        with self._lock:
-            self.d_rooms.setdefault(room, _DRoom(room, receiver.bootstrap_addr))
-        for info in receiver.bootstrap_infos or []:
-            sock, lock = receiver._connect_to_bootstrap_server(info)
-            try:
-                with lock:
-                    sock.send_multipart(wire.encode(wire.Claim(room, self.kvl_agent, self.kvl_epoch)))
-            except zmq.ZMQError:
-                pass
-            with self._lock:
-                key = (receiver.bootstrap_addr, info.get("kvl_agent", ""))
-                if key not in self.p_ranks:
-                    self.p_ranks[key] = _PRank(receiver.bootstrap_addr, key[1], int(info.get("kvl_epoch", 0)),
-                                               info["rank_ip"], int(info["rank_port"]), time.monotonic())
-
     def d_release_room(self, room: int) -> None:
-        """receiver.clear(): hand the pages to the engine (READY → FREE in the ledger) or drop them."""
+        """receiver.clear(): pages READY_FOR_ATTENTION go to the engine (the ledger is done with them); a load still
+        in flight is cancelled and stays LOADING until P's ack or failure settles it."""
         assert isinstance(self.ledger, TargetLedger)
-        with self._lock:
-            d = self.d_rooms.pop(room, None)
         key = str(room)
         req = self.ledger.requests.get(key)
-        if req is not None:
-            try:
-                if self.ledger.state[req.blocks[0]] == 3 if req.blocks.size else False:  # READY_FOR_ATTENTION
-                    self.ledger.finish(key)
-                elif req.transfer is None or d is None or not d.loading:
-                    self.ledger.cancel(key)
-                else:
-                    self.ledger.cancel(key)  # stays LOADING until P's ack or failure settles it
-            except LedgerError as exc:
-                logger.warning("kvlifecycle: releasing room %s: %s", room, exc)
+        try:
+            if req is not None and req.blocks.size and self.ledger.state[req.blocks[0]] == \
+                    TargetState.READY_FOR_ATTENTION:
+                self.ledger.finish(key)
+            elif req is not None and not req.cancel_pending:
+                self.ledger.cancel(key)
+        except LedgerError as exc:
+            logger.warning("kvlifecycle: releasing room %s: %s", room, exc)
+        with self._lock:
+            d = self.d_rooms.get(room)
+            if d is not None:
+                d.cleared = True
+                if not d.loading or key not in self.ledger.requests:
+                    self.d_rooms.pop(room, None)
         if self.ledger.log is not None:
             self.ledger.commit()
 
@@ -864,67 +881,62 @@ class KVLifecycleKVManager(CommonKVManager):
     def _d_housekeeping(self) -> None:
         """Heartbeats to prefill ranks (listing the rooms we wait on), their silence and their epochs."""
         while not self._stop.wait(self.settings.heartbeat_s):
+            with self._lock:
+                ranks = dict(self.p_ranks)
+                rooms_of: dict[str, list[int]] = defaultdict(list)
+                for d in self.d_rooms.values():
+                    for pid in d.peers:
+                        rooms_of[pid].append(d.room)
+            for pid, rank in ranks.items():
+                hb = wire.Heartbeat(self.kvl_agent, self.kvl_epoch, "decode", self.local_ip, self.rank_port,
+                                    rooms=rooms_of.get(pid, []), hlc=self.ledger.hlc.tick())
+                self._send(rank.ip, rank.port, wire.encode(hb))
+            for addr in {r.bootstrap_addr for r in ranks.values()}:
+                self._d_check_epochs(addr)
             now = time.monotonic()
             with self._lock:
-                ranks = list(self.p_ranks.values())
-                rooms_by_addr: dict[str, list[int]] = defaultdict(list)
-                for d in self.d_rooms.values():
-                    rooms_by_addr[d.bootstrap_addr].append(d.room)
-                addrs = {r.bootstrap_addr for r in ranks}
-            for rank in ranks:
-                hb = wire.Heartbeat(self.kvl_agent, self.kvl_epoch, "decode", self.local_ip, self.rank_port,
-                                    rooms=rooms_by_addr.get(rank.bootstrap_addr, []), hlc=self.ledger.hlc.tick())
-                self._send(rank.ip, rank.port, wire.encode(hb))
-            for addr in addrs:
-                self._d_check_epochs(addr)
-            with self._lock:
-                silent = [r for r in self.p_ranks.values() if now - r.last_seen > self.settings.peer_timeout_s]
-            for rank in silent:
-                self._d_peer_gone(rank, f"prefill {rank.agent} at {rank.bootstrap_addr} silent for more than "
-                                        f"{self.settings.peer_timeout_s:g} s")
+                silent = [(pid, r) for pid, r in self.p_ranks.items()
+                          if now - r.last_seen > self.settings.peer_timeout_s]
+            for pid, rank in silent:
+                self._d_peer_gone(pid, rank, f"prefill {pid} silent for more than "
+                                             f"{self.settings.peer_timeout_s:g} s")
             if self.ledger.log is not None:
                 self.ledger.commit()
 
     def _d_check_epochs(self, addr: str) -> None:
+        """Ask the bootstrap server which epoch each prefill rank runs under; a changed one is a restart."""
         try:
             resp = requests.get(f"http://{addr}/kvl/epochs", timeout=(1, 2))
-            current = resp.json() if resp.status_code == 200 else None
+            ranks = resp.json().get("ranks", {}) if resp.status_code == 200 else None
         except Exception:  # noqa: BLE001 - an unreachable bootstrap server: the heartbeat window decides
-            current = None
-        if current is None:
+            ranks = None
+        if not ranks:
             return
-        agents = {v["agent"]: int(v["epoch"]) for v in current.get("ranks", {}).values()}
         with self._lock:
-            stale = [r for (a, _), r in self.p_ranks.items() if a == addr and r.agent not in agents]
-            for r in self.p_ranks.values():
-                if r.bootstrap_addr == addr and r.agent in agents:
-                    r.last_seen = max(r.last_seen, time.monotonic() - self.settings.heartbeat_s) \
-                        if r.agent in agents and False else r.last_seen
-        for rank in stale:
-            new_epoch_ = max(agents.values(), default=0)
-            self._d_peer_gone(rank, f"prefill at {addr} restarted (agent {rank.agent} epoch {rank.epoch} → "
-                                    f"new epoch {new_epoch_})", new_epoch=new_epoch_)
+            restarted = [(pid, r, int(ranks[pid.split("#", 1)[1]]["epoch"])) for pid, r in self.p_ranks.items()
+                         if r.bootstrap_addr == addr and pid.split("#", 1)[1] in ranks
+                         and int(ranks[pid.split("#", 1)[1]]["epoch"]) != r.epoch]
+        for pid, rank, epoch in restarted:
+            self._d_peer_gone(pid, rank, f"prefill {pid} restarted: epoch {rank.epoch} -> {epoch}", new_epoch=epoch)
 
-    def _d_peer_gone(self, rank: _PRank, reason: str, new_epoch: int | None = None) -> None:
+    def _d_peer_gone(self, pid: str, rank: _PRank, reason: str, new_epoch: int | None = None) -> None:
         """A prefill rank died or restarted: fail its rooms now, drop its cached bootstrap info and connection."""
         assert isinstance(self.ledger, TargetLedger)
         with self._lock:
-            self.p_ranks.pop((rank.bootstrap_addr, rank.agent), None)
-            rooms = [d.room for d in self.d_rooms.values() if rank.agent in d.peers
-                     or (not d.peers and d.bootstrap_addr == rank.bootstrap_addr)]
+            if self.p_ranks.get(pid) is rank:
+                del self.p_ranks[pid]
+            rooms = [d.room for d in self.d_rooms.values() if pid in d.peers]
             for key in [k for k in self.connection_pool if k.startswith(rank.bootstrap_addr)]:
                 del self.connection_pool[key]
             self.prefill_info_table.pop(rank.bootstrap_addr, None)
+            self.heartbeat_failures.pop(rank.bootstrap_addr, None)
         if new_epoch is not None:
-            # the ledger records the epoch change and fails loads of the old incarnation itself
-            self.ledger.peer_restarted(rank.agent, rank.epoch + 1 if new_epoch <= rank.epoch else new_epoch)
+            # recorded in the log; loads started under the old epoch fail inside the ledger
+            self.ledger.peer_restarted(pid, new_epoch)
         CommonKVReceiver.disconnect_endpoint(NetworkAddress(rank.ip, rank.port).to_tcp())
         logger.error("kvlifecycle: %s; failing %d room(s)", reason, len(rooms))
         for room in rooms:
-            with self._lock:
-                d = self.d_rooms.get(room)
-                if d is not None and d.transfer and d.transfer not in self.ledger.loads:
-                    d.loading = False  # peer_restarted already failed the load
+            # a dead (or restarted) prefill writes nothing more: the pages are settled
             self._d_fail(room, reason)
 
     def d_room_status(self, room: int) -> KVPoll:
@@ -933,7 +945,7 @@ class KVLifecycleKVManager(CommonKVManager):
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         with self._lock:
             d = self.d_rooms.get(bootstrap_room)
-            acks = len(d.acks) if d is not None else 0
+            acks = len(d.acks) if d is not None else required_acks
         return acks >= required_acks or super().is_abort_release_safe(bootstrap_room, required_acks)
 
 
@@ -1102,5 +1114,5 @@ class KVLifecycleKVBootstrapServer(CommonKVBootstrapServer):
         import json
 
         body = json.loads(resp.body)
-        body.update(kvl_agent=row["agent"], kvl_epoch=row["epoch"])
+        body.update(kvl_agent=row["agent"], kvl_epoch=row["epoch"], kvl_rank_key=key)
         return web.json_response(body, status=200)

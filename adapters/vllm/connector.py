@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,6 +30,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _log_through_vllm() -> None:
+    """Route kvlifecycle's log records to vLLM's handlers (vLLM configures only its own logger tree)."""
+    ours = logging.getLogger("kvlifecycle")
+    if ours.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
 class KVLifecycleConnector(KVConnectorBase_V1):
     """Load with ``--kv-transfer-config '{"kv_connector": "KVLifecycleConnector",
     "kv_connector_module_path": "kvlifecycle.adapters.vllm", "kv_role": "kv_producer" | "kv_consumer",
@@ -36,6 +48,7 @@ class KVLifecycleConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None
         self.adapter_config = AdapterConfig.from_extra(kv_config.kv_connector_extra_config)

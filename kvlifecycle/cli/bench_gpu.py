@@ -80,6 +80,13 @@ def _id_sets(rng: np.random.Generator, pool: int, n: int, count: int) -> list[tu
             for _ in range(count)]
 
 
+def _busy(torch: Any, cycles: int = 200_000) -> None:
+    """~0.1 ms of GPU spin ahead of a timed region (CUDA-event timing then excludes host launch overhead)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(cycles)
+
+
 def _spin(event: Any, timeout_s: float = 30.0) -> None:
     deadline = time.perf_counter() + timeout_s
     while not event.query():
@@ -117,6 +124,7 @@ class InProcess:
         out = []
         for args in sets:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _busy(torch)  # keep the GPU busy while Python launches, so the events time the device work alone
             start.record()
             fn(*args)
             end.record()
@@ -193,6 +201,14 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         if (chunk, warps) == variants[0]:
             out["kernel_event_s"] = ev
             out["kernel_wall_s"] = _median(ip.time_wall(copier.copy, dev_sets))
+            launch = []
+            for s, d in dev_sets:  # host cost of one launch (the direct path after the first JIT launch)
+                torch.cuda.synchronize(ip.device)
+                t0 = time.perf_counter()
+                copier.copy(s, d)
+                launch.append(time.perf_counter() - t0)
+            out["kernel_launch_host_us"] = _median(launch) * 1e6
+            out["kernel_fast_launch"] = copier._compiled is not None
             out["kernel_exact"] = exact
             out["kernel_backend"] = copier.backend
     return out
@@ -372,6 +388,8 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         rng = np.random.default_rng(11)
         counter = [0]
 
+        posts: list[float] = []
+
         def round_(count: int, n: int, verify: bool) -> tuple[float, float, list[float], bool, dict[str, Any]]:
             parent.send(("grant", count, n))
             _, grants = recv()
@@ -409,7 +427,9 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                     transport.release(handle)
                     del handles[transfer]
                     kernel_s += st.t_xfer_s
-                    stats0 = {"t_post_s": st.t_post_s, "t_xfer_s": st.t_xfer_s, "backend": st.backend,
+                    if count == 1:
+                        posts.append(st.t_post_s)
+                    stats0 = {"t_post_us": st.t_post_s * 1e6, "t_xfer_us": st.t_xfer_s * 1e6, "backend": st.backend,
                               "descriptors_replaced": st.desc_count}
                 if time.perf_counter() > deadline:
                     raise TimeoutError("e2e transfers did not complete in 60 s")
@@ -432,6 +452,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         for label, shape in shapes.items():
             n = shape.blocks
             round_(1, n, False)  # warm-up (kernel compile for this shape)
+            posts.clear()
             walls, kernels, trips, exact = [], [], [], True
             for i in range(reps):
                 w, k, rt, ok, stats0 = round_(1, n, verify=i in (0, reps - 1))
@@ -444,6 +465,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             out[f"{label}_roundtrip_s"] = _median(trips)
             out[f"{label}_exact"] = exact
             out[f"{label}_stats"] = stats0
+            out[f"{label}_post_us"] = _median(posts) * 1e6
             piped = []
             for i in range(max(1, reps // 4)):
                 w, _, _, ok, _ = round_(pipeline, n, verify=i == 0)
@@ -594,6 +616,9 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"\nconnect (map + self-test): {_fmt(e2e['connect_s'] * 1e3, 2)} ms {e2e['connect']}")
         print(f"P round trip (grant -> lease released), median: large {_fmt(e2e['large_roundtrip_s'] * 1e6)} us, "
               f"small {_fmt(e2e['small_roundtrip_s'] * 1e6)} us")
+        print(f"post() host time, median: large {_fmt(e2e['large_post_us'])} us, small {_fmt(e2e['small_post_us'])} us;"
+              f" kernel launch alone (in-process): {_fmt(res['large'].get('kernel_launch_host_us'))} us"
+              f" (direct launch: {res['large'].get('kernel_fast_launch')})")
         print(f"ledgers replayed: {e2e['replay_events']} events, violations: {len(e2e['replay_violations'])}")
     print(f"\nbyte-exact: {res['byte_exact']}   goal 512 MiB >= 0.9x: {res['goal_large_met']} "
           f"({_fmt(res['ratio_to_ceiling'], 3)})   goal 16 blocks >= 0.6x: {res['goal_small_met']} "

@@ -46,6 +46,8 @@ class WorkerConfig:
     heartbeat_every_s: float | None = None
     load_timeout_s: float = 60.0
     fsync: str = "never"
+    prog_thread: bool = False
+    iterations: int = 0
 
 
 def default_compat(**over: Any) -> dict[str, Any]:
@@ -79,7 +81,7 @@ class _Worker:
         if cfg.transport == "nixl":
             from kvlifecycle.transports.nixl import NixlTransport
 
-            self.transport: Any = NixlTransport(cfg.name, backends=cfg.backends)
+            self.transport: Any = NixlTransport(cfg.name, backends=cfg.backends, enable_prog_thread=cfg.prog_thread)
         else:
             from kvlifecycle.transports.loopback import LoopbackTransport
 
@@ -188,6 +190,40 @@ class _Worker:
         enum = SourceState if self.cfg.side == "producer" else TargetState
         return enum(int(self.ledger.state[req.blocks[0]])).name
 
+    def idle_cpu(self, seconds: float = 2.0) -> float:
+        """CPU seconds this process burns per wall second while idle (all threads)."""
+        c0, w0 = time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        return (time.process_time() - c0) / (time.monotonic() - w0)
+
+    def bench_one(self, request: str, address: str, grant: dict, blocks: list[int]) -> dict[str, Any]:
+        """Benchmarks: reserve + pull + wait until the load settled, timed in this process."""
+        from kvlifecycle import events as ev
+        from kvlifecycle.handoff import GrantReply
+
+        seen: list[Any] = []
+
+        def listen(event: Any) -> None:
+            if isinstance(event, ev.TransferObserved):
+                seen.append(event)
+
+        self.ledger.listeners.append(listen)
+        g = msgspec.convert(grant, GrantReply)
+        t0 = time.perf_counter()
+        self.ledger.reserve(request, blocks)
+        self.role.pull(request, [(address, g)])
+        deadline = time.monotonic() + 60
+        while self.role.pending() and time.monotonic() < deadline:
+            time.sleep(0)
+        wall = time.perf_counter() - t0
+        self.ledger.listeners.remove(listen)
+        ok = self.request_state(request) == "READY_FOR_ATTENTION"
+        self.ledger.finish(request)
+        obs = seen[0] if seen else None
+        return {"wall_s": wall, "ok": ok, "t_post_s": obs.t_post_s if obs else None,
+                "t_xfer_s": obs.t_xfer_s if obs else None, "bytes": obs.nbytes if obs else 0,
+                "descs": obs.descriptors if obs else 0, "backend": obs.backend if obs else ""}
+
     def sweep(self) -> list[str]:
         return self.ledger.sweep()
 
@@ -203,7 +239,12 @@ def worker_main(cfg_raw: bytes, conn: Connection) -> None:
     """Entry point of a worker process: build the side, answer commands until ``stop`` or the pipe closes."""
     cfg = WorkerConfig(**msgspec.msgpack.decode(cfg_raw))
     try:
-        worker = _Worker(cfg)
+        if cfg.side.startswith("raw"):
+            from kvlifecycle.cli.bench_transport import RawWorker
+
+            worker: Any = RawWorker(cfg)
+        else:
+            worker = _Worker(cfg)
     except BaseException as exc:
         conn.send_bytes(msgspec.msgpack.encode({"ok": False, "error": f"{type(exc).__name__}: {exc}",
                                                 "trace": traceback.format_exc()}))
@@ -247,7 +288,10 @@ class WorkerProcess:
     def _reply(self, timeout_s: float, what: str) -> Any:
         if not self.conn.poll(timeout_s):
             raise WorkerError(f"{self.cfg.name}: no answer to {what} in {timeout_s}s")
-        reply = msgspec.msgpack.decode(self.conn.recv_bytes())
+        try:
+            reply = msgspec.msgpack.decode(self.conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise WorkerError(f"{self.cfg.name}: process gone during {what} (exit code {self.proc.exitcode})") from exc
         if not reply["ok"]:
             raise WorkerError(f"{self.cfg.name}: {what} failed: {reply['error']}\n{reply.get('trace', '')}")
         return reply["value"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,8 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TLS_VARIANTS = ("default", "sm", "cma", "posix", "tcp")
-PROBE_TIMEOUT_S = 12.0
+DEFAULT_TLS_VARIANTS = ("default", "tcp", "sm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +54,8 @@ class PathResult:
     t_xfer_ms: float = 0.0
     descriptors: int = 0
     verified: bool = False
+    lanes: str = ""  # what UCX's INFO log says the endpoint's lanes use, e.g. "rma_am(tcp/lo) am(tcp/lo cma/memory)"
+    ucx_errors: list[str] = field(default_factory=list)
     error: str = ""
 
     @property
@@ -70,6 +72,7 @@ class Report:
     paths: list[PathResult] = field(default_factory=list)
     checks: list[dict[str, str]] = field(default_factory=list)  # {"check", "status": OK|WARN|FAIL, "detail", "hint"}
     env: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
 
     def failed(self) -> bool:
@@ -187,22 +190,27 @@ _LANES = re.compile(r"UCX\s+INFO\s+(\S+)\s+(self|intra-node|inter-node)\s+cfg#\d
 _UCX_ERROR = re.compile(r"UCX\s+ERROR\s+(.*)$")
 
 
-def _capture_fd2(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:
-    """Run ``fn`` with file descriptor 2 (where UCX logs) going to a temporary file; return its result and text."""
+def _capture_output(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, str]:
+    """Run ``fn`` with file descriptors 1 and 2 going to a temporary file (UCX logs to stdout by default, NIXL
+    to stderr); return its result and that text."""
     import tempfile
 
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
+        for fd in saved:
+            os.dup2(tmp.fileno(), fd)
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
+            sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
         tmp.seek(0)
         return result, tmp.read().decode(errors="replace")
 
@@ -221,6 +229,9 @@ def _probe_all(variants: list[str], mems: list[str], nbytes: int, block_bytes: i
     _emit("plugins", _probe_plugins())
     original = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES")}
     for mem in mems:
+        if mem == "VRAM" and not _cuda_available():
+            _emit("skipped", {"mem": mem, "why": "no CUDA device"})
+            continue
         _emit("ceiling", {"mem": mem, "gbps": _copy_ceiling_gbps(mem, nbytes)})
         for variant in variants:
             left = stop_at - time.monotonic()
@@ -233,7 +244,7 @@ def _probe_all(variants: list[str], mems: list[str], nbytes: int, block_bytes: i
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = str(env[key])
-            result, log = _capture_fd2(_probe_transfer, mem, nbytes, block_bytes, 3, left)
+            result, log = _capture_output(_probe_transfer, mem, nbytes, block_bytes, 3, left)
             lanes = [m.group(3).strip() for m in map(_LANES.search, log.splitlines())
                      if m and m.group(1) == "kvl-doctor-a" and m.group(2) != "self"]
             errors = [m.group(1).strip() for m in map(_UCX_ERROR.search, log.splitlines()) if m]
@@ -353,10 +364,14 @@ def _cuda_available() -> bool:
 # --- diagnosis -------------------------------------------------------------------------------------------------
 
 
-def _tls_env(variant: str) -> dict[str, str]:
+def _tls_env(variant: str, mem: str = "DRAM") -> dict[str, str]:
+    """The UCX environment of a probe variant (``default``: the caller's own environment, untouched)."""
     if variant == "default":
         return {}
-    env = {"UCX_TLS": variant}
+    tls = variant
+    if mem == "VRAM" and "cuda" not in variant:
+        tls += ",cuda_copy,cuda_ipc"  # device memory needs a CUDA transport next to the one under test
+    env = {"UCX_TLS": tls}
     if "tcp" in variant.split(","):
         env["UCX_NET_DEVICES"] = "lo"  # loopback only (the project's rule); also what a one-host pair uses
     return env
@@ -394,6 +409,21 @@ def diagnose(report: Report, min_ratio: float) -> None:
                                   "hint": "; ".join(hints)})
         else:
             report.checks.append({"check": name, "status": "OK", "detail": detail, "hint": ""})
+        if default.lanes:
+            emulated = "rma_am(" in default.lanes
+            report.checks.append({
+                "check": f"{default.path} UCX lanes", "status": "WARN" if emulated else "OK",
+                "detail": default.lanes,
+                "hint": "UCX emulates RMA over active messages (no RMA-capable transport passed its checks): "
+                        "reads become copies through the AM path; see the UCX errors of the other variants for why"
+                        if emulated else ""})
+        for other in rows:
+            if not other.ok and "no peer failure handler" in " ".join(other.ucx_errors):
+                report.checks.append({
+                    "check": f"{other.path} UCX_TLS={other.ucx_tls}", "status": "WARN",
+                    "detail": "refused: shared-memory transports have no peer failure handler",
+                    "hint": "NIXL's UCX backend asks for peer error handling (ucx_error_handling_mode=peer), which "
+                            "posix/sysv shared memory cannot give, so UCX falls back to tcp (+cma); expected here"})
         if default.t_xfer_ms > 0 and default.t_post_ms >= 0.9 * default.t_xfer_ms:
             report.checks.append({
                 "check": f"{default.path} post vs completion", "status": "WARN",
@@ -407,68 +437,64 @@ def diagnose(report: Report, min_ratio: float) -> None:
 
 def collect(args: argparse.Namespace) -> Report:
     started = time.monotonic()
-    deadline = started + args.budget_s
     report = Report(env={k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))})
-
-    def left() -> float:
-        return deadline - time.monotonic()
-
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         report.nixl_version = version("nixl")
     except PackageNotFoundError:
         report.nixl_version = "unknown"
-    plugins = _run_probe({"kind": "plugins"}, min(PROBE_TIMEOUT_S, left()))
-    report.plugins = plugins.get("plugins", [])
-    if not report.plugins:
-        report.checks.append({"check": "NIXL plugins", "status": "FAIL", "detail": plugins.get("error", "none found"),
-                              "hint": "NIXL_PLUGIN_DIR must point at the wheel's plugin directory if it was moved"})
-    elif not any(p["name"] == "UCX" and p["loads"] for p in report.plugins):
-        report.checks.append({"check": "NIXL UCX plugin", "status": "FAIL", "detail": "UCX plugin did not load",
-                              "hint": "reinstall nixl==1.5.1 (the UCX plugin ships in the wheel)"})
     report.ucx_modules = _ucx_modules()
-    report.ucx_info = _ucx_info(min(5.0, max(left(), 0.1)))
-
-    nbytes = int(args.size_mib * (1 << 20))
-    block_bytes = int(args.block_kib) << 10
-    mems = ["DRAM"] + (["VRAM"] if _cuda_available() else [])
-    variants = [v.strip() for v in args.tls.split(",") if v.strip()] or ["default"]
+    report.ucx_info = _ucx_info(5.0)
+    variants = [v.strip() for v in args.tls.split(",") if v.strip()]
     if "default" not in variants:
         variants.insert(0, "default")
-    for mem in mems:
-        ceiling = _copy_ceiling_gbps(mem, nbytes)
-        for variant in variants:
-            env = _tls_env(variant)
-            if mem == "VRAM" and variant != "default":
-                env = _tls_env(f"{variant},cuda_copy,cuda_ipc") if variant in ("sm", "tcp") else env
-            budget = min(PROBE_TIMEOUT_S, left() - 1.0)
-            path = f"{mem}→{mem}"
-            if budget < 3.0:
-                report.paths.append(PathResult(path, variant, False, ceiling_gbps=ceiling,
-                                               error=f"skipped: outside the {args.budget_s:.0f} s time budget"))
-                continue
-            spec = {"kind": "transfer", "mem": mem, "nbytes": nbytes, "block_bytes": block_bytes, "iterations": 3,
-                    "deadline_s": budget - 2.0}
-            got = _run_probe(spec, budget, env)
+    budget = args.budget_s - (time.monotonic() - started)
+    spec = {"variants": variants, "mems": ["DRAM", "VRAM"], "nbytes": int(args.size_mib * (1 << 20)),
+            "block_bytes": int(args.block_kib) << 10, "deadline_s": max(budget - 3.0, 1.0),
+            "prog_thread": not args.no_prog_thread_check}
+    items, problem = _run_probes(spec, budget)
+    ceilings: dict[str, float] = {}
+    for item in items:
+        kind = item["item"]
+        if kind == "plugins":
+            report.plugins = item.get("plugins", [])
+        elif kind == "ceiling":
+            ceilings[item["mem"]] = float(item["gbps"])
+        elif kind == "skipped":
+            report.skipped.append(f"{item['mem']}→{item['mem']}: skipped ({item['why']})")
+        elif kind == "path":
+            variant = item["variant"]
             report.paths.append(PathResult(
-                path, variant if variant == "default" else env.get("UCX_TLS", variant), bool(got.get("ok")),
-                backend=got.get("backend", ""), gbps=float(got.get("gbps", 0.0)), ceiling_gbps=ceiling,
-                t_post_ms=float(got.get("t_post_s", 0.0)) * 1e3, t_xfer_ms=float(got.get("t_xfer_s", 0.0)) * 1e3,
-                descriptors=int(got.get("descriptors", 0)), verified=bool(got.get("verified", False)),
-                error=str(got.get("error", ""))))
-    diagnose(report, args.min_ratio)
-
-    if not args.no_prog_thread_check and left() > 4.0:
-        got = _run_probe({"kind": "prog_thread", "seconds": 0.5}, min(PROBE_TIMEOUT_S, left() - 1.0))
-        if "cpu_per_wall" in got:
-            busy = got["cpu_per_wall"]
+                f"{item['mem']}→{item['mem']}", "default" if variant == "default" else item.get("ucx_tls", variant),
+                bool(item.get("ok")), backend=item.get("backend", ""), gbps=float(item.get("gbps", 0.0)),
+                ceiling_gbps=ceilings.get(item["mem"], 0.0), t_post_ms=float(item.get("t_post_s", 0.0)) * 1e3,
+                t_xfer_ms=float(item.get("t_xfer_s", 0.0)) * 1e3, descriptors=int(item.get("descriptors", 0)),
+                verified=bool(item.get("verified", False)), lanes=item.get("lanes", ""),
+                ucx_errors=list(item.get("ucx_errors", [])), error=str(item.get("error", ""))))
+        elif kind == "prog_thread":
+            busy = float(item["cpu_per_wall"])
             spinning = busy > 0.5
             report.checks.append({
                 "check": "UCX progress thread (idle agent)", "status": "WARN" if spinning else "OK",
                 "detail": f"an idle agent with NIXL's default progress thread used {busy:.0%} of a core",
                 "hint": "nixl_agent_config(enable_prog_thread=False) and drive progress by polling "
                         "(kvlifecycle's NIXL transport does)" if spinning else ""})
+        elif kind == "error":
+            problem = problem or item["error"]
+    if not report.plugins:
+        report.checks.append({"check": "NIXL plugins", "status": "FAIL", "detail": problem or "none found",
+                              "hint": "NIXL_PLUGIN_DIR must point at the wheel's plugin directory if it was moved"})
+    elif not any(p["name"] == "UCX" and p["loads"] for p in report.plugins):
+        report.checks.append({"check": "NIXL UCX plugin", "status": "FAIL", "detail": "UCX plugin did not load",
+                              "hint": "reinstall nixl==1.5.1 (the UCX plugin ships in the wheel)"})
+    probed = {(p.path, p.ucx_tls) for p in report.paths}
+    if problem and report.plugins:
+        report.checks.append({"check": "probe process", "status": "FAIL" if not report.paths else "WARN",
+                              "detail": problem, "hint": "rerun with a larger --budget-s, or fewer --tls variants"})
+    if not any(p == "DRAM→DRAM" for p, _ in probed) and report.plugins:
+        report.paths.append(PathResult("DRAM→DRAM", "default", False, error=problem or "not probed"))
+    diagnose(report, args.min_ratio)
     report.elapsed_s = time.monotonic() - started
     return report
 
@@ -495,8 +521,13 @@ def render(report: Report) -> str:
           f"{p.gbps:.2f}" if p.ok else "-", f"{p.ceiling_gbps:.2f}", f"{p.ratio:.0%}" if p.ok else "-",
           f"{p.t_post_ms:.2f}" if p.ok else "-", f"{p.t_xfer_ms:.2f}" if p.ok else "-",
           str(p.descriptors or "-")] for p in report.paths]))
-    if not any(p.path.startswith("VRAM") for p in report.paths):
-        parts.append("VRAM→VRAM: skipped (no CUDA device)")
+    lanes = [f"  {p.path} UCX_TLS={p.ucx_tls}: {p.lanes}" for p in report.paths if p.lanes]
+    if lanes:
+        parts.append("what UCX chose (its INFO log, lanes of the intra-node endpoint):\n" + "\n".join(lanes))
+    errors = [f"  {p.path} UCX_TLS={p.ucx_tls}: {e}" for p in report.paths for e in p.ucx_errors]
+    if errors:
+        parts.append("UCX errors:\n" + "\n".join(errors))
+    parts.extend(report.skipped)
     parts.append(_table(["check", "status", "detail"],
                         [[c["check"], c["status"], c["detail"]] for c in report.checks]))
     hints = [f"  hint ({c['check']}): {c['hint']}" for c in report.checks if c["hint"] and c["status"] != "OK"]

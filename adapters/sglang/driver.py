@@ -1,0 +1,463 @@
+"""Drive one side of a real SGLang P/D handoff through SGLang's own classes (manager, sender/receiver, bootstrap
+server over HTTP + ZMQ), for the tests in ``tests/sglang`` and for ``bench/sglang_pd.sh``.
+
+Runs in the SGLang virtual environment::
+
+    python -m kvlifecycle.adapters.sglang.driver --role prefill --backend kvlifecycle --port 18800 --out p.json
+    python -m kvlifecycle.adapters.sglang.driver --role decode  --backend kvlifecycle --port 18800 --out d.json
+
+Both sides derive the same plan from ``--seed`` (room ids, source and destination pages, aux rows, KV bytes), so
+the decode side checks byte for byte what landed, and that every page no successful room targeted is untouched.
+KV lives in DRAM (torch CPU tensors); aux rows are SGLang's own ``MetadataBuffers`` where they construct on CPU.
+Every wait is bounded (``--deadline``); the result is one JSON file.
+
+Scenarios (``--scenario``):
+  transfer   ``--rooms`` rooms after one warm-up room (the benchmark's; also plain correctness)
+  suite      transfer rooms + abort by decode before metadata, abort by decode after metadata (P holds the send
+             until D's abort went out), abort by prefill, and a room no decode ever claims (bootstrap timeout)
+  restart    prefill: serve ``--rooms`` rooms, then crash (``os._exit``) holding one bootstrapped room;
+             ``--generation 2`` is the restarted prefill, which serves the rooms after it. Decode: all of it.
+  never      decode only: a receiver whose prefill never appears
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+for _key, _value in (("UCX_TLS", "self,sm,tcp"), ("UCX_NET_DEVICES", "lo"), ("SGLANG_HOST_IP", "127.0.0.1"),
+                     ("HOST_IP", "127.0.0.1")):
+    os.environ.setdefault(_key, _value)
+
+import numpy as np  # noqa: E402
+
+SENTINEL = 0xA5
+ROOM_BASE = 7_000_000
+
+
+@dataclass
+class Plan:
+    seed: int
+    num_pages: int
+    layers: int
+    item_bytes: int
+    pages_per_room: int
+    rooms: int
+    aux_rows: int
+    page_size: int = 16
+    room_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        base = ROOM_BASE + 1000 * self.seed
+        n = self.rooms
+        self.room_ids = {
+            "warmup": [base],
+            "transfer": [base + 1 + i for i in range(n)],
+            "abort_d": [base + 200],
+            "abort_d_meta": [base + 201],
+            "abort_p": [base + 202],
+            "unclaimed": [base + 203],
+            "crash": [base + 300],
+            "after": [base + 400 + i for i in range(n)],
+            "never": [base + 500],
+        }
+        every = [r for rooms in self.room_ids.values() for r in rooms]
+        need = len(every) * self.pages_per_room
+        if need > self.num_pages:
+            raise SystemExit(f"plan needs {need} pages, have {self.num_pages}: raise --num-pages")
+        rng = np.random.default_rng(self.seed)
+        src = rng.permutation(self.num_pages)[:need].astype(np.int32)
+        dst = rng.permutation(self.num_pages)[:need].astype(np.int32)
+        self.src: dict[int, np.ndarray] = {}
+        self.dst: dict[int, np.ndarray] = {}
+        self.aux_src: dict[int, int] = {}
+        self.aux_dst: dict[int, int] = {}
+        for i, room in enumerate(every):
+            self.src[room] = np.sort(src[i * self.pages_per_room:(i + 1) * self.pages_per_room])
+            self.dst[room] = dst[i * self.pages_per_room:(i + 1) * self.pages_per_room]
+            self.aux_src[room] = i % self.aux_rows
+            self.aux_dst[room] = (self.aux_rows - 1 - i) % self.aux_rows
+
+    def kv_bytes(self) -> list[np.ndarray]:
+        """The prefill's KV regions (K and V per layer), the same bytes in every process for one seed."""
+        rng = np.random.default_rng(self.seed + 1)
+        return [rng.integers(0, 256, size=(self.num_pages, self.item_bytes), dtype=np.uint8)
+                for _ in range(2 * self.layers)]
+
+    def aux_row_bytes(self, buf_index: int, row: int, nbytes: int) -> np.ndarray:
+        rng = np.random.default_rng((self.seed, buf_index, row))
+        return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def _log(*parts: Any) -> None:
+    print(f"[driver {os.getpid()} {time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+class Side:
+    """One SGLang KV manager with DRAM KV pages and metadata rows, built the way SGLang's scheduler builds it."""
+
+    def __init__(self, args: argparse.Namespace, plan: Plan) -> None:
+        import torch
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+        from sglang.srt.server_args import ServerArgs
+
+        if args.backend == "kvlifecycle":
+            from kvlifecycle.adapters.sglang.plugin import install
+
+            install()
+        self.torch = torch
+        self.args = args
+        self.plan = plan
+        self.backend = TransferBackend(args.backend)
+        self.mode = DisaggregationMode.PREFILL if args.role == "prefill" else DisaggregationMode.DECODE
+        sa = ServerArgs(model_path="dummy", device="cpu", host="127.0.0.1", disaggregation_mode=args.role,
+                        disaggregation_transfer_backend=args.backend, disaggregation_bootstrap_port=args.port,
+                        port=args.port + 1, page_size=plan.page_size)
+        rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+        self.get = lambda kind: get_kv_class(self.backend, getattr(KVClassType, kind))
+        self.bootstrap = None
+        if self.mode == DisaggregationMode.PREFILL:
+            self.bootstrap = self.get("BOOTSTRAP_SERVER")("127.0.0.1", args.port)
+        if self.mode == DisaggregationMode.PREFILL:
+            self.kv = [torch.from_numpy(a.copy()) for a in plan.kv_bytes()]
+        else:
+            self.kv = [torch.full((plan.num_pages, plan.item_bytes), SENTINEL, dtype=torch.uint8)
+                       for _ in range(2 * plan.layers)]
+        self.aux = self._aux_buffers()
+        kv_args = self.get("KVARGS")()
+        kv_args.engine_rank = 0
+        kv_args.pp_rank = 0
+        kv_args.system_dp_rank = 0
+        kv_args.rust_http_port = None
+        kv_args.kv_cache_dtype_str = "auto"
+        kv_args.kv_layout = None
+        kv_args.prefill_start_layer = 0
+        kv_args.prefill_end_layer = plan.layers
+        kv_args.kv_data_ptrs = [t.data_ptr() for t in self.kv]
+        kv_args.kv_data_lens = [t.nbytes for t in self.kv]
+        kv_args.kv_item_lens = [t[0].nbytes for t in self.kv]
+        kv_args.kv_data_mem_kinds = ["DRAM"] * len(self.kv)
+        kv_args.num_draft_entries = 0
+        kv_args.kv_layer_ids = list(range(plan.layers)) * 2
+        kv_args.kv_head_num = 1
+        kv_args.total_kv_head_num = 1
+        kv_args.page_size = plan.page_size
+        kv_args.aux_data_ptrs = [t.data_ptr() for t in self.aux]
+        kv_args.aux_data_lens = [t.nbytes for t in self.aux]
+        kv_args.aux_item_lens = [t[0].nbytes for t in self.aux]
+        kv_args.ib_device = None
+        kv_args.gpu_id = 0
+        for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_layer_ids",
+                     "state_dim_per_tensor", "state_slice_outer_counts", "state_conv_shard_groups"):
+            setattr(kv_args, name, [])
+        kv_args.is_hybrid_mla_backend = False
+        kv_args.swa_kv_cache_layout = None
+        kv_args.mla_compression_ratios = None
+        kv_args.kv_buf_groups = 1
+        kv_args.hidden_kv_layers = plan.layers
+        kv_args.draft_kv_layers = 0
+        self.kv_args = kv_args
+        t0 = time.monotonic()
+        self.mgr = self.get("MANAGER")(kv_args, self.mode, sa, False)
+        _log(f"{args.backend} {args.role} manager up in {time.monotonic() - t0:.2f}s")
+        self.addr = f"127.0.0.1:{args.port}"
+
+    def _aux_buffers(self) -> list:
+        torch = self.torch
+        try:
+            from sglang.srt.disaggregation.utils import MetadataBuffers
+
+            meta = MetadataBuffers(self.plan.aux_rows, hidden_size=64, hidden_states_dtype=torch.float32,
+                                   max_sampling_mask_tokens=16)
+            bufs = [b for b in (meta.output_ids, meta.cached_tokens, meta.output_token_logprobs_val,
+                                meta.output_token_logprobs_idx, meta.output_top_logprobs_val,
+                                meta.output_top_logprobs_idx, meta.output_topk_p, meta.output_topk_index,
+                                meta.output_hidden_states, meta.bootstrap_room) if b is not None]
+            self.metadata_buffers = meta
+        except Exception as exc:  # noqa: BLE001 - same shapes by hand
+            _log(f"MetadataBuffers unavailable on CPU ({exc}); plain tensors instead")
+            bufs = [torch.zeros((self.plan.aux_rows, 16), dtype=torch.int32),
+                    torch.zeros((self.plan.aux_rows, 64), dtype=torch.float32),
+                    torch.zeros((self.plan.aux_rows, 8), dtype=torch.int64)]
+        views = [b.view(torch.uint8).reshape(b.shape[0], -1) for b in bufs]
+        if self.args.role == "decode":
+            for v in views:
+                v.fill_(SENTINEL)
+        return bufs
+
+    def aux_views(self) -> list:
+        return [b.view(self.torch.uint8).reshape(b.shape[0], -1) for b in self.aux]
+
+    def fill_aux(self, room: int) -> None:
+        row = self.plan.aux_src[room]
+        for i, v in enumerate(self.aux_views()):
+            v[row] = self.torch.from_numpy(self.plan.aux_row_bytes(i, room, v.shape[1]))
+
+    def close(self) -> None:
+        close = getattr(self.mgr, "close", None)
+        if close is not None:
+            close()
+
+
+def _failure_reason(obj: Any) -> str:
+    try:
+        obj.failure_exception()
+    except Exception as exc:  # noqa: BLE001 - KVTransferError carries the reason
+        return str(exc)
+    return ""
+
+
+def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    side = Side(args, plan)
+    Sender = side.get("SENDER")
+    ids = plan.room_ids
+    if args.scenario == "transfer":
+        order = ids["warmup"] + ids["transfer"]
+    elif args.scenario == "suite":
+        order = ids["warmup"] + ids["transfer"] + ids["abort_d"] + ids["abort_d_meta"] + ids["abort_p"] + \
+            ids["unclaimed"]
+    elif args.scenario == "restart":
+        order = ids["warmup"] + ids["transfer"] + ids["crash"] if args.generation == 1 else ids["after"]
+    else:
+        raise SystemExit(f"prefill has no part in scenario {args.scenario!r}")
+    hold_file = Path(args.sync_dir) / "abort_d_meta.sent" if args.sync_dir else None
+    result: dict[str, Any] = {"role": "prefill", "backend": args.backend, "rooms": {}, "pid": os.getpid(),
+                              "log_dir": getattr(side.mgr, "ledger_log_dir", None),
+                              "epoch": getattr(side.mgr, "kvl_epoch", None)}
+    senders: dict[int, Any] = {}
+    sent: set[int] = set()
+    done: dict[int, dict] = {}
+    t_first_send: float | None = None
+    timed = set(ids["transfer"]) if args.scenario == "transfer" else set()
+    deadline = time.monotonic() + args.deadline
+    active = list(order[:1])  # the warm-up room first, alone
+    queue = list(order[1:])
+    while (active or queue) and time.monotonic() < deadline:
+        if not active or (active == order[:1] and order[0] in done):
+            active = [r for r in active if r not in done] + queue
+            queue = []
+        for room in list(active):
+            if room in done:
+                continue
+            s = senders.get(room)
+            if s is None:
+                s = senders[room] = Sender(side.mgr, side.addr, room)
+            state = s.poll()
+            if state == KVPoll.WaitingForInput and room not in sent:
+                if room in ids["abort_p"]:
+                    s.abort()
+                    sent.add(room)
+                    continue
+                if room in ids["crash"]:
+                    _log("crash: holding a bootstrapped room, exiting without a word")
+                    Path(args.out).write_text(json.dumps({**result, "crashed": True}))
+                    os._exit(0)
+                if room in ids["abort_d_meta"] and hold_file is not None:
+                    if not hold_file.exists():
+                        continue  # P holds the send until D's abort went out
+                    time.sleep(0.5)  # the ABORT frame is on its way: it must win, never the write
+                s.init(len(plan.src[room]), plan.aux_src[room])
+                side.fill_aux(room)
+                if room in timed and t_first_send is None:
+                    t_first_send = time.monotonic()
+                s.send(plan.src[room])
+                sent.add(room)
+            elif state in (KVPoll.Success, KVPoll.Failed):
+                reason = _failure_reason(s) if state == KVPoll.Failed else ""
+                if state == KVPoll.Success:
+                    s.clear()
+                done[room] = {"status": "success" if state == KVPoll.Success else "failed", "reason": reason,
+                              "t": time.monotonic()}
+                active.remove(room)
+        time.sleep(0.0005)
+    for room in order:
+        result["rooms"][str(room)] = done.get(room, {"status": "timeout", "reason": "driver deadline"})
+    if timed and all(done.get(r, {}).get("status") == "success" for r in timed):
+        result["t_first_send"] = t_first_send
+        result["t_all_done"] = max(done[r]["t"] for r in timed)
+    ledger = getattr(side.mgr, "ledger", None)
+    if ledger is not None:
+        result["ledger"] = {"counts": ledger.counts(), "stats": ledger.stats, "refusals": ledger.refusals,
+                            "leases": len(ledger.leases)}
+    # stay up until the decode is done with us (its heartbeats and acks still reach us)
+    linger = time.monotonic() + args.linger
+    while time.monotonic() < linger and not (args.sync_dir and (Path(args.sync_dir) / "decode.done").exists()):
+        time.sleep(0.05)
+    side.close()
+    if ledger is not None:
+        result["ledger"]["leases_at_exit"] = len(ledger.leases)
+    return result
+
+
+def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    side = Side(args, plan)
+    Receiver = side.get("RECEIVER")
+    ids = plan.room_ids
+    addr = side.addr
+    if args.scenario == "never":
+        addr = f"127.0.0.1:{args.absent_port}"
+    result: dict[str, Any] = {"role": "decode", "backend": args.backend, "rooms": {}, "pid": os.getpid(),
+                              "log_dir": getattr(side.mgr, "ledger_log_dir", None)}
+    deadline = time.monotonic() + args.deadline
+
+    def wait_info(target: str, limit: float) -> bool:
+        end = min(deadline, time.monotonic() + limit)
+        while time.monotonic() < end:
+            if side.mgr.try_ensure_parallel_info(target):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def open_room(room: int, *, metadata: bool = True) -> Any:
+        r = Receiver(side.mgr, addr, room)
+        r.init(0)
+        if metadata and r.poll() != KVPoll.Failed:
+            r.send_metadata(plan.dst[room], plan.aux_dst[room])
+        return r
+
+    def settle(receivers: dict[int, Any], done: dict[int, dict]) -> None:
+        while len(done) < len(receivers) and time.monotonic() < deadline:
+            for room, r in receivers.items():
+                if room in done:
+                    continue
+                state = r.poll()
+                if state in (KVPoll.Success, KVPoll.Failed):
+                    reason = ""
+                    if state == KVPoll.Failed:
+                        acked = r.is_abort_release_safe() if hasattr(r, "is_abort_release_safe") else None
+                        reason = _failure_reason(r)
+                    else:
+                        acked = None
+                        r.clear()
+                    done[room] = {"status": "success" if state == KVPoll.Success else "failed",
+                                  "reason": reason, "t": time.monotonic(), "abort_acked": acked}
+            time.sleep(0.0005)
+
+    receivers: dict[int, Any] = {}
+    done: dict[int, dict] = {}
+    if args.scenario == "never":
+        ok = wait_info(addr, 3.0)
+        room = ids["never"][0]
+        receivers[room] = Receiver(side.mgr, addr, room)
+        receivers[room].init(0)
+        result["parallel_info"] = ok
+        settle(receivers, done)
+    else:
+        if not wait_info(addr, args.deadline):
+            raise SystemExit(f"prefill bootstrap at {addr} never answered")
+        warm = ids["warmup"][0]
+        receivers[warm] = open_room(warm)
+        settle(receivers, done)
+        timed = ids["transfer"]
+        for room in timed:
+            receivers[room] = open_room(room)
+        if args.scenario == "suite":
+            for room in ids["abort_d"]:
+                receivers[room] = open_room(room, metadata=False)
+                receivers[room].abort()
+            for room in ids["abort_d_meta"]:
+                receivers[room] = open_room(room)
+                time.sleep(0.3)
+                receivers[room].abort()
+                if args.sync_dir:
+                    (Path(args.sync_dir) / "abort_d_meta.sent").write_text("1")
+            for room in ids["abort_p"]:
+                receivers[room] = open_room(room)
+        if args.scenario == "restart":
+            for room in ids["crash"]:
+                receivers[room] = open_room(room)
+        settle(receivers, done)
+        if args.scenario == "transfer" and all(done.get(r, {}).get("status") == "success" for r in timed):
+            result["t_all_success"] = max(done[r]["t"] for r in timed)
+        if args.scenario == "restart":
+            # the restarted prefill serves the next rooms: the new epoch must be picked up, not the dead one
+            if wait_info(addr, args.deadline):
+                for room in ids["after"]:
+                    receivers[room] = open_room(room)
+                settle(receivers, done)
+            result["peer_ranks"] = {k: v.epoch for k, v in getattr(side.mgr, "p_ranks", {}).items()}
+    for room in receivers:
+        result["rooms"][str(room)] = done.get(room, {"status": "timeout", "reason": "driver deadline"})
+    # bytes: every successful room's pages and aux row hold P's bytes; every other page kept the sentinel
+    src = plan.kv_bytes()
+    touched = np.zeros(plan.num_pages, dtype=bool)
+    mismatches: list[str] = []
+    for room, info in done.items():
+        if info["status"] != "success":
+            continue
+        touched[plan.dst[room]] = True
+        for r, region in enumerate(side.kv):
+            got = region.numpy()[plan.dst[room]]
+            if not np.array_equal(got, src[r][plan.src[room]]):
+                mismatches.append(f"room {room} region {r}")
+        for i, v in enumerate(side.aux_views()):
+            want = plan.aux_row_bytes(i, room, v.shape[1])
+            if not np.array_equal(v[plan.aux_dst[room]].numpy(), want):
+                mismatches.append(f"room {room} aux buffer {i}")
+    untouched_ok = all(bool((region.numpy()[~touched] == SENTINEL).all()) for region in side.kv)
+    aux_rows_used = {plan.aux_dst[r] for r, i in done.items() if i["status"] == "success"}
+    for v in side.aux_views():
+        rows = [i for i in range(v.shape[0]) if i not in aux_rows_used]
+        untouched_ok = untouched_ok and bool((v.numpy()[rows] == SENTINEL).all())
+    result.update(bytes_equal=not mismatches and any(i["status"] == "success" for i in done.values()),
+                  mismatches=mismatches[:20], untouched_ok=untouched_ok,
+                  bytes_moved=int(sum(plan.pages_per_room * plan.item_bytes * 2 * plan.layers
+                                      for r in ids["transfer"] if done.get(r, {}).get("status") == "success")))
+    ledger = getattr(side.mgr, "ledger", None)
+    if ledger is not None:
+        result["ledger"] = {"counts": ledger.counts(), "stats": ledger.stats, "refusals": ledger.refusals,
+                            "loads": len(ledger.loads), "peer_epochs": ledger.peer_epochs}
+    if args.sync_dir:
+        (Path(args.sync_dir) / "decode.done").write_text("1")
+    time.sleep(0.2)
+    side.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
+    ap.add_argument("--backend", default="kvlifecycle")
+    ap.add_argument("--scenario", choices=("transfer", "suite", "restart", "never"), default="transfer")
+    ap.add_argument("--port", type=int, required=True, help="bootstrap port (127.0.0.1)")
+    ap.add_argument("--absent-port", type=int, default=1, help="scenario never: where no prefill listens")
+    ap.add_argument("--generation", type=int, default=1, help="restart: 1 = first prefill, 2 = restarted")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rooms", type=int, default=4)
+    ap.add_argument("--pages-per-room", type=int, default=8)
+    ap.add_argument("--num-pages", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--item-bytes", type=int, default=4096)
+    ap.add_argument("--aux-rows", type=int, default=32)
+    ap.add_argument("--deadline", type=float, default=120.0)
+    ap.add_argument("--linger", type=float, default=30.0, help="prefill: wait this long for decode.done")
+    ap.add_argument("--sync-dir", default="")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    plan = Plan(args.seed, args.num_pages, args.layers, args.item_bytes, args.pages_per_room, args.rooms,
+                args.aux_rows)
+    try:
+        result = run_prefill(args, plan) if args.role == "prefill" else run_decode(args, plan)
+    except BaseException as exc:
+        Path(args.out).write_text(json.dumps({"role": args.role, "error": repr(exc),
+                                              "traceback": traceback.format_exc()}))
+        raise
+    Path(args.out).write_text(json.dumps(result, default=str))
+    _log("result", json.dumps({k: v for k, v in result.items() if k != "rooms"}, default=str)[:400])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

