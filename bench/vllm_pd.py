@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
-import harness as h
+import vllm_harness as h
 
 P_CORES, D_CORES = [0], [1]
 

@@ -43,6 +43,7 @@ from kvlifecycle.transport import (
     Notification,
     PeerMetadata,
     PreparedPlan,
+    ProbeResult,
     RemoteMismatchError,
     TransferHandle,
     Transport,
@@ -115,6 +116,12 @@ class HandoffOptions:
     load_timeout_s: float = 60.0
     heartbeat_every_s: float | None = None  # default: a sixth of the grant's TTL (vLLM's rhythm)
     unit_bytes: int = 0  # head_size × dtype bytes, for heterogeneous TP views (0: views are already in bytes)
+    probe: bool = True  # move a small test payload at connect time and record its bandwidth
+    probe_floor_gbps: float = 0.2  # warn below this: a silent slow path is never silent
+    on_connect: Callable[[PeerLink, ProbeResult | None], None] | None = None  # e.g. transports.select / OTel
+    # a load that never started (claim refused: P's lease was already gone): the engine learns it here — the
+    # ledger has no load to fail, the reservation was cancelled (policy "fail") or kept for recompute
+    on_abandoned: Callable[[str, str], None] | None = None
 
 
 # --- Producer -----------------------------------------------------------------------------------------------------
@@ -194,6 +201,9 @@ class Producer:
 
     def _on_heartbeat(self, msg: Heartbeat, _peer: bytes) -> Ack:
         ok = self.ledger.heartbeat(msg.transfer, msg.generation)
+        expect = getattr(self.transport, "expect_activity", None)
+        if ok and expect is not None:  # a claim precedes a read: let the data plane poll tightly meanwhile
+            expect(1.0)
         return Ack(ok, "" if ok else "lease is gone (released, expired or stale)")
 
     def _on_load_failed(self, msg: LoadFailed, _peer: bytes) -> Ack:
@@ -224,12 +234,16 @@ class Producer:
         self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
 
     def _push_failed(self, transfer: str, generation: int, peer: str, note: Notification, reason: str) -> None:
-        self.ledger.fail(transfer, generation, reason)
-        try:  # P failures must reach D (SGLang #36033)
+        """A failed write must reach D (SGLang #36033). D settles its load first and answers ``LoadFailed``, which
+        releases the lease here — so P never releases under a load D still thinks is in flight. If D cannot be
+        told, the lease is released now; if D never answers, lease expiry reclaims the blocks."""
+        log.warning("push %s to %s failed: %s", transfer, peer, reason)
+        try:
             self.transport.send_notification(peer, msgspec.structs.replace(note, kind="failed",
                                                                            payload=reason.encode()[:512]))
         except TransportError as exc:
-            log.warning("could not tell %s that push %s failed: %s", peer, transfer, exc)
+            log.warning("could not tell %s that push %s failed (%s): releasing now", peer, transfer, exc)
+            self.ledger.fail(transfer, generation, reason)
 
     def _poll_pushes(self) -> None:
         still = []
@@ -262,8 +276,8 @@ class Producer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                busy = self._pushes or self.ledger.leases
-                job = self._jobs.get(timeout=self.options.service_poll_s if busy else self.options.idle_poll_s)
+                # pushes are polled tightly; pulls only wait for D's notification, so the idle rhythm serves them
+                job = self._jobs.get(timeout=self.options.service_poll_s if self._pushes else self.options.idle_poll_s)
                 job()
             except queue.Empty:
                 pass
@@ -288,6 +302,11 @@ class Producer:
 # --- Consumer -----------------------------------------------------------------------------------------------------
 
 
+def _noop() -> None:
+    pass
+
+
+
 @dataclass(slots=True)
 class PeerLink:
     """D's view of one P rank after a handshake."""
@@ -298,6 +317,7 @@ class PeerLink:
     plan: HandshakePlan
     prepared: PreparedPlan  # the descriptor lists for this P rank's read
     client: SideChannelClient
+    probe: ProbeResult | None = None
 
 
 @dataclass(slots=True)
@@ -311,6 +331,8 @@ class _Load:
     done: set[int] = field(default_factory=set)
     last_beat: float = 0.0
     failed: bool = False
+    claimed: int = 0
+    live: bool = False  # claimed and started in the ledger
 
 
 class Consumer:
@@ -324,9 +346,16 @@ class Consumer:
         self.epochs = EpochTracker()
         self._loads: dict[str, _Load] = {}
         self._by_p_transfer: dict[str, str] = {}
+        self.abandoned: dict[str, str] = {}  # request -> why its load never started (claim refused, ...)
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.RLock()
+        self._settled = threading.Condition(self._lock)  # notified whenever a load leaves ``_loads``
         self._stop = threading.Event()
+        self._wakeful = False
+        add_listener = getattr(transport, "add_completion_listener", None)
+        if add_listener is not None:  # the transport wakes us when a transfer settles: no tight polling needed
+            add_listener(lambda _handle: self._jobs.put(_noop))
+            self._wakeful = True
         self._thread = threading.Thread(target=self._serve, name=f"consumer-{transport.agent}", daemon=True)
         self._thread.start()
 
@@ -368,7 +397,24 @@ class Consumer:
         link = PeerLink(address, agent, reply.meta.epoch, plan, prepared, client)
         with self._lock:
             self.links[address] = link
+        probe = self._probe(link) if self.options.probe else None
+        if self.options.on_connect is not None:
+            self.options.on_connect(link, probe)
         return link
+
+    def _probe(self, link: PeerLink) -> ProbeResult | None:
+        try:
+            result = self.transport.probe(link.agent)
+        except (TransportError, AttributeError) as exc:
+            log.info("no connect-time probe of %s: %s", link.agent, exc)
+            return None
+        link.probe = result
+        self.ledger.observe_transfer(f"probe:{link.agent}", t_post_s=0.0, t_xfer_s=result.seconds,
+                                     nbytes=result.bytes, descriptors=1, backend=result.backend, ok=True)
+        if result.gbps < self.options.probe_floor_gbps:
+            log.warning("slow path to %s: %.3f GB/s over %s is below the floor of %.3f GB/s", link.agent,
+                        result.gbps, result.backend, self.options.probe_floor_gbps)
+        return result
 
     def _peer_restarted(self, agent: str, epoch: int) -> None:
         with self._lock:
@@ -400,10 +446,9 @@ class Consumer:
         if mode == "push" and len(parts) != 1:
             raise ValueError("push supports one P rank with equal layouts")
         transfer = pairs[0][1].transfer if len(pairs) == 1 else f"{request}<-" + "+".join(g.transfer for _, g in pairs)
-        first = parts[0][0]
-        self.ledger.start_load(request, transfer, parts=len(parts), generation=pairs[0][1].generation,
-                               peer=first.agent, peer_epoch=first.epoch)
-        load = _Load(request, transfer, mode, parts, time.monotonic())
+        if request not in self.ledger.requests:
+            raise KeyError(f"request {request!r} is not reserved in the target ledger")
+        load = _Load(request, transfer, mode, parts, time.monotonic(), last_beat=time.monotonic())
         with self._lock:
             self._loads[transfer] = load
             for _, grant, _ in parts:
@@ -416,16 +461,32 @@ class Consumer:
         return self.tp_rank % link.plan.consumers_per_p_rank
 
     def _launch(self, load: _Load) -> None:
-        blocks = self.ledger.requests[load.request].blocks
-        for link, grant, part in load.parts:
+        """Claim every lease first; only then does the load start in D's ledger (so D never loads a transfer P
+        already released), then post the reads or ask for the push."""
+        req = self.ledger.requests.get(load.request)
+        if req is None:
+            self._abandon(load, "request no longer reserved")
+            return
+        blocks = req.blocks
+        for link, grant, _ in load.parts:
             try:
                 beat = link.client.request(Heartbeat(grant.transfer, grant.generation))  # claim before reading
             except SideChannelError as exc:
-                self._fail(load, f"claim failed: {exc}")
+                self._abandon(load, f"claim failed: {exc}")
                 return
             if not beat.ok:
-                self._fail(load, f"lease refused: {beat.detail}")
+                self._abandon(load, f"lease refused: {beat.detail}")
                 return
+            load.claimed += 1
+        first = load.parts[0]
+        try:
+            self.ledger.start_load(load.request, load.transfer, parts=len(load.parts), generation=first[1].generation,
+                                   peer=first[0].agent, peer_epoch=first[0].epoch)
+        except Exception as exc:  # e.g. the peer restarted meanwhile (stale peer epoch): refused and recorded
+            self._abandon(load, f"start_load refused: {exc}")
+            return
+        load.live = True
+        for link, grant, part in load.parts:
             if load.mode == "push":
                 try:
                     ack = link.client.request(PushRequest(grant.transfer, grant.generation, self.transport.agent,
@@ -459,12 +520,37 @@ class Consumer:
         n = min(local.size, remote.size)
         return local[:n], remote[-n:] if remote.size > n else remote  # partial prefix hit: P's tail
 
+    def _abandon(self, load: _Load, reason: str) -> None:
+        """The load could not start (a claim was refused or failed): the reservation goes back, per policy, and
+        the leases already claimed are handed back to P."""
+        log.warning("load %s of %s not started: %s", load.transfer, load.request, reason)
+        load.failed = True
+        with self._lock:
+            self._loads.pop(load.transfer, None)
+            for _, grant, _ in load.parts:
+                self._by_p_transfer.pop(grant.transfer, None)
+            self.abandoned[load.request] = reason
+            self._settled.notify_all()
+        if self.ledger.failure_policy == "fail" and load.request in self.ledger.requests:
+            self.ledger.cancel(load.request)  # RESERVED → FREE; policy recompute keeps the blocks for local prefill
+        if self.options.on_abandoned is not None:
+            try:
+                self.options.on_abandoned(load.request, reason)
+            except Exception:
+                log.exception("on_abandoned hook failed")
+        for link, grant, _ in load.parts[: load.claimed]:
+            try:
+                link.client.request(LoadFailed(grant.transfer, grant.generation, reason), timeout_s=1.0)
+            except SideChannelError as exc:
+                log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
+
     def _fail(self, load: _Load, reason: str) -> None:
         if load.failed and load.transfer not in self._loads:
             return
         load.failed = True
         with self._lock:
             self._loads.pop(load.transfer, None)
+            self._settled.notify_all()
         for handle in load.handles.values():
             with contextlib.suppress(TransportError):
                 self.transport.release(handle)
@@ -482,8 +568,10 @@ class Consumer:
         with self._lock:
             loads = list(self._loads.values())
         for load in loads:
-            if load.failed:
+            if load.failed and load.live:
                 self._fail(load, "peer restarted (new agent epoch)")
+                continue
+            if not load.live:
                 continue
             for part, handle in list(load.handles.items()):
                 status = self.transport.poll(handle)
@@ -502,7 +590,7 @@ class Consumer:
                 self._part_done(load, part)
             if load.transfer in self._loads and now - load.started > self.options.load_timeout_s:
                 self._fail(load, f"load timed out after {self.options.load_timeout_s}s")
-            elif load.transfer in self._loads and load.mode == "push":
+            elif load.transfer in self._loads and load.live:
                 self._heartbeat(load, now)
         for _sender, note in self.transport.notifications():  # push completions / failures from P
             transfer = self._by_p_transfer.get(note.transfer)
@@ -540,11 +628,13 @@ class Consumer:
                 self._loads.pop(load.transfer, None)
                 for _, grant, _ in load.parts:
                     self._by_p_transfer.pop(grant.transfer, None)
+                self._settled.notify_all()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                poll = self.options.service_poll_s if self._loads else self.options.idle_poll_s
+                busy = self._loads and not self._wakeful
+                poll = self.options.service_poll_s if busy else self.options.idle_poll_s
                 job = self._jobs.get(timeout=poll)
                 job()
             except queue.Empty:
@@ -562,12 +652,9 @@ class Consumer:
             return len(self._loads)
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.pending():
-                return True
-            time.sleep(0.001)
-        return False
+        """Block (bounded, without spinning) until no load is pending."""
+        with self._settled:
+            return self._settled.wait_for(lambda: not self._loads, timeout=timeout_s)
 
     def close(self) -> None:
         self._stop.set()

@@ -9,7 +9,7 @@ merge is deterministic.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,16 +62,16 @@ def open_sources(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[LogSourc
 
 def merge_logs(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[str, str, Record]]:
     """Every event of every log in ``paths`` as ``(worker, side, Record)``, sorted by HLC, ties by worker, then by
-    the record's index in its own log. Raises :class:`~kvlifecycle.eventlog.LogError` (or its
-    :class:`~kvlifecycle.eventlog.CorruptLogError`) naming the file for a missing or corrupt log."""
-    merged = [(record.event.hlc, worker, record.index, side, record) for worker, side, record in _all(paths)]
+    the record's index in its own log. Each log's own order is kept: where a log's stamps go backwards (a restarted
+    worker whose new incarnation stamps below the last stamp of the old one), those records sort at the highest
+    stamp their log had reached, never before events their own worker logged earlier. Raises
+    :class:`~kvlifecycle.eventlog.LogError` (or its :class:`~kvlifecycle.eventlog.CorruptLogError`) naming the file
+    for a missing or corrupt log."""
+    merged = []
+    for source, reader in open_sources(paths):
+        high = 0
+        for record in reader.records():
+            high = max(high, record.event.hlc)
+            merged.append((high, source.worker, record.index, source.side, record))
     merged.sort(key=lambda item: item[:3])
     return [(worker, side, record) for _hlc, worker, _index, side, record in merged]
-
-
-def _all(paths: Iterable[str | os.PathLike[str]]) -> Iterator[tuple[str, str, Record]]:
-    # sorting the whole list (rather than trusting per-log order) keeps the result right even for a log whose
-    # worker's wall clock stepped backwards across a restart
-    for source, reader in open_sources(paths):
-        for record in reader.records():
-            yield source.worker, source.side, record

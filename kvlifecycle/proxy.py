@@ -212,17 +212,24 @@ class PDProxy:
         prefill_body.pop("stream_options", None)
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
-        prefill = await self._post_json("prefill", self.config.prefill, self._next_prefill, path, prefill_body,
-                                        request_id)
-        params = prefill.get("kv_transfer_params")
-        if not isinstance(params, dict):
-            raise ProxyError(502, "prefill server answered without kv_transfer_params: is it started with a KV "
-                                  "connector (--kv-transfer-config)?")
-        decode_body = dict(body)
-        decode_body["kv_transfer_params"] = params
-        await self._stream_decode(path, decode_body, request_id, writer)
+        # Reach a decode server first: with none up, P must not prefill and pin blocks that nobody will read.
+        decode = await self._open("decode", self.config.decode, self._next_decode)
+        try:
+            prefill = await self._post_json("prefill", self.config.prefill, self._next_prefill, path,
+                                            prefill_body, request_id)
+            params = prefill.get("kv_transfer_params")
+            if not isinstance(params, dict):
+                raise ProxyError(502, "prefill server answered without kv_transfer_params: is it started with a "
+                                      "KV connector (--kv-transfer-config)?")
+            decode_body = dict(body)
+            decode_body["kv_transfer_params"] = params
+        except BaseException:
+            decode[2].close()
+            raise
+        await self._stream_decode(path, decode_body, request_id, writer, decode)
 
-    async def _open(self, side: str, servers: Sequence[Upstream], order: itertools.cycle[int]):
+    async def _open(self, side: str, servers: Sequence[Upstream],
+                    order: itertools.cycle[int]) -> tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]:
         """Connect to the next server of one side, skipping those that refuse; ProxyError if none answers."""
         first = next(order)
         tried: list[str] = []
@@ -279,8 +286,9 @@ class PDProxy:
             raise ProxyError(502, f"{side} server {upstream} answered non-JSON: {exc}") from exc
 
     async def _stream_decode(self, path: str, body: dict[str, object], request_id: str,
-                             client: asyncio.StreamWriter) -> None:
-        upstream, reader, writer = await self._open("decode", self.config.decode, self._next_decode)
+                             client: asyncio.StreamWriter,
+                             decode: tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+        upstream, reader, writer = decode
         idle = self.config.decode_idle_timeout_s
         try:
             writer.write(self._request_bytes(upstream, path, body, request_id))

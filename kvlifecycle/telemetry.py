@@ -28,6 +28,7 @@ event (:func:`measure_tracing_overhead` measures it).
 from __future__ import annotations
 
 import atexit
+import gc
 import hashlib
 import os
 import time
@@ -46,11 +47,10 @@ from kvlifecycle.machines import SourceState, TargetState
 
 INSTRUMENTATION_NAME = "kvlifecycle"
 INSTRUMENTATION_VERSION = "0.1.0"
+DORMANT_RECHECK = 64  # events between looks for an SDK provider while none is installed
 
 # release reasons / load outcomes that count as a successful handoff
 _OK_OUTCOMES = frozenset({"completed", "ready"})
-# small lists go into span attributes verbatim; bigger ones as min/max (spans are not a place for 10^4 ints)
-_MAX_LISTED = 64
 
 
 # --- deterministic trace context -------------------------------------------------------------------------------
@@ -133,12 +133,13 @@ def _now_ns() -> int:
     return time.time_ns()
 
 
-def _block_attributes(prefix: str, values: np.ndarray) -> dict[str, Any]:
-    if values.size == 0:
-        return {f"{prefix}.count": 0}
-    if values.size <= _MAX_LISTED:
-        return {f"{prefix}.count": int(values.size), prefix: [int(v) for v in values]}
-    return {f"{prefix}.count": int(values.size), f"{prefix}.min": int(values.min()), f"{prefix}.max": int(values.max())}
+def _epoch_attributes(epochs: np.ndarray) -> dict[str, Any]:
+    """``kv.epoch`` when the request's blocks share one epoch (the usual case), else its range: scalars only (a
+    per-block list would cost more to clean and export than the rest of the span)."""
+    if epochs.size == 0:
+        return {}
+    lo, hi = int(epochs.min()), int(epochs.max())
+    return {"kv.epoch": lo} if lo == hi else {"kv.epoch.min": lo, "kv.epoch.max": hi}
 
 
 class _Instruments:
@@ -176,9 +177,9 @@ def _is_noop_meter_provider(provider: Any) -> bool:
 class Instrumentation:
     """The subscription :func:`instrument` returns; :meth:`detach` unsubscribes (open spans are ended).
 
-    Dormant until a real (SDK) tracer or meter provider exists: while both are the API's no-ops, each event costs
-    two provider look-ups and nothing else. Once the application installs an SDK provider (globally, or passed in),
-    the next event switches the instrumentation on.
+    Dormant until a real (SDK) tracer or meter provider exists: while both are the API's no-ops, an event costs a
+    counter decrement, and every ``DORMANT_RECHECK`` events two provider look-ups. An SDK provider installed later
+    switches the instrumentation on within that many events (handoffs already under way are traced from then on).
     """
 
     def __init__(self, ledger: Any, tracer_provider: Any = None, meter_provider: Any = None) -> None:
@@ -225,16 +226,34 @@ class Instrumentation:
             })
         self._handlers = handlers
         self._gauges: list[Any] = []
-        self.activate()
-        ledger.listeners.append(self)
+        # the ledger calls self._listener: a bare countdown closure while dormant (a plain function call is the
+        # cheapest thing a listener can be), swapped for the dispatcher once a real provider appears
+        self._listener: Callable[[ev.Event], None] = self.__call__ if self.activate() else self._dormant()
+        ledger.listeners.append(self._listener)
 
     # -- public ---------------------------------------------------------------------------------------------------
     def __call__(self, event: ev.Event) -> None:
-        if not self.active and not self.activate():
-            return
         handler = self._handlers.get(type(event))
         if handler is not None:
             handler(event)
+
+    def _dormant(self) -> Callable[[ev.Event], None]:
+        countdown = [DORMANT_RECHECK]
+        listeners = self.ledger.listeners
+
+        def dormant(event: ev.Event) -> None:
+            # look for a newly installed SDK provider once every DORMANT_RECHECK events only
+            countdown[0] -= 1
+            if countdown[0] > 0:
+                return
+            countdown[0] = DORMANT_RECHECK
+            if self.activate():
+                if dormant in listeners:
+                    listeners[listeners.index(dormant)] = self.__call__
+                self._listener = self.__call__
+                self(event)
+
+        return dormant
 
     def activate(self) -> bool:
         """Switch on if a real tracer or meter provider exists now; returns whether the instrumentation is on."""
@@ -262,8 +281,8 @@ class Instrumentation:
 
     def detach(self) -> None:
         """Stop listening; spans still open end now with outcome ``detached``."""
-        if self in self.ledger.listeners:
-            self.ledger.listeners.remove(self)
+        if self._listener in self.ledger.listeners:
+            self.ledger.listeners.remove(self._listener)
         now = _now_ns()
         for handoff in self._handoffs.values():
             for span in (handoff.phase, handoff.root):
@@ -276,6 +295,11 @@ class Instrumentation:
         """Detach, and flush and close what this subscription owns (providers it made: see
         :func:`instrument_to_files`). Providers passed in stay the caller's to shut down."""
         self.detach()
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether this instrumentation still listens to its ledger."""
+        return self._listener in self.ledger.listeners
 
     @property
     def open_handoffs(self) -> int:
@@ -333,7 +357,9 @@ class Instrumentation:
     # -- both sides -----------------------------------------------------------------------------------------------
     def _on_observed(self, e: ev.TransferObserved) -> None:
         now = _now_ns()
-        attrs = {**self._base, "kv.backend": e.backend, "kv.ok": e.ok}
+        # connect-time path probes (Consumer names them "probe:<agent>") are transfers too, but not handoffs
+        kind = "probe" if e.transfer.startswith("probe:") else "handoff"
+        attrs = {**self._base, "kv.backend": e.backend, "kv.ok": e.ok, "kv.transfer.kind": kind}
         self._m.post_time.record(e.t_post_s, attrs)
         self._m.xfer_time.record(e.t_xfer_s, attrs)
         if e.ok and e.t_xfer_s > 0:
@@ -398,7 +424,7 @@ class Instrumentation:
                                  "kv.generation": e.generation, "kv.consumers": e.consumers, "kv.peer": e.peer,
                                  "kv.lease.ttl_s": e.expires_at - e.at}
         if lease is not None:
-            attrs.update(_block_attributes("kv.epochs", lease.epochs))
+            attrs.update(_epoch_attributes(lease.epochs))
             attrs["kv.blocks"] = int(lease.blocks.size)
         parent, links = self._parent(e.transfer)
         root = self.tracer.start_span("kv.source.handoff", context=parent, kind=SpanKind.PRODUCER,
@@ -456,7 +482,7 @@ class Instrumentation:
                                  "kv.parts": e.parts, "kv.blocks": req.blocks}
         treq = getattr(self.ledger, "requests", {}).get(e.request)
         if treq is not None:
-            attrs.update(_block_attributes("kv.epochs", treq.epochs))
+            attrs.update(_epoch_attributes(treq.epochs))
         parent, links = self._parent(e.transfer)
         root = self.tracer.start_span("kv.target.load", context=parent, kind=SpanKind.CONSUMER,
                                       attributes=attrs, links=links, start_time=req.start_ns)
@@ -621,43 +647,64 @@ def _lifecycle_loop(source: Any, target: Any, count: int, blocks: int, start: in
     return (time.perf_counter() - t0) / count
 
 
-def measure_tracing_overhead(handoffs: int = 1000, blocks: int = 16, rounds: int = 3) -> TracingOverhead:
-    """Time the same P + D lifecycle (no event log) uninstrumented, instrumented with no SDK, and instrumented with
-    the SDK, interleaving the variants round by round and keeping each one's best round (noise only adds time)."""
+def measure_tracing_overhead(handoffs: int = 2000, blocks: int = 16, rounds: int = 0) -> TracingOverhead:
+    """Time the same P + D lifecycle (no event log) uninstrumented, instrumented with no SDK configured, and
+    instrumented with the SDK: ``handoffs`` per variant in batches of 10 (at least ``rounds`` batches)."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.trace import NoOpTracerProvider
 
     from kvlifecycle.clock import ManualClock
     from kvlifecycle.ledger import SourceLedger, TargetLedger
 
+    # "no SDK configured": the API's global defaults, unless this process installed real ones (then explicit no-ops)
+    globals_unset = (_is_noop_tracer_provider(trace.get_tracer_provider())
+                     and _is_noop_meter_provider(metrics.get_meter_provider()))
+    no_sdk = (None, None) if globals_unset else (NoOpTracerProvider(), NoOpMeterProvider())
     variants: dict[str, Callable[[Any, Any], list[Instrumentation]]] = {
         "untraced": lambda s, t: [],
-        "noop": lambda s, t: [instrument(x, NoOpTracerProvider(), NoOpMeterProvider()) for x in (s, t)],
+        "noop": lambda s, t: [instrument(x, *no_sdk) for x in (s, t)],
     }
     try:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+        class Discard(SpanExporter):  # an exporter that keeps nothing: the cost measured is the SDK's, not storage
+            def export(self, spans: Any) -> SpanExportResult:
+                return SpanExportResult.SUCCESS
 
         def with_sdk(s: Any, t: Any) -> list[Instrumentation]:
-            provider = TracerProvider()
-            provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+            provider = TracerProvider()  # the recommended set-up: spans exported off the caller's thread
+            provider.add_span_processor(BatchSpanProcessor(Discard()))
             meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
             return [instrument(x, provider, meter_provider) for x in (s, t)]
 
         variants["sdk"] = with_sdk
     except ImportError:
         pass
+    # one pair of ledgers per variant; short batches interleaved variant by variant, each variant's fastest batch
+    # kept: on a shared machine noise only ever adds time, and short interleaved batches see the same noise. The SDK
+    # variant runs after the other two, alone: its exporter thread would otherwise steal their CPU time.
+    batch = max(1, min(10, handoffs))  # short: more batches run without being preempted on a busy machine
+    batches = max(rounds, handoffs // batch)
     best = {name: float("inf") for name in variants}
-    for round_index in range(rounds):
-        for name, attach in variants.items():
+    for group in (("untraced", "noop"), ("sdk",)):
+        pairs = {}
+        for name in group:
+            if name not in variants:
+                continue
             source = SourceLedger(blocks * 2, clock=ManualClock(), worker="p-bench")
             target = TargetLedger(blocks * 2, clock=ManualClock(), worker="d-bench")
-            subscriptions = attach(source, target)
-            _lifecycle_loop(source, target, min(200, handoffs), blocks, 0)  # warm-up
-            best[name] = min(best[name], _lifecycle_loop(source, target, handoffs, blocks, handoffs * round_index))
+            pairs[name] = (source, target, variants[name](source, target))
+            _lifecycle_loop(source, target, 50, blocks, 0)  # warm-up
+        for round_index in range(batches):
+            for name, (source, target, _) in pairs.items():
+                gc.collect()  # each batch starts with no garbage left by the previous batch
+                start = 1000 + round_index * batch
+                best[name] = min(best[name], _lifecycle_loop(source, target, batch, blocks, start))
+        for _, _, subscriptions in pairs.values():
             for subscription in subscriptions:
                 subscription.detach()
-    return TracingOverhead(handoffs, best["untraced"], best["noop"], best.get("sdk"))
+    done = batches * batch
+    return TracingOverhead(done, best["untraced"], best["noop"], best.get("sdk"))

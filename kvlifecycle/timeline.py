@@ -114,7 +114,7 @@ class _Builder:
         self.request_of_load: dict[tuple[str, str], str] = {}
         self.cancel_pending: set[tuple[str, str]] = set()
         self.grants: dict[str, Slice] = {}  # transfer -> P lease slice (any worker)
-        self.completions: dict[str, Slice] = {}  # transfer -> D load slice that completed
+        self.completions: dict[str, list[Slice]] = {}  # P transfer -> D load slices that completed (one per consumer)
 
     def state(self, worker: str, side: str, request: str, state: str | None, ts: float, **args: Any) -> None:
         key = (worker, request)
@@ -126,6 +126,18 @@ class _Builder:
             new = Slice(worker, side, "blocks", f"{request} {state}", ts, ts, label, {"request": request, **args})
             self.slices.append(new)
             self.open_state[key] = new
+
+    def restart(self, worker: str, ts: float, incarnation: int) -> None:
+        """The worker's ledger restarted (new incarnation): whatever it had open ends here, unsettled."""
+        for table in (self.open_state, self.leases, self.loads):
+            for key in [k for k in table if k[0] == worker]:
+                ended = table.pop(key)
+                ended.end = ts
+                ended.args["ended_by"] = "worker restart"
+        for table in (self.load_parts, self.request_leases):
+            for key in [k for k in table if k[0] == worker]:
+                del table[key]
+        self.instant(worker, "worker restarted", ts, incarnation=f"{incarnation:08x}")
 
     def instant(self, worker: str, name: str, ts: float, **args: Any) -> None:
         self.instants.append(Instant(worker, name, ts, args))
@@ -247,13 +259,23 @@ class _Builder:
                 load.category = "failed"
                 load.name += f" ({outcome})"
             else:
-                self.completions[transfer] = load
+                for source_transfer in _source_transfers(transfer):
+                    self.completions.setdefault(source_transfer, []).append(load)
         if outcome == "ready":
             self.state(worker, side, request, "READY_FOR_ATTENTION", ts)
         elif outcome == "recompute":
             self.state(worker, side, request, "RESERVED (recompute)", ts)
         else:
             self.state(worker, side, request, None, ts)
+
+
+def _source_transfers(transfer: str) -> list[str]:
+    """P transfer ids a D load reads: itself, or each part of a multi-rank load ``<request><-<t1>+<t2>``."""
+    if "<-" in transfer:
+        parts = [t for t in transfer.split("<-", 1)[1].split("+") if t]
+        if parts:
+            return parts
+    return [transfer]
 
 
 def _assign_lanes(slices: list[Slice]) -> None:
@@ -279,18 +301,22 @@ def build_timeline(merged: Sequence[tuple[str, str, Record]]) -> Timeline:
     builder = _Builder()
     workers: dict[str, str] = {}
     t_min, t_max = float("inf"), float("-inf")
+    incarnations: dict[str, int] = {}
     for worker, side, record in merged:
         workers.setdefault(worker, side)
         ts = record.event.at + offsets[worker]
         t_min, t_max = min(t_min, ts), max(t_max, ts)
+        if incarnations.setdefault(worker, record.incarnation) != record.incarnation:
+            incarnations[worker] = record.incarnation
+            builder.restart(worker, ts, record.incarnation)
         builder.feed(worker, side, record.event, ts)
     for s in builder.slices:
         t_min = min(t_min, s.start)
     for still_open in [*builder.open_state.values(), *builder.leases.values(), *builder.loads.values()]:
         still_open.end = t_max
         still_open.open = True
-    flows = [Flow(transfer, grant, builder.completions[transfer])
-             for transfer, grant in builder.grants.items() if transfer in builder.completions]
+    flows = [Flow(transfer, grant, load) for transfer, grant in builder.grants.items()
+             for load in builder.completions.get(transfer, [])]
     _assign_lanes(builder.slices)
     return Timeline(workers, builder.slices, builder.instants, flows, t_min, t_max)
 

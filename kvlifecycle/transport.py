@@ -126,6 +126,8 @@ class PeerMetadata(msgspec.Struct, frozen=True):
     transport: str
     blob: bytes
     layout: LayoutWire
+    probe_addr: int = 0  # a small scratch region for the connect-time bandwidth probe (0: none)
+    probe_bytes: int = 0
 
 
 class Notification(msgspec.Struct, frozen=True, array_like=True):
@@ -187,6 +189,20 @@ class XferStats:
     desc_count: int
     backend: str
     from_telemetry: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """A connect-time test transfer: bytes moved from the peer's scratch region, how long, which backend."""
+
+    peer: str
+    bytes: int
+    seconds: float
+    backend: str
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +306,9 @@ class Transport(Protocol):
 
     def notifications(self) -> list[tuple[str, Notification]]:
         """Drain received notifications (malformed ones are counted in ``malformed_notifications``, dropped)."""
+
+    def probe(self, peer: str, *, timeout_s: float = 5.0) -> ProbeResult:
+        """READ the peer's scratch region into ours (never KV blocks) and time it."""
 
     def remove_peer(self, peer: str) -> None: ...
 

@@ -20,7 +20,7 @@ def doctor(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[st
 
 @pytest.fixture(scope="module")
 def report() -> tuple[int, dict]:
-    done = doctor("--json", "--tls", "default,tcp,bogus_tl", "--min-ratio", "0", "--size-mib", "4")
+    done = doctor("--json", "--tls", "default,tcp,bogus_tl,default+eh=none", "--min-ratio", "0", "--size-mib", "4")
     return done.returncode, json.loads(done.stdout)
 
 
@@ -43,6 +43,13 @@ def test_dram_path_moves_verified_bytes_through_ucx(report: tuple[int, dict]) ->
     assert default["ratio"] == pytest.approx(default["gbps"] / default["ceiling_gbps"])
     assert "tcp/" in paths["tcp"]["lanes"]  # UCX's own log names the transport the restricted variant used
     assert code == 0 and data["failed"] is False  # --min-ratio 0: nothing can be "far below"
+
+
+def test_backend_parameter_variant(report: tuple[int, dict]) -> None:
+    _, data = report
+    (row,) = [p for p in data["paths"] if p["variant"] == "default+eh=none"]
+    assert row["ucx_tls"] == "default ucx_error_handling_mode=none"
+    assert row["ok"] and row["verified"] and row["lanes"]
 
 
 def test_a_broken_variant_is_a_row_not_a_crash(report: tuple[int, dict]) -> None:

@@ -5,12 +5,24 @@ Every wait is bounded; nothing asserts on time. After each scenario both logs ar
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("nixl._api", reason="needs the real NIXL package (pip install nixl==1.5.1)")
+
+def _require_nixl() -> None:
+    """Skip without NIXL, except in CI (KVL_REQUIRE_ALL=1), where a missing NIXL is a failure."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("KVL_REQUIRE_ALL") == "1":
+            raise RuntimeError(f"KVL_REQUIRE_ALL=1 but NIXL is missing: {exc}") from exc
+        pytest.skip("needs the real NIXL package (pip install nixl==1.5.1)", allow_module_level=True)
+
+
+_require_nixl()
 
 from kvlifecycle.cli.demo import WorkerConfig, WorkerError, WorkerProcess, default_compat  # noqa: E402
 from kvlifecycle.handoff import REPLY_TYPES  # noqa: E402
@@ -177,7 +189,10 @@ def test_peer_restart_gets_new_epoch_and_old_grants_fail_cleanly(tmp_path: Path)
         d.call("pull", "before", [[addr, old_grant]])
         assert d.call("wait", 30.0)
         assert d.call("request_state", "before") is None
-        assert d.call("state")["stats"]["failed"] == 1
+        # the new incarnation does not know the old lease: the claim is refused, the load never starts, the
+        # reservation goes back to FREE
+        assert "lease refused" in d.call("abandoned")["before"]
+        assert d.call("state")["stats"]["cancelled"] == 1
         # and the new incarnation serves normally
         grant = p2.call("alloc_grant", "after", [4, 5])
         d.call("reserve", "after", [6, 7])

@@ -123,15 +123,17 @@ def test_round_robin_over_prefill_and_decode_servers() -> None:
     assert [len(s.bodies) for s in ps + ds] == [2, 2, 2, 2]
 
 
-def test_a_dead_decode_server_is_skipped_and_all_dead_is_a_clear_503() -> None:
+def test_a_dead_decode_server_is_skipped_and_all_dead_is_a_clear_503_before_any_prefill() -> None:
     p, d = FakeServer("prefill", "P"), FakeServer("decode", "D")
     with running([p], [d], dead_decode=dead_port()) as port:
         for _ in range(3):
             status, _ = post(port, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2})
             assert status == 200  # the dead one is skipped
+    prefilled = len(p.bodies)
     with running([p], [], dead_decode=dead_port()) as port:
         status, raw = post(port, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 2})
     assert status == 503
+    assert len(p.bodies) == prefilled  # P never prefilled (and pinned) for a request no D could take
     error = json.loads(raw)["error"]
     assert "decode" in error["message"] and error["type"] == "upstream_unavailable"
 

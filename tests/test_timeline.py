@@ -196,7 +196,7 @@ def test_cli_reports_a_corrupt_log_and_writes_nothing(tmp_path: Path, capsys: py
     p_dir, d_dir, _ = write_logs(tmp_path / "logs")
     segment = sorted(p_dir.glob("seg-*.kvl"))[0]
     raw = bytearray(segment.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF  # flip a byte in the middle: corruption, not a torn tail
+    raw[0] ^= 0xFF  # break the segment's magic: corruption, never mistaken for a torn tail
     segment.write_bytes(bytes(raw))
     out = tmp_path / "trace.json"
     assert cli_main(["timeline", str(p_dir), str(d_dir), "-o", str(out)]) == 2
@@ -218,3 +218,49 @@ def test_timeline_of_a_real_two_process_demo(tmp_path: Path) -> None:
     assert validate_chrome_trace(trace) == []
     assert trace["otherData"]["flows"] == 4  # two pulls and two pushes, each granted by P and completed on D
     assert sorted(trace["otherData"]["workers"].items()) == [("d0", "target"), ("p0", "source")]
+
+
+def test_two_consumers_and_a_restart(tmp_path: Path) -> None:
+    """One grant read by two D workers (heterogeneous TP): two flows. Then P restarts (new incarnation, same log):
+    its open intervals end at the restart and an instant marks it."""
+    clock = ManualClock(10.0)
+    p_dir = tmp_path / "p0"
+    source = SourceLedger(16, clock=clock, worker="p0")
+    source.log = EventLog(p_dir, header=source.header(), fsync="never")
+    targets = []
+    for name in ("d0", "d1"):
+        target = TargetLedger(16, clock=clock, worker=name)
+        target.log = EventLog(tmp_path / name, header=target.header(), fsync="never")
+        targets.append(target)
+    source.allocate("req", np.arange(4))
+    source.prefill_done("req")
+    grant = source.grant("req", consumers=2)
+    for consumer, target in enumerate(targets):
+        target.hlc.observe(source.hlc.last)
+        target.reserve("req", np.arange(2))
+        clock.advance(0.001)
+        target.start_load("req", grant.transfer)
+        target.part_done(grant.transfer)
+        source.hlc.observe(target.hlc.last)
+        source.consumer_done(grant.transfer, grant.generation, consumer)
+        target.log.close()
+    source.allocate("req-2", np.arange(4, 6))  # still ALLOCATED when P "crashes"
+    source.log.close()
+    clock.advance(0.01)
+    again = SourceLedger(16, clock=clock, worker="p0")
+    again.log = EventLog(p_dir, header=again.header(), fsync="never")
+    again.allocate("req-3", np.arange(8, 10))
+    again.log.close()
+
+    trace = to_chrome_trace(build_timeline(merge_logs([tmp_path])))
+    assert validate_chrome_trace(trace) == []
+    events = trace["traceEvents"]
+    pids = {e["args"]["name"].split(" ")[0]: e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    finishes = sorted(e["pid"] for e in events if e["ph"] == "f")
+    assert finishes == sorted([pids["d0"], pids["d1"]])
+    (restart,) = [e for e in events if e["ph"] == "i" and e["name"] == "worker restarted"]
+    assert restart["pid"] == pids["p0"]
+    (cut,) = [e for e in events if e["ph"] == "X" and e["name"] == "req-2 ALLOCATED"]
+    assert cut["args"]["ended_by"] == "worker restart"
+    assert cut["ts"] + cut["dur"] == pytest.approx(restart["ts"], abs=1e-2)
+    assert any(e["ph"] == "X" and e["name"] == "req-3 ALLOCATED" for e in events)

@@ -24,6 +24,7 @@ Why it is shaped this way:
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -38,7 +39,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvlifecycle.layout import check_block_ids
 from kvlifecycle.transport import (
     WHOLE_BLOCK,
     BackendUnavailableError,
@@ -51,6 +51,7 @@ from kvlifecycle.transport import (
     PeerEpochError,
     PeerMetadata,
     PreparedPlan,
+    ProbeResult,
     RegistrationError,
     RemoteMismatchError,
     TransferFailedError,
@@ -72,6 +73,11 @@ log = logging.getLogger("kvlifecycle.transports.cuda_ipc")
 NAME = "cuda_ipc"
 PROBE_BYTES = 1 << 16
 DRAIN_TIMEOUT_S = 10.0
+ID_RING_INTS = 1 << 18  # 1 MiB of staged block ids: hundreds of requests in flight
+# Measured on an H200 (docs/gpu.md): a kernel reading the ids from pinned host memory over PCIe ran at 0.74x of
+# the ceiling (512 MiB) against 0.93x with the ids copied to the device first, so the copy stays the default.
+HOST_IDS_DEFAULT = False
+REGION_GROUP_HOST_IDS = 8  # with ids in host memory, each program reads them once for 8 regions
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
 
@@ -99,6 +105,18 @@ class CudaDriver:
         lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
         lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+        vp = ctypes.c_void_p
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuCtxPushCurrent_v2.argtypes = [vp]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        lib.cuEventDestroy_v2.argtypes = [vp]
+        lib.cuEventRecord.argtypes = [vp, vp]
+        lib.cuEventQuery.argtypes = [vp]
+        lib.cuEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
+        lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
+        lib.cuPointerGetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_uint64]
 
     @classmethod
     def get(cls) -> CudaDriver:
@@ -137,6 +155,99 @@ class CudaDriver:
     def close(self, ptr: int) -> None:
         self._check(self.lib.cuIpcCloseMemHandle(ptr), f"cuIpcCloseMemHandle({ptr:#x})")
 
+    # The hot path (post / poll) talks to the driver directly: torch's stream and event wrappers cost more
+    # (device-index normalisation, context managers) than the copy of a small request.
+    def current_context(self) -> int:
+        ctx = ctypes.c_void_p()
+        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        return ctx.value or 0
+
+    def push_context(self, ctx: int) -> None:
+        self._check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+
+    def pop_context(self) -> None:
+        ctx = ctypes.c_void_p()
+        self._check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctx)), "cuCtxPopCurrent")
+
+    def event_create(self, timing: bool) -> int:
+        ev = ctypes.c_void_p()
+        self._check(self.lib.cuEventCreate(ctypes.byref(ev), 0 if timing else 2), "cuEventCreate")
+        return ev.value or 0
+
+    def event_destroy(self, ev: int) -> None:
+        self.lib.cuEventDestroy_v2(ev)
+
+    def event_record(self, ev: int, stream: int) -> None:
+        self._check(self.lib.cuEventRecord(ev, stream), "cuEventRecord")
+
+    def event_done(self, ev: int) -> bool:
+        rc = self.lib.cuEventQuery(ev)
+        if rc == 600:  # CUDA_ERROR_NOT_READY
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        ms = ctypes.c_float()
+        self._check(self.lib.cuEventElapsedTime(ctypes.byref(ms), start, end), "cuEventElapsedTime")
+        return float(ms.value)
+
+    def stream_wait(self, stream: int, ev: int) -> None:
+        self._check(self.lib.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent")
+
+    def device_pointer(self, host_ptr: int) -> int:
+        """The device address of pinned host memory (0 if the device cannot address it)."""
+        out = ctypes.c_uint64()
+        rc = self.lib.cuPointerGetAttribute(ctypes.byref(out), 3, host_ptr)  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+        return out.value if rc == 0 else 0
+
+    def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+class _Event:
+    """A driver event (timing on); ``query`` never blocks."""
+
+    __slots__ = ("driver", "handle")
+
+    def __init__(self, driver: CudaDriver, handle: int) -> None:
+        self.driver, self.handle = driver, handle
+
+    def query(self) -> bool:
+        return self.driver.event_done(self.handle)
+
+
+class _IdRing:
+    """Pinned host + device staging for block ids: one async copy per post, no allocation on the hot path.
+
+    A slot is reused only after the transfer that used it completed (its copy of the ids ran before its kernel).
+    """
+
+    def __init__(self, torch: Any, device: Any, capacity: int, driver: CudaDriver) -> None:
+        self.capacity = capacity
+        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=torch.int32, device=device)
+        self.host_ptr, self.dev_ptr = self.host.data_ptr(), self.dev.data_ptr()
+        # Pinned memory is mapped into the device's address space (UVA): the kernel can read the ids in place.
+        self.host_dev_ptr = driver.device_pointer(self.host_ptr)
+        self.head = 0
+        self.busy: dict[int, int] = {}  # start -> end of slots whose transfer has not completed
+
+    def reserve(self, count: int) -> int | None:
+        if count > self.capacity:
+            return None
+        start = self.head if self.head + count <= self.capacity else 0
+        end = start + count
+        if any(s < end and start < e for s, e in self.busy.items()):
+            return None  # still in use: the caller stages this post on its own
+        self.busy[start] = end
+        self.head = end
+        return start
+
+    def free(self, start: int) -> None:
+        self.busy.pop(start, None)
+
 
 # --- wire format --------------------------------------------------------------------------------------------------
 
@@ -158,11 +269,22 @@ class CudaIpcBlob(msgspec.Struct, frozen=True):
     allocations: list[AllocationWire]
     probe_addr: int
     probe_bytes: int
+    probe_seed: int  # the probe holds probe_pattern(probe_seed)
 
 
 _blob_encoder = msgspec.msgpack.Encoder()
 _blob_decoder = msgspec.msgpack.Decoder(CudaIpcBlob)
 _header_decoder = msgspec.msgpack.Decoder(tuple[str, int])
+
+
+def _block_ids(ids: Any, limit: int, what: str) -> np.ndarray:
+    """Block ids as a 1-D integer array within [0, limit) (no copy when they already are)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise RemoteMismatchError(f"{what} block ids must be a 1-D integer array")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+        raise RemoteMismatchError(f"{what} block ids must be in [0, {limit}), got [{arr.min()}, {arr.max()}]")
+    return arr
 
 
 def node_identity() -> str:
@@ -194,7 +316,7 @@ class _Peer:
     opened: list[int]  # IPC mappings to close
     dealer: Any  # ZMQ socket to the peer's side channel
     same_process: bool
-    probe: tuple[int, int]  # the peer's probe buffer (local address, bytes)
+    probe: tuple[int, int, int]  # the peer's probe buffer (local address, bytes, pattern seed)
     self_test_s: float = 0.0
     self_test_gbps: float = 0.0
 
@@ -218,9 +340,10 @@ class _Plan:
 
 @dataclass(slots=True)
 class _Inflight:
-    start: Any  # torch.cuda.Event
-    end: Any
-    keep: list[Any]  # device id tensors, alive until the copy finished
+    start: Any  # _Event (timing)
+    end: Any  # _Event: the completion handle
+    slot: int | None  # ring slot of the ids, freed when the copy completed
+    keep: list[Any]  # ids staged outside the ring, alive until the copy finished
     notify: tuple[str, Notification] | None = None
 
 
@@ -239,6 +362,8 @@ class CudaIpcTransport:
         chunk_bytes: int | None = None,
         num_warps: int | None = None,
         use_triton: bool | None = None,
+        host_ids: bool | None = None,
+        region_group: int | None = None,
     ) -> None:
         try:
             import torch
@@ -260,6 +385,14 @@ class CudaIpcTransport:
             self._copier_kwargs["num_warps"] = num_warps
         if use_triton is not None:
             self._copier_kwargs["use_triton"] = use_triton
+        # Block ids: read by the kernel straight from pinned host memory (no copy-engine hop before the kernel),
+        # or copied to the device first. KVL_CUDA_IPC_HOST_IDS=0/1 overrides the default.
+        env_ids = os.environ.get("KVL_CUDA_IPC_HOST_IDS")
+        self.host_ids = (env_ids != "0") if host_ids is None and env_ids is not None else bool(
+            HOST_IDS_DEFAULT if host_ids is None else host_ids)
+        group = region_group if region_group is not None else int(os.environ.get(
+            "KVL_CUDA_IPC_REGION_GROUP", REGION_GROUP_HOST_IDS if self.host_ids else 1))
+        self._copier_kwargs["region_group"] = group
         self.layout: KVLayout | None = None
         self.device: Any = None
         self._stream: Any = None
@@ -271,7 +404,18 @@ class CudaIpcTransport:
         self._plan_keys = itertools.count(1)
         self._handles = HandleTable()
         self._inflight: dict[int, _Inflight] = {}
-        self._draining: list[tuple[str, Any]] = []  # (peer, end event) of released handles still copying
+        self._draining: list[tuple[str, _Inflight]] = []  # released handles whose copy is still running
+        self._cu_ctx = 0
+        self._cu_stream = 0
+        self._order_event = 0
+        self._event_pool: list[tuple[_Event, _Event]] = []
+        self._ring: _IdRing | None = None
+        self._probe_seed = 0
+        self._trace = os.environ.get("KVL_CUDA_IPC_TRACE") == "1"  # per-stage post timings in rec.extra
+        # Threads seen with this transport's context current: their later calls skip the check (a thread that
+        # switches context afterwards gets a loud driver error, never a silent wrong copy).
+        self._ctx_ok = threading.local()
+        self._stage_marks: dict[str, float] = {}
         self._inbox: collections.deque[tuple[str, Notification]] = collections.deque()
         self._lock = threading.RLock()
         self.malformed_notifications = 0
@@ -300,7 +444,8 @@ class CudaIpcTransport:
             device = torch.device("cuda", layout.device_id)
             with torch.cuda.device(device):
                 self._stream = torch.cuda.Stream(device)
-                probe = torch.from_numpy(probe_pattern(self.epoch)).to(device)
+                self._probe_seed = self.epoch & 0xFFFFFFFF
+                probe = torch.from_numpy(probe_pattern(self._probe_seed)).to(device)
                 torch.cuda.synchronize(device)
                 allocations: dict[int, AllocationWire] = {}
                 spans = [*zip(layout.base_addrs, layout.region_bytes, strict=True), (probe.data_ptr(), probe.numel())]
@@ -317,6 +462,10 @@ class CudaIpcTransport:
                             allocations[base] = AllocationWire(self._driver.export(base), base, size)
                         except TransportError as exc:
                             raise RegistrationError(f"cannot export {base:#x} for IPC: {exc}") from exc
+                self._cu_ctx = self._driver.current_context()
+                self._order_event = self._driver.event_create(timing=False)
+                self._ring = _IdRing(torch, device, ID_RING_INTS, self._driver)
+            self._cu_stream = self._stream.cuda_stream
             self.device = device
             self._probe = probe
             self._exports = list(allocations.values())
@@ -330,7 +479,8 @@ class CudaIpcTransport:
             raise RegistrationError("register before exporting metadata")
         props = self._torch.cuda.get_device_properties(self.device)
         blob = CudaIpcBlob(self._host, os.getpid(), str(getattr(props, "uuid", "")), self.device.index,
-                           self.endpoint, self._exports, self._probe.data_ptr(), int(self._probe.numel()))
+                           self.endpoint, self._exports, self._probe.data_ptr(), int(self._probe.numel()),
+                           self._probe_seed)
         return PeerMetadata(self.agent, self.epoch, self.name, _blob_encoder.encode(blob), LayoutWire.of(self.layout))
 
     # -- peers ------------------------------------------------------------------------------------------------------
@@ -359,7 +509,7 @@ class CudaIpcTransport:
             peer = self._map_peer(meta, blob, remote)
             try:
                 if self.self_test:
-                    self._run_self_test(peer, meta.epoch)
+                    self._run_self_test(peer, blob.probe_seed)
                 peer.dealer = self._ctx.socket(self._zmq.DEALER)
                 peer.dealer.setsockopt(self._zmq.LINGER, 0)
                 peer.dealer.setsockopt(self._zmq.SNDHWM, 10000)
@@ -407,14 +557,42 @@ class CudaIpcTransport:
             for ptr in opened:
                 self._driver.close(ptr)
             raise
-        return _Peer(meta.agent, meta.epoch, remote, mapped, opened, None, same_process, (probe, blob.probe_bytes))
+        return _Peer(meta.agent, meta.epoch, remote, mapped, opened, None, same_process,
+                     (probe, blob.probe_bytes, blob.probe_seed))
 
-    def _run_self_test(self, peer: _Peer, epoch: int) -> None:
+    def _run_self_test(self, peer: _Peer, seed: int) -> None:
         """Copy the peer's probe through the mapping with the transfer kernel; refuse the peer if bytes differ."""
+        seconds, got = self._probe_copy(peer)
+        expected = probe_pattern(seed, got.size)
+        if not np.array_equal(got, expected):
+            bad = int(np.count_nonzero(got != expected))
+            raise TransferFailedError(f"{peer.name}: connect-time self-test read {bad} wrong bytes of {got.size}")
+        peer.self_test_s = seconds
+        peer.self_test_gbps = got.size / max(seconds, 1e-9) / 1e9
+
+    def probe(self, peer: str, *, timeout_s: float = 5.0) -> ProbeResult:
+        """READ the peer's probe buffer (never KV blocks) through the mapping with the transfer kernel, timed with
+        CUDA events; the bytes are checked too."""
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is None:
+                raise UnknownPeerError(peer)
+            seconds, got = self._probe_copy(p, timeout_s)
+            if not np.array_equal(got, probe_pattern(p.probe[2], got.size)):
+                raise TransferFailedError(f"{peer}: probe read wrong bytes")
+            return ProbeResult(peer, int(got.size), seconds, f"{NAME}/{'triton' if self._uses_triton() else 'torch'}")
+
+    def _uses_triton(self) -> bool:
+        from .triton_copy import HAVE_TRITON
+
+        return HAVE_TRITON and self._copier_kwargs.get("use_triton", True) is not False
+
+    def _probe_copy(self, peer: _Peer, timeout_s: float = 5.0) -> tuple[float, np.ndarray]:
+        """One timed copy of the peer's probe into local scratch; returns (seconds, the bytes read)."""
         from .triton_copy import BlockCopier, RegionSpec
 
         torch = self._torch
-        addr, nbytes = peer.probe
+        addr, nbytes, _seed = peer.probe
         scratch = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         copier = BlockCopier([RegionSpec(addr, nbytes, 1, nbytes)], [RegionSpec(scratch.data_ptr(), nbytes, 1, nbytes)],
                              self.device, **self._copier_kwargs)
@@ -426,13 +604,12 @@ class CudaIpcTransport:
             start.record()
             copier.copy(ids, ids)
             end.record()
-        end.synchronize()
-        got = scratch.cpu().numpy()
-        if not np.array_equal(got, probe_pattern(epoch, nbytes)):
-            bad = int(np.count_nonzero(got != probe_pattern(epoch, nbytes)))
-            raise TransferFailedError(f"{peer.name}: connect-time self-test read {bad} wrong bytes of {nbytes}")
-        peer.self_test_s = start.elapsed_time(end) / 1e3
-        peer.self_test_gbps = nbytes / max(peer.self_test_s, 1e-9) / 1e9
+        deadline = time.monotonic() + timeout_s
+        while not end.query():
+            if time.monotonic() > deadline:
+                raise TransferFailedError(f"{peer.name}: probe copy did not finish in {timeout_s} s")
+            time.sleep(1e-4)
+        return start.elapsed_time(end) / 1e3, scratch.cpu().numpy()
 
     def peer_info(self, peer: str) -> dict[str, Any]:
         """What connecting to ``peer`` found and measured (for selection logs)."""
@@ -452,16 +629,18 @@ class CudaIpcTransport:
         """Void the peer's plans, fail its pending transfers, wait for copies that touch its memory, unmap it."""
         del self._peers[peer.name]
         self._plans = {k: p for k, p in self._plans.items() if p.plan.peer != peer.name}
-        events = []
+        flights = []
         for rec in self._handles.live.values():
             if rec.handle.peer == peer.name and rec.status is XferStatus.PENDING:
                 flight = self._inflight.pop(rec.handle.id, None)
                 if flight is not None:
-                    events.append(flight.end)
+                    flights.append(flight)
                 rec.status, rec.error = XferStatus.FAILED, PeerEpochError(f"{peer.name}: {reason}")
-        events += [e for name, e in self._draining if name == peer.name]
-        self._draining = [(n, e) for n, e in self._draining if n != peer.name]
-        if self._wait(events):
+        flights += [f for name, f in self._draining if name == peer.name]
+        self._draining = [(n, f) for n, f in self._draining if n != peer.name]
+        if self._wait([f.end for f in flights if f.end is not None]):
+            for flight in flights:
+                self._retire(flight)
             self._unmap(peer)
         else:  # never unmap under a running kernel: leak the mapping instead
             log.error("cuda_ipc: copies touching %s still running after %.0f s; its mapping is kept",
@@ -471,11 +650,12 @@ class CudaIpcTransport:
 
     def _wait(self, events: list[Any]) -> bool:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        for event in events:
-            while not event.query():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(1e-4)
+        with self._context():
+            for event in events:
+                while not event.query():
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(1e-4)
         return True
 
     def _unmap(self, peer: _Peer) -> None:
@@ -559,7 +739,7 @@ class CudaIpcTransport:
         notification: Notification | None = None,
         transfer: str = "",
     ) -> TransferHandle:
-        torch = self._torch
+        t0 = time.perf_counter()
         op = XferOp(op)
         with self._lock:
             if self._closed:
@@ -567,46 +747,118 @@ class CudaIpcTransport:
             prepared = self._plans.get(plan.key)
             if prepared is None or prepared.plan != plan:
                 raise PeerEpochError(f"plan {plan.key} for {plan.peer} is void (peer removed or restarted)")
-            try:
-                local = check_block_ids(local_blocks, plan.local_blocks, "local")
-                remote = check_block_ids(remote_blocks, plan.remote_blocks, "remote")
-            except ValueError as exc:
-                raise RemoteMismatchError(str(exc)) from exc
+            local = _block_ids(local_blocks, plan.local_blocks, "local")
+            remote = _block_ids(remote_blocks, plan.remote_blocks, "remote")
             if local.size != remote.size:
                 raise RemoteMismatchError(f"{local.size} local blocks vs {remote.size} remote blocks")
             groups = self._plan_groups(prepared, regions)
+            t_checked = time.perf_counter()
             rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
-            rec.t_post_start = time.perf_counter()
+            rec.t_post_start = t0
             src, dst = (remote, local) if op is XferOp.READ else (local, remote)
             n = local.size
-            pad = -(-n // 4) * 4  # both id lists 16-byte aligned on the device: one kernel specialisation
-            ids_host = torch.empty(2 * pad, dtype=torch.int32, pin_memory=True)
-            staged = ids_host.numpy()
-            staged[:n] = src
-            staged[pad:pad + n] = dst
-            engine_stream = torch.cuda.current_stream(self.device)
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                # Blocks may have been written (P) or last read (D) on the caller's stream: order after it.
-                self._stream.wait_stream(engine_stream)
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record(self._stream)
-                ids = ids_host.to(self.device, non_blocking=True)  # pinned: the host allocator tracks reuse
-                for group in groups:
-                    copier = group.read if op is XferOp.READ else group.write
-                    copier.copy(ids[:n], ids[pad:pad + n])
-                end.record(self._stream)
-            rec.nbytes = int(sum(n * g.unit_bytes * g.regions.size for g in groups))
-            rec.ndesc = int(n * sum(g.regions.size for g in groups))
-            rec.t_post_end = time.perf_counter()
-            rec.native = "+".join(sorted({(g.read if op is XferOp.READ else g.write).backend for g in groups}))
-            if n == 0 or not groups:
-                rec.status = XferStatus.DONE
             notify = (plan.peer, notification) if notification is not None else None
-            self._inflight[rec.handle.id] = _Inflight(start, end, [ids, ids_host], notify)
-            if rec.status is XferStatus.DONE:
+            rec.nbytes = n * sum(g.unit_bytes * len(g.regions) for g in groups)
+            rec.ndesc = n * sum(len(g.regions) for g in groups)
+            rec.native = groups[0].read.backend if groups else ""
+            if n == 0 or not groups:
+                rec.t_post_end = time.perf_counter()
+                self._inflight[rec.handle.id] = _Inflight(None, None, None, [], notify)
                 self._complete(rec)
+                return rec.handle
+            drv = self._driver
+            pushed = self._need_context()  # a service thread may have no context current
+            if pushed:
+                drv.push_context(self._cu_ctx)
+            try:
+                t_ctx = time.perf_counter()
+                self._inflight[rec.handle.id] = self._launch(op, groups, src, dst, n, notify)
+            finally:
+                if pushed:
+                    drv.pop_context()
+            rec.t_post_end = time.perf_counter()
+            if self._trace:
+                rec.extra["stages_us"] = {"checks": (t_checked - t0) * 1e6, "record+ctx": (t_ctx - t_checked) * 1e6,
+                                          "launch": (rec.t_post_end - t_ctx) * 1e6, **self._stage_marks}
             return rec.handle
+
+    def _launch(self, op: XferOp, groups: list[_Group], src: np.ndarray, dst: np.ndarray, n: int,
+                notify: tuple[str, Notification] | None) -> _Inflight:
+        """Order after the caller's stream, stage the ids, launch every group's copy, record the completion."""
+        torch, drv, stream = self._torch, self._driver, self._cu_stream
+        start, end = self._event_pool.pop() if self._event_pool else (
+            _Event(drv, drv.event_create(timing=True)), _Event(drv, drv.event_create(timing=True)))
+        # Blocks may have been written (P) or last read (D) on the caller's current stream: order after it.
+        t_a = time.perf_counter()
+        drv.event_record(self._order_event, torch._C._cuda_getCurrentRawStream(self.device.index))
+        drv.stream_wait(stream, self._order_event)
+        drv.event_record(start.handle, stream)
+        t_b = time.perf_counter()
+        pad = -(-n // 4) * 4  # both id lists 16-byte aligned: one kernel specialisation whatever n is
+        ring = self._ring
+        assert ring is not None
+        slot = ring.reserve(2 * pad)
+        keep: list[Any] = []
+        if slot is not None:
+            ring.host_np[slot:slot + n] = src
+            ring.host_np[slot + pad:slot + pad + n] = dst
+            warm = all((g.read if op is XferOp.READ else g.write).warm for g in groups)
+            if self.host_ids and warm and ring.host_dev_ptr:
+                src_ptr = ring.host_dev_ptr + 4 * slot  # the kernel reads the ids where the host wrote them
+            else:
+                drv.memcpy_htod_async(ring.dev_ptr + 4 * slot, ring.host_ptr + 4 * slot, 8 * pad, stream)
+                src_ptr = ring.dev_ptr + 4 * slot
+        else:  # ring full of in-flight ids: stage this post on its own (pinned, tracked by torch)
+            host = torch.empty(2 * pad, dtype=torch.int32, pin_memory=True)
+            host.numpy()[:n], host.numpy()[pad:pad + n] = src, dst
+            with torch.cuda.stream(self._stream):
+                dev_ids = host.to(self.device, non_blocking=True)
+            keep = [host, dev_ids]
+            src_ptr = dev_ids.data_ptr()
+        t_c = time.perf_counter()
+        for group in groups:
+            copier = group.read if op is XferOp.READ else group.write
+            if not copier.launch_ptrs(stream, src_ptr, src_ptr + 4 * pad, n):
+                ids = ring.dev[slot:slot + 2 * pad] if slot is not None else keep[1]  # first launch: Triton's JIT
+                if slot is not None and src_ptr != ring.dev_ptr + 4 * slot:
+                    drv.memcpy_htod_async(ring.dev_ptr + 4 * slot, ring.host_ptr + 4 * slot, 8 * pad, stream)
+                copier.launch(self._stream, ids[:n], ids[pad:pad + n])
+        t_d = time.perf_counter()
+        drv.event_record(end.handle, stream)
+        if self._trace:
+            self._stage_marks = {"order+start": (t_b - t_a) * 1e6, "stage_ids": (t_c - t_b) * 1e6,
+                                 "kernel_launch": (t_d - t_c) * 1e6, "end_record": (time.perf_counter() - t_d) * 1e6}
+        return _Inflight(start, end, slot, keep, notify)
+
+    def _need_context(self) -> bool:
+        """Whether this thread must push the transport's context for driver calls (checked once per thread)."""
+        if not self._cu_ctx or getattr(self._ctx_ok, "ok", False):
+            return False
+        if self._driver.current_context() == self._cu_ctx:
+            self._ctx_ok.ok = True
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def _context(self) -> Any:
+        """Make this transport's CUDA context current for driver calls (a service thread may have none)."""
+        drv = self._driver
+        pushed = self._need_context()
+        if pushed:
+            drv.push_context(self._cu_ctx)
+        try:
+            yield
+        finally:
+            if pushed:
+                drv.pop_context()
+
+    def _retire(self, flight: _Inflight) -> None:
+        """The copy finished: its id slot and events can be reused."""
+        if flight.slot is not None and self._ring is not None:
+            self._ring.free(flight.slot)
+        if flight.start is not None and isinstance(flight.end, _Event):
+            self._event_pool.append((flight.start, flight.end))
+        flight.keep.clear()
 
     def _complete(self, rec: XferRecord) -> None:
         """The copy's event completed: stats, then the notification (never before the bytes landed)."""
@@ -614,9 +866,10 @@ class CudaIpcTransport:
         rec.t_done = time.perf_counter()
         rec.status = XferStatus.DONE
         try:
-            t_xfer = flight.start.elapsed_time(flight.end) / 1e3
-        except Exception:  # an event that cannot time (e.g. recorded before timing was on): fall back to wall
+            t_xfer = self._driver.elapsed_ms(flight.start.handle, flight.end.handle) / 1e3
+        except Exception:  # no device work (empty post) or an event that cannot time: wall clock instead
             t_xfer = rec.t_done - rec.t_post_start
+        self._retire(flight)
         rec.stats = XferStats(rec.t_post_end - rec.t_post_start, t_xfer, rec.nbytes, rec.ndesc,
                               f"cuda_ipc/{rec.native}")
         if flight.notify is not None:
@@ -633,15 +886,30 @@ class CudaIpcTransport:
             rec = self._handles.live.get(hid)
             if rec is not None and self._inflight[hid].end.query():
                 self._complete(rec)
-        self._draining = [(n, e) for n, e in self._draining if not e.query()]
+        still = []
+        for name, flight in self._draining:
+            if flight.end.query():
+                self._retire(flight)
+            else:
+                still.append((name, flight))
+        self._draining = still
 
     def poll(self, handle: TransferHandle) -> XferStatus:
         with self._lock:
             rec = self._handles.get(handle)
             if rec.status is XferStatus.PENDING:
                 flight = self._inflight.get(rec.handle.id)
-                if flight is not None and flight.end.query():
-                    self._complete(rec)
+                if flight is not None:
+                    drv = self._driver
+                    pushed = self._need_context()
+                    if pushed:
+                        drv.push_context(self._cu_ctx)
+                    try:
+                        if flight.end.query():
+                            self._complete(rec)
+                    finally:
+                        if pushed:
+                            drv.pop_context()
             return rec.status
 
     def error(self, handle: TransferHandle) -> TransportError | None:
@@ -658,8 +926,12 @@ class CudaIpcTransport:
         with self._lock:
             rec = self._handles.pop(handle)
             flight = self._inflight.pop(rec.handle.id, None)
-            if flight is not None and not flight.end.query():
-                self._draining.append((rec.handle.peer, flight.end))
+            if flight is not None:
+                with self._context():
+                    if flight.end.query():
+                        self._retire(flight)
+                    else:
+                        self._draining.append((rec.handle.peer, flight))
 
     # -- notifications ----------------------------------------------------------------------------------------------
     def _send(self, peer: str, note: Notification) -> None:
@@ -684,7 +956,9 @@ class CudaIpcTransport:
         with self._lock:
             if self._closed:
                 return []
-            self._progress()
+            if self._inflight or self._draining:
+                with self._context():
+                    self._progress()
             for _ in range(100_000):  # bounded drain
                 try:
                     frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
@@ -718,10 +992,23 @@ class CudaIpcTransport:
             for rec in self._handles.live.values():
                 if rec.status is XferStatus.PENDING:
                     rec.status, rec.error = XferStatus.FAILED, TransportError("transport closed")
-            if not self._wait([f.end for f in self._inflight.values()] + [e for _, e in self._draining]):
-                log.error("cuda_ipc: copies still running at close")
+            flights = [*self._inflight.values(), *(f for _, f in self._draining)]
+            if self._wait([f.end for f in flights if f.end is not None]):
+                for flight in flights:
+                    self._retire(flight)
+                with self._context():
+                    for start, end in self._event_pool:
+                        self._driver.event_destroy(start.handle)
+                        self._driver.event_destroy(end.handle)
+                    if self._order_event:
+                        self._driver.event_destroy(self._order_event)
+            else:  # never free what a running kernel may still touch
+                log.error("cuda_ipc: copies still running at close; their events and ids are kept")
+            self._event_pool.clear()
+            self._order_event = 0
             self._inflight.clear()
             self._draining.clear()
+            self._ring = None
             self._handles.live.clear()
             self._router.close(0)
             self._plans.clear()
@@ -753,19 +1040,22 @@ def _subset(copier: Any, pick: np.ndarray) -> Any:
 
     return BlockCopier([copier.src[i] for i in pick.tolist()], [copier.dst[i] for i in pick.tolist()], copier.device,
                        chunk_bytes=copier.chunk * copier.word, num_warps=copier.num_warps,
-                       use_triton=copier.use_triton)
+                       region_group=copier.region_group, use_triton=copier.use_triton)
 
 
 # --- selection ------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class Selection:
-    """Which path a connection took, why, and what the connect-time check measured."""
+class Choice:
+    """Which path a connection took, why, and what the connect-time self-test measured. ``report`` is the
+    :class:`kvlifecycle.transports.select.Selection` handed to the selection listeners (OTel)."""
 
     backend: str  # "cuda_ipc" or the fallback's name
     reason: str
     measured: dict[str, Any]
+    report: Any = None
+    probe: ProbeResult | None = None
 
 
 def cuda_ipc_possible(local: KVLayout, remote: PeerMetadata | None) -> tuple[bool, str]:
@@ -798,11 +1088,17 @@ def select_same_node(
     fallback: Callable[[], Transport],
     *,
     fallback_name: str = "nixl",
-) -> tuple[Transport, str, Selection]:
+) -> tuple[Transport, str, Choice]:
     """Pick the transport for one peer: CUDA IPC when both sides hold VRAM on one node and the connect-time
-    self-test passes, else ``fallback()`` (NIXL). Returns (transport, peer name or "", selection) and logs the
-    choice with what was measured. ``cuda_transport`` must be registered already; on fallback it is left as is.
+    self-test (a kernel copy of the peer's probe buffer through the mapping, bytes checked) passes, else
+    ``fallback()`` (NIXL). Returns (transport, peer name or "", choice); logs the choice and what it measured and,
+    for CUDA IPC, tells :mod:`kvlifecycle.transports.select`'s listeners (the fallback's caller reports its own
+    probe through ``select.probe_and_report``). ``cuda_transport`` must be registered already.
     """
+    from kvlifecycle.transport import Locality
+
+    from . import select
+
     ok, reason = cuda_ipc_possible(local, remote_cuda_meta)
     if ok and cuda_transport is None:
         ok, reason = False, "no local cuda_ipc transport"
@@ -814,9 +1110,12 @@ def select_same_node(
             reason = f"connect-time self-test failed: {exc}"
         else:
             info = cuda_transport.peer_info(peer)
-            selection = Selection(NAME, reason, info)
+            kernel = "triton" if cuda_transport._uses_triton() else "torch"
+            report = select.Selection(NAME, kernel, MemoryKind.VRAM, MemoryKind.VRAM, Locality.SAME_NODE,
+                                      f"{reason}; self-test passed")
+            probe = ProbeResult(peer, PROBE_BYTES, max(info["self_test_us"], 1e-3) / 1e6, f"{NAME}/{kernel}")
             log.info("transport selected: %s for %s (%s; measured %s)", NAME, peer, reason, info)
-            return cuda_transport, peer, selection
-    selection = Selection(fallback_name, reason, {})
+            select.on_selected(report, probe)
+            return cuda_transport, peer, Choice(NAME, reason, info, report, probe)
     log.info("transport selected: %s (cuda_ipc not used: %s)", fallback_name, reason)
-    return fallback(), "", selection
+    return fallback(), "", Choice(fallback_name, reason, {})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +43,7 @@ from kvlifecycle.transport import (
     PeerEpochError,
     PeerMetadata,
     PreparedPlan,
+    ProbeResult,
     RegistrationError,
     TransferFailedError,
     TransferHandle,
@@ -80,6 +82,9 @@ class _Peer:
     epoch: int
     layout: KVLayout
     remote_dlists: dict[BlockView, Any]
+    probe_addr: int = 0
+    probe_bytes: int = 0
+    probe_dlist: Any = None
 
 
 @dataclass(slots=True)
@@ -101,16 +106,22 @@ class NixlTransport:
         epoch: int | None = None,
         enable_prog_thread: bool = False,
         capture_telemetry: bool = True,
-        idle_poll_s: float = 0.002,
+        idle_poll_s: float = 0.005,
+        busy_poll_s: float = 0.001,
         call_timeout_s: float = 30.0,
         num_threads: int = 0,
+        probe_bytes: int = 1 << 20,
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent start at INFO on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.agent = agent
         self.epoch = new_epoch() if epoch is None else int(epoch)
         self.backends = tuple(backends)
         self.idle_poll_s = float(idle_poll_s)
+        self.busy_poll_s = float(busy_poll_s)
+        self._busy_until = 0.0  # poll at busy_poll_s until then (a peer announced it is about to read from us)
         self.call_timeout_s = float(call_timeout_s)
         config = nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=list(self.backends),
                                    capture_telemetry=capture_telemetry, num_threads=num_threads)
@@ -122,6 +133,10 @@ class NixlTransport:
         if missing:
             raise BackendUnavailableError(
                 f"NIXL backend(s) {missing} did not load; plugins available: {self._nixl.get_plugin_list()}")
+        self.probe_bytes = int(probe_bytes)
+        self._scratch: Any = None  # the probe's scratch buffer (same memory kind as the KV)
+        self._scratch_reg: Any = None
+        self._scratch_dlist: Any = None
         self.layout: KVLayout | None = None
         self._reg_descs: Any = None
         self._local_dlists: dict[BlockView, Any] = {}
@@ -135,6 +150,7 @@ class NixlTransport:
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | None]] = queue.SimpleQueue()
         self._closed = False
         self._stop = threading.Event()
+        self._completion_listeners: list[Callable[[TransferHandle], None]] = []
         self.malformed_notifications = 0
         self.failed_notifications = 0
         self.telemetry_failures = 0
@@ -161,8 +177,14 @@ class NixlTransport:
     def _serve(self) -> None:
         while not self._stop.is_set():
             busy = bool(self._inflight)
+            if busy:
+                wait = 0.0
+            elif time.monotonic() < self._busy_until:
+                wait = self.busy_poll_s
+            else:
+                wait = self.idle_poll_s
             try:
-                fn, fut = self._commands.get(timeout=0 if busy else self.idle_poll_s)
+                fn, fut = self._commands.get(timeout=wait)
             except queue.Empty:
                 fn, fut = None, None
             if fn is not None:
@@ -223,6 +245,11 @@ class NixlTransport:
             rec.stats = stats
             rec.error = error
             rec.status = XferStatus.DONE if error is None else XferStatus.FAILED
+        for listener in self._completion_listeners:
+            try:
+                listener(rec.handle)
+            except Exception:
+                log.exception("completion listener failed")
 
     def _telemetry(self, rec: XferRecord) -> XferStats:
         backend = self.backends[0]
@@ -275,8 +302,33 @@ class NixlTransport:
                 raise RegistrationError(f"register_memory failed: {map_nixl_error(exc, 'register')}") from exc
             self.layout = layout
             self._local_dlist(WHOLE_BLOCK)
+            if self.probe_bytes:
+                self._register_scratch(layout)
 
         self._call(do, "register")
+
+    def _register_scratch(self, layout: KVLayout) -> None:
+        if layout.kind.value == "VRAM":
+            import torch
+
+            self._scratch = torch.zeros(self.probe_bytes, dtype=torch.uint8, device=f"cuda:{layout.device_id}")
+            addr = self._scratch.data_ptr()
+        else:
+            self._scratch = np.zeros(self.probe_bytes, dtype=np.uint8)
+            addr = self._scratch.ctypes.data
+        desc = [(addr, self.probe_bytes, layout.device_id, "")]
+        try:
+            self._scratch_reg = self._nixl.register_memory(desc, layout.kind.value)
+            self._scratch_dlist = self._nixl.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", [(addr, self.probe_bytes, layout.device_id)], layout.kind.value)
+        except Exception as exc:
+            log.warning("probe scratch region not registered (%s): no connect-time probe", exc)
+            self._scratch = self._scratch_reg = self._scratch_dlist = None
+
+    def _scratch_addr(self) -> int:
+        if self._scratch is None:
+            return 0
+        return int(self._scratch.data_ptr()) if hasattr(self._scratch, "data_ptr") else int(self._scratch.ctypes.data)
 
     def registered_regions(self) -> int:
         return 0 if self.layout is None else self.layout.num_regions
@@ -297,7 +349,8 @@ class NixlTransport:
         if self.layout is None:
             raise RegistrationError("register before exporting metadata")
         blob = self._call(self._nixl.get_agent_metadata, "get_agent_metadata")
-        return PeerMetadata(self.agent, self.epoch, self.name, bytes(blob), LayoutWire.of(self.layout))
+        return PeerMetadata(self.agent, self.epoch, self.name, bytes(blob), LayoutWire.of(self.layout),
+                            self._scratch_addr(), self.probe_bytes if self._scratch is not None else 0)
 
     # -- peers ------------------------------------------------------------------------------------------------------
     def add_peer(self, meta: PeerMetadata) -> str:
@@ -326,14 +379,73 @@ class NixlTransport:
                 self._nixl.make_connection(name)
             except Exception as exc:
                 log.info("make_connection(%s) deferred: %s", name, exc)
-            self._peers[name] = _Peer(name, meta.epoch, remote_layout, {})
+            self._peers[name] = _Peer(name, meta.epoch, remote_layout, {}, meta.probe_addr, meta.probe_bytes)
             return name
 
         return self._call(do, "add_peer")
 
+    def add_completion_listener(self, fn: Callable[[TransferHandle], None]) -> None:
+        """``fn(handle)`` runs on the service thread whenever a transfer settles (keep it tiny: wake someone)."""
+        self._completion_listeners.append(fn)
+
+    def expect_activity(self, seconds: float = 1.0) -> None:
+        """A peer is about to read from (or write to) this side: poll at ``busy_poll_s`` for a while, because
+        UCX needs the target side to progress, and idle polling would add up to ``idle_poll_s`` per transfer."""
+        self._busy_until = max(self._busy_until, time.monotonic() + seconds)
+
     def peer_epoch(self, peer: str) -> int | None:
         p = self._peers.get(peer)
         return None if p is None else p.epoch
+
+    def probe(self, peer: str, *, timeout_s: float = 5.0) -> ProbeResult:
+        """READ the peer's scratch region into ours (never KV blocks), timed; which backend NIXL picked."""
+
+        def do() -> ProbeResult:
+            p = self._peers.get(peer)
+            if p is None:
+                raise UnknownPeerError(f"unknown peer {peer!r}")
+            if self._scratch_dlist is None or not p.probe_bytes:
+                raise TransportError(f"no probe scratch region on {'this side' if p.probe_bytes else peer}")
+            n = min(self.probe_bytes, p.probe_bytes)
+            assert self.layout is not None
+            if p.probe_dlist is None:
+                p.probe_dlist = self._nixl.prep_xfer_dlist(p.name, [(p.probe_addr, p.probe_bytes, p.layout.device_id)],
+                                                           p.layout.kind.value)
+            handle = None
+            try:
+                handle = self._nixl.make_prepped_xfer("READ", self._scratch_dlist, [0], p.probe_dlist, [0])
+                deadline = time.monotonic() + timeout_s
+                for _ in range(2):  # the first pass warms the path (connection, rkeys); the second is timed
+                    t0 = time.perf_counter()
+                    state = self._nixl.transfer(handle)
+                    while state == "PROC" and time.monotonic() < deadline:
+                        state = self._nixl.check_xfer_state(handle)
+                    seconds = time.perf_counter() - t0
+                    if state != "DONE":
+                        raise TransferFailedError(f"probe of {peer} ended {state}")
+                try:
+                    backend = self._nixl.query_xfer_backend(handle)
+                except Exception:
+                    backend = "?"
+                return ProbeResult(peer, n, seconds, backend)
+            except TransportError:
+                raise
+            except Exception as exc:
+                raise map_nixl_error(exc, f"probe({peer})") from exc
+            finally:
+                if handle is not None:
+                    try:
+                        self._nixl.release_xfer_handle(handle)
+                    except Exception as exc:
+                        log.warning("release probe handle: %s", exc)
+
+        return self._call(do, "probe")
+
+    def loaded_backends(self) -> list[str]:
+        return list(self._nixl.backends)
+
+    def backend_mem_types(self, backend: str) -> list[str]:
+        return list(self._nixl.get_backend_mem_types(backend))
 
     def remove_peer(self, peer: str) -> None:
         def do() -> None:
@@ -350,7 +462,7 @@ class NixlTransport:
         with self._lock:
             for key in [k for k, p in self._plans.items() if p.plan.peer == peer.name]:
                 del self._plans[key]
-        for dl in peer.remote_dlists.values():
+        for dl in [*peer.remote_dlists.values(), *([peer.probe_dlist] if peer.probe_dlist is not None else [])]:
             try:
                 self._nixl.release_dlist_handle(dl)
             except Exception as exc:
@@ -499,6 +611,14 @@ class NixlTransport:
                 except Exception as exc:
                     log.warning("release local dlist: %s", exc)
             self._local_dlists.clear()
+            for what, release, handle in (("scratch dlist", self._nixl.release_dlist_handle, self._scratch_dlist),
+                                          ("scratch", self._nixl.deregister_memory, self._scratch_reg)):
+                if handle is not None:
+                    try:
+                        release(handle)
+                    except Exception as exc:
+                        log.warning("release %s: %s", what, exc)
+            self._scratch = self._scratch_reg = self._scratch_dlist = None
             if self._reg_descs is not None:
                 try:
                     self._nixl.deregister_memory(self._reg_descs)

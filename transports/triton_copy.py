@@ -34,8 +34,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
 
 # Bytes one program copies per step; a 32 KiB block is one step. Tuned on an H200 (docs/gpu.md).
-DEFAULT_CHUNK_BYTES = 16384
+DEFAULT_CHUNK_BYTES = 4096
 DEFAULT_NUM_WARPS = 4
+DEFAULT_REGION_GROUP = 1
 
 
 if HAVE_TRITON:
@@ -45,7 +46,7 @@ if HAVE_TRITON:
         anchor_ptr,  # any tensor on the device; every region is an element offset from it
         src_base_ptr,  # int64[R]: element offset of source region r from the anchor
         dst_base_ptr,  # int64[R]: element offset of destination region r from the anchor
-        src_ids_ptr,  # int32[N]: source block ids
+        src_ids_ptr,  # int32[N]: source block ids (device memory, or pinned host memory the device can read)
         dst_ids_ptr,  # int32[N]: destination block ids
         src_stride,  # elements between consecutive blocks of a source region
         dst_stride,  # elements between consecutive blocks of a destination region
@@ -54,31 +55,34 @@ if HAVE_TRITON:
         src_sub_stride,  # elements between consecutive sub-blocks of one block
         dst_sub_stride,
         block_elems,  # elements copied per (sub-)block
+        num_regions,
         CHUNKS: tl.constexpr,  # programs per block along axis 0
         CHUNK: tl.constexpr,  # elements per program (a power of two)
         ALIGN: tl.constexpr,  # every base, stride and chunk start is a multiple of ALIGN elements
         EVEN: tl.constexpr,  # block_elems == CHUNKS * CHUNK: no mask needed
+        GROUP: tl.constexpr,  # regions per program: the block ids are read once for GROUP regions
     ):
         pid = tl.program_id(0)
-        region = tl.program_id(1)
+        first = tl.program_id(1) * GROUP
         pair = pid // CHUNKS
         chunk = pid % CHUNKS
         src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
         dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
-        src_start = (tl.load(src_base_ptr + region) + (src_block // src_split) * src_stride
-                     + (src_block % src_split) * src_sub_stride + chunk * CHUNK)
-        dst_start = (tl.load(dst_base_ptr + region) + (dst_block // dst_split) * dst_stride
-                     + (dst_block % dst_split) * dst_sub_stride + chunk * CHUNK)
-        src_start = tl.multiple_of(src_start, ALIGN)
-        dst_start = tl.multiple_of(dst_start, ALIGN)
+        src_off = (src_block // src_split) * src_stride + (src_block % src_split) * src_sub_stride + chunk * CHUNK
+        dst_off = (dst_block // dst_split) * dst_stride + (dst_block % dst_split) * dst_sub_stride + chunk * CHUNK
         offs = tl.arange(0, CHUNK)
-        if EVEN:
-            data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
-            tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
-        else:
-            mask = chunk * CHUNK + offs < block_elems
-            data = tl.load(anchor_ptr + src_start + offs, mask=mask, cache_modifier=".cg")
-            tl.store(anchor_ptr + dst_start + offs, data, mask=mask, cache_modifier=".cs")
+        for i in tl.static_range(GROUP):
+            region = first + i
+            if region < num_regions:
+                src_start = tl.multiple_of(tl.load(src_base_ptr + region) + src_off, ALIGN)
+                dst_start = tl.multiple_of(tl.load(dst_base_ptr + region) + dst_off, ALIGN)
+                if EVEN:
+                    data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
+                    tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
+                else:
+                    mask = chunk * CHUNK + offs < block_elems
+                    data = tl.load(anchor_ptr + src_start + offs, mask=mask, cache_modifier=".cg")
+                    tl.store(anchor_ptr + dst_start + offs, data, mask=mask, cache_modifier=".cs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,9 +132,23 @@ def _launch_hooks_unset() -> bool:
     try:
         from triton import knobs
 
-        return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     except (ImportError, AttributeError):
         return False
+    # Triton 3.6 keeps hooks in (possibly empty) HookChain objects; older versions use None.
+    return all(h is None or not getattr(h, "calls", [h]) for h in hooks)
+
+
+def _raw_launcher(compiled: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Triton 3.6's CUDA launcher object wraps a C ``launch`` that takes (grid, stream, function, cooperative, pdl,
+    global scratch, profile scratch, metadata, launch metadata, hooks, args). Calling it directly skips a Python
+    frame and two scratch allocations, only when the kernel needs no scratch. Other versions: None (use ``run``)."""
+    run = getattr(compiled, "run", None)
+    launch = getattr(run, "launch", None)
+    if (launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+        return None, ()
+    return launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
 
 
 def _word_bytes(*values: int) -> int:
@@ -167,6 +185,7 @@ class BlockCopier:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_warps: int = DEFAULT_NUM_WARPS,
+        region_group: int = DEFAULT_REGION_GROUP,
         use_triton: bool | None = None,
         fast_launch: bool = True,
     ) -> None:
@@ -209,13 +228,20 @@ class BlockCopier:
         self._views: list[tuple[Any, Any]] | None = None
         s0, d0, w = src[0], dst[0], word
         self._scalars = (s0.stride // w, d0.stride // w, s0.split, d0.split, s0.sub_stride // w, d0.sub_stride // w,
-                         self.unit_elems)
-        self._constexprs = (self.chunks, self.chunk, self.align, self.unit_elems == self.chunks * self.chunk)
+                         self.unit_elems, self.regions)
+        self.region_group = max(1, min(int(region_group), self.regions))
+        self.region_programs = -(-self.regions // self.region_group)
+        self._constexprs = (self.chunks, self.chunk, self.align, self.unit_elems == self.chunks * self.chunk,
+                            self.region_group)
         # After the first launch through Triton's JIT, launch the compiled kernel directly: the JIT's per-call
         # binding and cache lookup cost more than the copy for small requests. Only when the id pointers are
         # 16-byte aligned (the one argument property that could change the specialisation between calls).
         self.fast_launch = fast_launch and os.environ.get("KVL_TRITON_FAST_LAUNCH", "1") != "0"
         self._compiled: Any = None
+        self._raw_launch: Any = None
+        self._raw_flags: tuple[Any, ...] = ()
+        self._anchor_ptr = self._anchor_typed.data_ptr()
+        self._src_base_ptr, self._dst_base_ptr = self._src_base.data_ptr(), self._dst_base.data_ptr()
 
     @property
     def backend(self) -> str:
@@ -239,28 +265,69 @@ class BlockCopier:
         if n == 0:
             return
         if self.use_triton:
-            grid = (n * self.chunks, self.regions, 1)
+            grid = (n * self.chunks, self.region_programs, 1)
             aligned = src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0
             compiled = self._compiled
             if compiled is not None and aligned:
                 import torch
 
-                args = (self._anchor_typed, self._src_base, self._dst_base, src_ids, dst_ids, *self._scalars,
-                        *self._constexprs)
-                compiled.run(grid[0], grid[1], 1, torch.cuda.current_stream(self.device).cuda_stream,
-                             compiled.function, compiled.packed_metadata, None, None, None, *args)
+                self._direct(compiled, grid, torch.cuda.current_stream(self.device).cuda_stream, src_ids, dst_ids)
                 return
-            chunks, chunk, align, even = self._constexprs
+            chunks, chunk, align, even, group = self._constexprs
             kernel = _block_copy_kernel[grid](
                 self._anchor_typed, self._src_base, self._dst_base, src_ids, dst_ids, *self._scalars,
-                CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, num_warps=self.num_warps,
+                CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, GROUP=group, num_warps=self.num_warps,
             )
             if self.fast_launch and aligned and compiled is None and _launch_hooks_unset():
                 self._compiled = kernel
+                self._raw_launch, self._raw_flags = _raw_launcher(kernel)
             return
         src_long, dst_long = src_ids.long(), dst_ids.long()
         for src_view, dst_view in self._torch_views():
             dst_view.index_copy_(0, dst_long, src_view.index_select(0, src_long))
+
+    def launch(self, stream: Any, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """Enqueue the copy on ``stream`` (a ``torch.cuda.Stream``); once warm, without touching torch's current
+        stream (the hot path of a transport's ``post``)."""
+        n = int(src_ids.numel())
+        compiled = self._compiled
+        if (self.use_triton and compiled is not None and n == int(dst_ids.numel()) and n
+                and src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0):
+            self._direct(compiled, (n * self.chunks, self.region_programs, 1), stream.cuda_stream, src_ids, dst_ids)
+            return
+        import torch
+
+        with torch.cuda.stream(stream):
+            self.copy(src_ids, dst_ids)
+
+    @property
+    def warm(self) -> bool:
+        """True once :meth:`launch_ptrs` can launch (the kernel went through Triton's JIT once)."""
+        return self._compiled is not None
+
+    def launch_ptrs(self, stream: int, src_ids_ptr: int, dst_ids_ptr: int, n: int) -> bool:
+        """The hot path: launch the warm compiled kernel on a raw stream handle with raw int32 id pointers (both
+        16-byte aligned, on the device). Returns False (nothing launched) until a first :meth:`launch` has gone
+        through Triton's JIT, or where the direct launch is off; the caller then uses :meth:`launch`."""
+        compiled = self._compiled
+        if compiled is None or not n or src_ids_ptr % 16 or dst_ids_ptr % 16:
+            return False
+        grid0, grid1 = n * self.chunks, self.region_programs
+        args = (self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr, src_ids_ptr, dst_ids_ptr, *self._scalars,
+                *self._constexprs)
+        raw = self._raw_launch
+        if raw is not None:
+            raw(grid0, grid1, 1, stream, compiled.function, *self._raw_flags, compiled.packed_metadata, None, None,
+                None, *args)
+        else:
+            compiled.run(grid0, grid1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        return True
+
+    def _direct(self, compiled: Any, grid: tuple[int, int, int], stream: int, src_ids: Any, dst_ids: Any) -> None:
+        # Pointers as plain ints: the launcher takes them as they are (no per-launch pointer attribute query).
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr, src_ids.data_ptr(), dst_ids.data_ptr(),
+                     *self._scalars, *self._constexprs)
 
     def _torch_views(self) -> list[tuple[Any, Any]]:
         """``[units, unit_bytes]`` uint8 views of every region for the torch fallback (built on first use)."""

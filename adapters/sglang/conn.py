@@ -85,12 +85,13 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
+        d = cls()
         return cls(
-            heartbeat_s=_env_float("KVL_SGLANG_HEARTBEAT_S", cls.heartbeat_s),
-            peer_timeout_s=_env_float("KVL_SGLANG_PEER_TIMEOUT_S", cls.peer_timeout_s),
-            claim_timeout_s=_env_float("KVL_SGLANG_CLAIM_TIMEOUT_S", cls.claim_timeout_s),
-            lease_ttl_s=_env_float("KVL_SGLANG_LEASE_TTL_S", cls.lease_ttl_s),
-            write_timeout_s=_env_float("KVL_SGLANG_WRITE_TIMEOUT_S", cls.write_timeout_s),
+            heartbeat_s=_env_float("KVL_SGLANG_HEARTBEAT_S", d.heartbeat_s),
+            peer_timeout_s=_env_float("KVL_SGLANG_PEER_TIMEOUT_S", d.peer_timeout_s),
+            claim_timeout_s=_env_float("KVL_SGLANG_CLAIM_TIMEOUT_S", d.claim_timeout_s),
+            lease_ttl_s=_env_float("KVL_SGLANG_LEASE_TTL_S", d.lease_ttl_s),
+            write_timeout_s=_env_float("KVL_SGLANG_WRITE_TIMEOUT_S", d.write_timeout_s),
             log_dir=os.environ.get("KVL_SGLANG_LOG_DIR", ""),
         )
 
@@ -343,8 +344,7 @@ class KVLifecycleKVManager(CommonKVManager):
                          self.kv_args.page_size)
             return
         kv = Regions(tuple(msg.kv_ptrs), tuple(msg.kv_item_lens), tuple([msg.kv_num_pages] * len(msg.kv_ptrs)))
-        aux = Regions(tuple(msg.aux_ptrs), tuple(msg.aux_item_lens),
-                      tuple([1 << 30] * len(msg.aux_ptrs)))  # bounds of D's aux rows are D's to check
+        aux = Regions(tuple(msg.aux_ptrs), tuple(msg.aux_item_lens), tuple(msg.aux_rows))
         with self._lock:
             old = self.d_peers.get(msg.agent)
             if old is not None and old.epoch == msg.epoch:
@@ -691,7 +691,8 @@ class KVLifecycleKVManager(CommonKVManager):
         return wire.Register(
             self.kvl_agent, self.kvl_epoch, self.local_ip, self.rank_port, self.plane.metadata(),
             list(self.kv_args.kv_data_ptrs), list(self.kv_args.kv_item_lens), self.num_pages,
-            list(self.kv_args.aux_data_ptrs), list(self.kv_args.aux_item_lens), self.kv_args.page_size,
+            list(self.kv_args.aux_data_ptrs), list(self.kv_args.aux_item_lens), list(self.aux_regions.counts),
+            self.kv_args.page_size,
             self.attn_tp_size, self.kv_args.engine_rank,
         )
 

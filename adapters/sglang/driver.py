@@ -106,7 +106,8 @@ class Side:
     def __init__(self, args: argparse.Namespace, plan: Plan) -> None:
         import torch
         from sglang.srt import runtime_context as rc
-        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+        from sglang.srt.disaggregation import utils as disagg_utils
+        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
         from sglang.srt.server_args import ServerArgs
 
         if args.backend == "kvlifecycle":
@@ -122,7 +123,10 @@ class Side:
                         disaggregation_transfer_backend=args.backend, disaggregation_bootstrap_port=args.port,
                         port=args.port + 1, page_size=plan.page_size)
         rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-        self.get = lambda kind: get_kv_class(self.backend, getattr(KVClassType, kind))
+        # one rank, no torch.distributed: the groups SGLang's managers read exist but are never used
+        rc.get_parallel().override_permanently(pp_group=None, world_group=None, attn_tp_group=None)
+        # looked up at call time: the plugin's hook replaces the module attribute
+        self.get = lambda kind: disagg_utils.get_kv_class(self.backend, getattr(KVClassType, kind))
         self.bootstrap = None
         if self.mode == DisaggregationMode.PREFILL:
             self.bootstrap = self.get("BOOTSTRAP_SERVER")("127.0.0.1", args.port)

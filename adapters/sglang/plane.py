@@ -100,7 +100,7 @@ class NixlPlane:
         if self._strided:
             try:
                 return self.agent.prep_xfer_dlist(agent, regions.strided(), "DRAM")
-            except (TypeError, ValueError, RuntimeError):
+            except TypeError:
                 self._strided = False  # this NIXL build takes one row per descriptor only
         return self.agent.prep_xfer_dlist(agent, regions.expanded(), "DRAM")
 
@@ -113,13 +113,18 @@ class NixlPlane:
             if len(kv.ptrs) != len(self.kv.ptrs) or kv.item_lens != self.kv.item_lens:
                 raise PlaneError(f"KV layout mismatch: local {len(self.kv.ptrs)} regions of {self.kv.item_lens[:1]} B,"
                                  f" peer {len(kv.ptrs)} of {kv.item_lens[:1]} B")
-            name = self.agent.add_remote_agent(metadata)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            old = self._peers.pop(name, None)
-            if old is not None:
-                self._release_peer(old)
-            kv_h = self._prep(name, kv) if kv.ptrs else None
-            aux_h = self._prep(name, aux) if aux.ptrs else None
+            try:
+                name = self.agent.add_remote_agent(metadata)
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                old = self._peers.pop(name, None)
+                if old is not None:
+                    self._release_peer(old)
+                kv_h = self._prep(name, kv) if kv.ptrs else None
+                aux_h = self._prep(name, aux) if aux.ptrs else None
+            except PlaneError:
+                raise
+            except Exception as exc:  # NIXL's own error types
+                raise PlaneError(f"NIXL refused the peer's metadata or memory: {exc}") from exc
             self._peers[name] = _Peer(name, kv, aux, kv_h, aux_h)
             return name
 

@@ -28,6 +28,7 @@ class Register(msgspec.Struct, frozen=True, tag="reg"):
     kv_num_pages: int
     aux_ptrs: list[int]
     aux_item_lens: list[int]
+    aux_rows: list[int]
     page_size: int
     tp_size: int
     tp_rank: int

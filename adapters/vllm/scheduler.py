@@ -87,6 +87,12 @@ class SchedulerSide:
         self._loading.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLifecycleMetadata:
+        # A preempted D request gave its loaded blocks back to vLLM (it will be recomputed): the ledger must
+        # free them too, or the next reservation of those blocks would be refused.
+        for request_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if request_id in self._settled:
+                self._settled.discard(request_id)
+                self._pending.cancels.append(request_id)
         meta, self._pending = self._pending, KVLifecycleMetadata()
         return meta
 

@@ -175,7 +175,8 @@ class WorkerSide:
             self.target.listeners.append(self._on_target_event)
             consumer_options = HandoffOptions(
                 secret=self.options.secret, host=self.options.host, port=0,
-                request_timeout_s=self.options.request_timeout_s, load_timeout_s=self.options.load_timeout_s)
+                request_timeout_s=self.options.request_timeout_s, load_timeout_s=self.options.load_timeout_s,
+                on_abandoned=self._on_abandoned)
             self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
                                      options=consumer_options)
             self._thread = threading.Thread(target=self._serve, name="kvl-vllm-consumer", daemon=True)
@@ -280,6 +281,14 @@ class WorkerSide:
                     if blocks is not None:
                         self._failed_blocks.update(int(b) for b in blocks.blocks)
                 log.warning("KV load of %s failed: %s", request, event.reason)
+
+    def _on_abandoned(self, request: str, reason: str) -> None:
+        """The consumer could not start the load (P refused the claim: its lease was gone). No load exists in the
+        ledger to fail, so vLLM learns it here; the consumer already applied the policy to the reservation."""
+        log.warning("KV load of %s not started: %s", request, reason)
+        with self._results_lock:
+            self._failed_recving.add(request)
+            self._done_recving.add(request)
 
     # -- D: the adapter thread ---------------------------------------------------------------------------------
     def _serve(self) -> None:

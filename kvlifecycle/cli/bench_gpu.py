@@ -22,6 +22,8 @@ CUDA-event figures time the device work alone. Every copy is checked byte for by
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import statistics
@@ -148,6 +150,7 @@ class InProcess:
 
 def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], sweep: bool,
                      pipeline: int) -> dict[str, Any]:
+    from kvlifecycle.transports.cuda_ipc import REGION_GROUP_HOST_IDS
     from kvlifecycle.transports.triton_copy import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, BlockCopier, RegionSpec
 
     out: dict[str, Any] = {}
@@ -186,31 +189,55 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
 
     specs_src = [RegionSpec.of_tensor(ip.src[r]) for r in range(shape.regions)]
     specs_dst = [RegionSpec.of_tensor(ip.dst[r]) for r in range(shape.regions)]
-    variants = [(DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS)]
+    # (chunk bytes, warps, regions per program, ids in pinned host memory): the first is the transport's default
+    variants = [(DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, 1, False),
+                (DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, REGION_GROUP_HOST_IDS, True)]
     if sweep:
-        variants += [(c, w) for c in (4096, 8192, 16384, 32768) for w in (2, 4, 8) if (c, w) not in variants]
+        variants += [(4096, 4, g, h) for g in (1, 2, 4, 8, 16) for h in (False, True)]
+        variants += [(c, w, 1, False) for c in (2048, 8192, 16384, 32768) for w in (2, 4, 8)]
+        variants = list(dict.fromkeys(variants))
+    host_sets = []
+    for s, d in sets:  # pinned host copies of the ids, 16-byte aligned halves, as the transport stages them
+        pad = -(-len(s) // 4) * 4
+        h = torch.zeros(2 * pad, dtype=torch.int32, pin_memory=True)
+        h[: len(s)], h[pad:pad + len(s)] = torch.from_numpy(s), torch.from_numpy(d)
+        host_sets.append((h, pad))
+    stream = torch.cuda.current_stream(ip.device).cuda_stream
     out["kernel_variants"] = {}
-    for chunk, warps in variants:
-        copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps)
-        ev = _median(ip.time_events(copier.copy, dev_sets))
+    for chunk, warps, group, host in variants:
+        copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps, region_group=group)
+        copier.copy(*dev_sets[0])  # through Triton's JIT once: later launches are direct
+        if host:
+            def fn(h: Any, pad: int, copier: Any = copier) -> None:
+                n = shape.blocks
+                if not copier.launch_ptrs(stream, h.data_ptr(), h.data_ptr() + 4 * pad, n):
+                    raise RuntimeError("direct launch unavailable")
+            args = host_sets
+        else:
+            fn, args = copier.copy, dev_sets
+        ev = _median(ip.time_events(fn, args))
         ip.poison(sets[-1][1])
-        copier.copy(*dev_sets[-1])
+        fn(*args[-1])
         exact = ip.check(*sets[-1])
-        out["kernel_variants"][f"{chunk}B/{warps}w"] = {"event_s": ev, "gbps": _gbps(nbytes, ev), "exact": exact,
-                                                        "backend": copier.backend}
-        if (chunk, warps) == variants[0]:
+        key = f"{chunk}B/{warps}w/G{group}/{'host' if host else 'dev'}-ids"
+        out["kernel_variants"][key] = {"event_s": ev, "gbps": _gbps(nbytes, ev), "exact": exact,
+                                       "backend": copier.backend}
+        if (chunk, warps, group, host) == variants[0]:
             out["kernel_event_s"] = ev
-            out["kernel_wall_s"] = _median(ip.time_wall(copier.copy, dev_sets))
+            out["kernel_wall_s"] = _median(ip.time_wall(fn, args))
+            out["kernel_exact"] = exact
+            out["kernel_backend"] = copier.backend
+            out["kernel_config"] = key
             launch = []
-            for s, d in dev_sets:  # host cost of one launch (the direct path after the first JIT launch)
+            for a in args:  # host cost of one launch (direct, after the first JIT launch)
                 torch.cuda.synchronize(ip.device)
                 t0 = time.perf_counter()
-                copier.copy(s, d)
+                fn(*a)
                 launch.append(time.perf_counter() - t0)
             out["kernel_launch_host_us"] = _median(launch) * 1e6
             out["kernel_fast_launch"] = copier._compiled is not None
-            out["kernel_exact"] = exact
-            out["kernel_backend"] = copier.backend
+        elif (chunk, warps, group, host) == variants[1]:
+            out["kernel_host_ids_event_s"] = ev
     return out
 
 
@@ -268,6 +295,7 @@ def bench_nixl(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], reps: i
     out["nixl_exact"] = exact
     out["nixl_backend"] = "UCX"
     reader.remove_remote_agent(owner.name)
+    del local, remote, reader, owner  # destroying the agents stops their progress threads
     return out
 
 
@@ -321,7 +349,10 @@ def _p_main(conn: Any, cfg: dict[str, Any]) -> None:
             roundtrip = []
             deadline = time.monotonic() + 60
             while waiting and time.monotonic() < deadline:
-                for _sender, note in transport.notifications():
+                notes = transport.notifications()
+                if not notes:
+                    time.sleep(20e-6)  # P idles between completions; do not steal D's core
+                for _sender, note in notes:
                     if note.kind == "done" and note.transfer in waiting:
                         name, transfer, generation, _ = waiting.pop(note.transfer)
                         ledger.consumer_done(transfer, generation)
@@ -388,7 +419,8 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         rng = np.random.default_rng(11)
         counter = [0]
 
-        posts: list[float] = []
+        stages: list[dict[str, float]] = []  # KVL_CUDA_IPC_TRACE=1: where post's time goes
+        steps: list[list[float]] = []  # single requests: start_load, post, wait for the event, ledger completion
 
         def round_(count: int, n: int, verify: bool) -> tuple[float, float, list[float], bool, dict[str, Any]]:
             parent.send(("grant", count, n))
@@ -405,11 +437,14 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             torch.cuda.synchronize(ip.device)
             handles = {}
             t_start = time.perf_counter()
+            marks: list[float] = [t_start]
             for i, (p_name, transfer, generation, src) in enumerate(grants):
                 ledger.start_load(names[i], transfer, generation=generation, peer=peer, peer_epoch=peer_epoch)
+                marks.append(time.perf_counter())
                 note = Notification(p_name, transfer, generation, transport.epoch, "done", 0)
                 handles[transfer] = (transport.post("READ", plan, dst_sets[i], src, notification=note,
                                                     transfer=transfer), names[i])
+                marks.append(time.perf_counter())
             kernel_s, stats0 = 0.0, {}
             deadline = time.perf_counter() + 60
             while handles:
@@ -418,9 +453,13 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                     status = transport.poll(handle)
                     if status is XferStatus.PENDING:
                         continue
+                    marks.append(time.perf_counter())
                     if status is XferStatus.FAILED:
                         raise RuntimeError(f"transfer failed: {transport.error(handle)}")
                     st = transport.stats(handle)
+                    extra = transport._handles.live[handle.id].extra.get("stages_us")
+                    if extra and count == 1:
+                        stages.append(extra)
                     ledger.observe_transfer(transfer, t_post_s=st.t_post_s, t_xfer_s=st.t_xfer_s, nbytes=st.bytes,
                                             descriptors=st.desc_count, backend=st.backend, ok=True)
                     ledger.part_done(transfer)
@@ -428,7 +467,8 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                     del handles[transfer]
                     kernel_s += st.t_xfer_s
                     if count == 1:
-                        posts.append(st.t_post_s)
+                        marks.append(time.perf_counter())
+                        steps.append([b - a for a, b in itertools.pairwise(marks)])
                     stats0 = {"t_post_us": st.t_post_s * 1e6, "t_xfer_us": st.t_xfer_s * 1e6, "backend": st.backend,
                               "descriptors_replaced": st.desc_count}
                 if time.perf_counter() > deadline:
@@ -449,13 +489,23 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                 raise RuntimeError(f"P never saw completions for {missing}")
             return elapsed, kernel_s / count, roundtrip, exact, stats0
 
+        profile = None
+        if os.environ.get("KVL_BENCH_PROFILE"):
+            import cProfile
+
+            profile = cProfile.Profile()
         for label, shape in shapes.items():
             n = shape.blocks
             round_(1, n, False)  # warm-up (kernel compile for this shape)
-            posts.clear()
+            steps.clear()
+            stages.clear()
             walls, kernels, trips, exact = [], [], [], True
             for i in range(reps):
+                if profile is not None and label == "small":
+                    profile.enable()
                 w, k, rt, ok, stats0 = round_(1, n, verify=i in (0, reps - 1))
+                if profile is not None:
+                    profile.disable()
                 walls.append(w)
                 kernels.append(k)
                 trips += rt
@@ -465,7 +515,13 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             out[f"{label}_roundtrip_s"] = _median(trips)
             out[f"{label}_exact"] = exact
             out[f"{label}_stats"] = stats0
-            out[f"{label}_post_us"] = _median(posts) * 1e6
+            parts = np.median(np.array(steps), axis=0) * 1e6 if steps else [float("nan")] * 4
+            out[f"{label}_steps_us"] = dict(zip(("start_load", "post", "wait_event", "ledger_done"),
+                                                (round(float(x), 1) for x in parts), strict=True))
+            out[f"{label}_post_us"] = float(parts[1])
+            if stages:
+                out[f"{label}_post_stages_us"] = {k: round(float(np.median([x[k] for x in stages])), 1)
+                                                  for k in stages[0]}
             piped = []
             for i in range(max(1, reps // 4)):
                 w, _, _, ok, _ = round_(pipeline, n, verify=i == 0)
@@ -473,6 +529,14 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                 exact = exact and ok
             out[f"{label}_pipelined_wall_s"] = _median(piped)
             out[f"{label}_exact"] = exact
+        if profile is not None:
+            import io
+            import pstats
+
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            out["profile_small"] = text.getvalue()[-5000:]
+            print(out["profile_small"], file=sys.stderr)
         parent.send(("stop",))
         recv()
         proc.join(30)
@@ -518,14 +582,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         res["triton"] = triton.__version__
     except ImportError:
         res["triton"] = None
+    id_sets = {label: _id_sets(rng, pool, shape.blocks, args.reps) for label, shape in shapes.items()}
     for label, shape in shapes.items():
-        sets = _id_sets(rng, pool, shape.blocks, args.reps)
-        res[label] = bench_in_process(torch, ip, shape, sets, args.sweep and label == "large", args.pipeline)
-        if not args.no_nixl:
-            try:
-                res[label].update(bench_nixl(torch, ip, shape, sets, args.nixl_reps if label == "large" else 10))
-            except Exception as exc:  # reported, not fatal: NIXL is a comparison here
-                res[label]["nixl_error"] = f"{type(exc).__name__}: {exc}"
+        res[label] = bench_in_process(torch, ip, shape, id_sets[label], args.sweep, args.pipeline)
     if not args.no_e2e:
         log_dir = args.dir or tempfile.mkdtemp(prefix="kvl-bench-gpu-")
         peer = args.device if args.peer_device is None else args.peer_device
@@ -535,6 +594,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             e2e = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         res["e2e"] = e2e
         res["log_dir"] = log_dir
+    if not args.no_nixl:  # last: NIXL's UCX progress threads spin cores while its agents live
+        for label, shape in shapes.items():
+            try:
+                res[label].update(bench_nixl(torch, ip, shape, id_sets[label],
+                                             args.nixl_reps if label == "large" else 10))
+            except Exception as exc:  # reported, not fatal: NIXL is a comparison here
+                res[label]["nixl_error"] = f"{type(exc).__name__}: {exc}"
+            gc.collect()
     return summarise(res, shapes, args.pipeline)
 
 
@@ -583,6 +650,8 @@ def _fmt(x: Any, digits: int = 1) -> str:
 
 
 def print_table(res: dict[str, Any]) -> None:
+    from kvlifecycle.transports.cuda_ipc import REGION_GROUP_HOST_IDS
+
     print(f"device: {res['device']}   torch {res['torch']}   triton {res['triton']}")
     for label in ("large", "small"):
         r, shp = res[label], res["shape"][label]
@@ -593,12 +662,16 @@ def print_table(res: dict[str, Any]) -> None:
             ("(d) contiguous copy, wall (ceiling)", r["gbps_ceiling_wall"], 1.0),
             ("(d) contiguous copy, CUDA events", r["gbps_ceiling_event"], 1.0),
             ("(a) kvl cuda_ipc e2e, 2 procs, wall", r["gbps_kvl_wall"], r["ratio_kvl_to_ceiling_wall"]),
-            ("(a) kvl cuda_ipc kernel (events, inside e2e)", r["gbps_kvl_kernel"],
+            ("(a) kvl cuda_ipc device time post->done (events)", r["gbps_kvl_kernel"],
              r["ratio_kvl_kernel_to_ceiling_event"]),
             ("(d) contiguous copies back to back, wall", r["gbps_ceiling_pipelined"], 1.0),
             ("(a) kvl e2e pipelined, wall (x back-to-back)", r["gbps_kvl_pipelined"],
              r["gbps_kvl_pipelined"] / r["gbps_ceiling_pipelined"]),
-            ("    batched kernel in-process, events", r["gbps_kernel_event"], r["ratio_kernel_to_ceiling_event"]),
+            (f"    batched kernel in-process, events ({r.get('kernel_config')})", r["gbps_kernel_event"],
+             r["ratio_kernel_to_ceiling_event"]),
+            (f"    same, ids read from pinned host memory, G{REGION_GROUP_HOST_IDS}",
+             _gbps(shp["bytes"], r.get("kernel_host_ids_event_s", 0)),
+             _gbps(shp["bytes"], r.get("kernel_host_ids_event_s", 0)) / r["gbps_ceiling_event"]),
             ("(c) torch index_select+index_copy_, events", r["gbps_torch_event"],
              r["gbps_torch_event"] / r["gbps_ceiling_event"]),
             ("(b) raw NIXL/UCX READ, wall", r["gbps_nixl"], r["gbps_nixl"] / r["gbps_ceiling_wall"]),
@@ -607,8 +680,9 @@ def print_table(res: dict[str, Any]) -> None:
             print(f"  {name:<52}{_fmt(gbps):>10}{_fmt(ratio, 3):>11}")
         if "nixl_error" in r:
             print(f"  NIXL: {r['nixl_error']}")
-        if r.get("kernel_variants") and len(r["kernel_variants"]) > 1:
-            print("  kernel variants: " + ", ".join(f"{k} {_fmt(v['gbps'])}" for k, v in r["kernel_variants"].items()))
+        if r.get("kernel_variants") and len(r["kernel_variants"]) > 2:
+            print("  kernel variants (GB/s, events): " + ", ".join(
+                f"{k} {_fmt(v['gbps'])}" for k, v in r["kernel_variants"].items()))
     e2e = res.get("e2e", {})
     if "error" in e2e:
         print(f"\ne2e failed: {e2e['error']}\n{e2e.get('trace', '')}")
@@ -616,6 +690,9 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"\nconnect (map + self-test): {_fmt(e2e['connect_s'] * 1e3, 2)} ms {e2e['connect']}")
         print(f"P round trip (grant -> lease released), median: large {_fmt(e2e['large_roundtrip_s'] * 1e6)} us, "
               f"small {_fmt(e2e['small_roundtrip_s'] * 1e6)} us")
+        print(f"D single request, median us: large {e2e['large_steps_us']}, small {e2e['small_steps_us']}")
+        if "large_post_stages_us" in e2e:
+            print(f"post stages, median us: large {e2e['large_post_stages_us']}, small {e2e['small_post_stages_us']}")
         print(f"post() host time, median: large {_fmt(e2e['large_post_us'])} us, small {_fmt(e2e['small_post_us'])} us;"
               f" kernel launch alone (in-process): {_fmt(res['large'].get('kernel_launch_host_us'))} us"
               f" (direct launch: {res['large'].get('kernel_fast_launch')})")

@@ -24,7 +24,7 @@ import numpy as np
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=int, default=12, help="transfers per side (first one included)")
+    parser.add_argument("--iterations", type=int, default=21, help="transfers per side (first one included)")
     parser.add_argument("--regions", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=128)
     parser.add_argument("--block-bytes", type=int, default=16384)
@@ -36,12 +36,17 @@ class RawWorker:
     """Plain NIXL, the way a connector would call it without kvlifecycle (progress thread off, as ours)."""
 
     def __init__(self, cfg: Any) -> None:
+        import logging
+        import os
+
         import torch
         from nixl._api import nixl_agent, nixl_agent_config
 
         from kvlifecycle import layout as L
         from kvlifecycle.transport import KVLayout, MemoryKind
 
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.cfg = cfg
         self._L = L
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -54,8 +59,8 @@ class RawWorker:
                                tuple(cfg.block_bytes for _ in self.kv))
         self.agent = nixl_agent(cfg.name, nixl_agent_config(enable_prog_thread=cfg.prog_thread,
                                                             capture_telemetry=True, backends=list(cfg.backends)))
-        self.agent.register_memory([(a, n, 0, "") for a, n in zip(self.layout.base_addrs, self.layout.region_bytes,
-                                                                  strict=True)], "DRAM")
+        self.reg = self.agent.register_memory(
+            [(a, n, 0, "") for a, n in zip(self.layout.base_addrs, self.layout.region_bytes, strict=True)], "DRAM")
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", L.block_descs(self.layout), "DRAM")
         self.notifs = 0
         self._stop = threading.Event()
@@ -72,9 +77,9 @@ class RawWorker:
             time.sleep(0.001)
 
     def hello(self) -> dict[str, Any]:
-        from kvlifecycle.transport import LayoutWire
-
         import msgspec
+
+        from kvlifecycle.transport import LayoutWire
 
         with self._lock:
             blob = self.agent.get_agent_metadata()
@@ -123,6 +128,17 @@ class RawWorker:
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join(5)
+        with self._lock:  # tear down in order, so nothing NIXL owns is alive at interpreter exit
+            for name in ("remote", "local"):
+                handle = getattr(self, name, None)
+                if handle is not None:
+                    self.agent.release_dlist_handle(handle)
+            if getattr(self, "peer", None):
+                self.agent.remove_remote_agent(self.peer)
+            self.agent.deregister_memory(self.reg)
         return {}
 
 
@@ -150,9 +166,13 @@ def run(args: argparse.Namespace) -> int:
         raw: list[dict[str, Any]] = []
         kvl: list[dict[str, Any]] = []
         for i in range(iters):
-            raw.append(rd.call("bench_one", blocks))
             grant = kp.call("alloc_grant", f"bench-{i}", blocks)
-            kvl.append(kd.call("bench_one", f"bench-{i}", addr, grant, blocks))
+            if i % 2:  # alternate which side goes first, so an ordering effect cancels out
+                raw.append(rd.call("bench_one", blocks))
+                kvl.append(kd.call("bench_one", f"bench-{i}", addr, grant, blocks))
+            else:
+                kvl.append(kd.call("bench_one", f"bench-{i}", addr, grant, blocks))
+                raw.append(rd.call("bench_one", blocks))
             deadline = time.monotonic() + 30
             while not kp.call("free_released") and time.monotonic() < deadline:
                 time.sleep(0.001)

@@ -88,9 +88,20 @@ class _Worker:
             self.transport = LoopbackTransport(cfg.name)
         self.transport.register(layout)
         compat = CompatInfo(**(cfg.compat or default_compat()))
+        on_connect = None
+        if cfg.transport == "nixl" and cfg.side == "consumer":
+            from kvlifecycle.transports import select
+
+            selection = select.choose(MemoryKind.DRAM, MemoryKind.DRAM, "same_node",
+                                      available=self.transport.loaded_backends())
+            select.verify_backend(self.transport, selection)
+
+            def on_connect(_link: Any, probe: Any) -> None:
+                select.on_selected(selection, probe)
+
         options = HandoffOptions(secret=cfg.secret.encode() if cfg.secret else None, port=cfg.port,
                                  unit_bytes=cfg.unit_bytes, heartbeat_every_s=cfg.heartbeat_every_s,
-                                 load_timeout_s=cfg.load_timeout_s)
+                                 load_timeout_s=cfg.load_timeout_s, on_connect=on_connect)
         side = "source" if cfg.side == "producer" else "target"
         extra = {"default_ttl_s": cfg.ttl_s} if side == "source" else {}
         self.ledger: Any = open_ledger(side, cfg.blocks, cfg.log_dir, fsync=cfg.fsync, worker=cfg.name, **extra)
@@ -136,7 +147,9 @@ class _Worker:
     def connect(self, address: str, push: bool = True) -> dict[str, Any]:
         link = self.role.connect(address, push=push)
         return {"agent": link.agent, "epoch": link.epoch, "parts": link.plan.parts,
-                "consumers": link.plan.consumers_per_p_rank}
+                "consumers": link.plan.consumers_per_p_rank,
+                "probe_gbps": link.probe.gbps if link.probe else None,
+                "probe_backend": link.probe.backend if link.probe else None}
 
     def reserve(self, request: str, blocks: list[int]) -> None:
         self.ledger.reserve(request, blocks)
@@ -165,6 +178,9 @@ class _Worker:
 
     def wait(self, timeout_s: float = 30.0) -> bool:
         return bool(self.role.wait_idle(timeout_s))
+
+    def abandoned(self) -> dict[str, str]:
+        return dict(self.role.abandoned)
 
     def finish(self, request: str) -> None:
         self.ledger.finish(request)
@@ -212,9 +228,7 @@ class _Worker:
         t0 = time.perf_counter()
         self.ledger.reserve(request, blocks)
         self.role.pull(request, [(address, g)])
-        deadline = time.monotonic() + 60
-        while self.role.pending() and time.monotonic() < deadline:
-            time.sleep(0)
+        self.role.wait_idle(60.0)
         wall = time.perf_counter() - t0
         self.ledger.listeners.remove(listen)
         ok = self.request_state(request) == "READY_FOR_ATTENTION"
@@ -339,7 +353,10 @@ def run(args: argparse.Namespace) -> int:
     ok = True
     try:
         addr = p.hello["address"]
-        d.call("connect", addr)
+        link = d.call("connect", addr)
+        if link["probe_gbps"] is not None:
+            print(f"  connected d0 -> p0 (agent epoch {link['epoch']}), probe {link['probe_gbps']:.2f} GB/s "
+                  f"over {link['probe_backend']}")
         per = max(1, min(args.blocks // (2 * args.requests), 8))
         moved = 0
         for i in range(2 * args.requests):
@@ -382,6 +399,6 @@ def run(args: argparse.Namespace) -> int:
     ok &= not problems
     for line in problems:
         print(f"  VIOLATION {line}")
-    print(f"demo {'OK' if ok else 'FAILED'}: {2 * args.requests} requests ({args.requests} pull, {args.requests} push), "
-          f"{moved / 2**20:.1f} MiB moved, logs in {out}, {time.monotonic() - t0:.1f}s")
+    print(f"demo {'OK' if ok else 'FAILED'}: {2 * args.requests} requests ({args.requests} pull, "
+          f"{args.requests} push), {moved / 2**20:.1f} MiB moved, logs in {out}, {time.monotonic() - t0:.1f}s")
     return 0 if ok else 1

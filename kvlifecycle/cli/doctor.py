@@ -22,14 +22,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TLS_VARIANTS = ("default", "tcp", "sm")
+DEFAULT_TLS_VARIANTS = ("default", "tcp", "sm", "default+eh=none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mib", type=float, default=16.0, help="bytes moved per probe transfer (default 16)")
     parser.add_argument("--block-kib", type=int, default=64, help="bytes per descriptor (default 64 KiB)")
     parser.add_argument("--tls", default=",".join(DEFAULT_TLS_VARIANTS),
-                        help="UCX_TLS variants to probe, comma-separated; 'default' leaves UCX_TLS as it is "
+                        help="UCX_TLS variants to probe, comma-separated; 'default' leaves UCX_TLS as it is; "
+                             "'+eh=none' sets the UCX backend's ucx_error_handling_mode "
                              f"(default {','.join(DEFAULT_TLS_VARIANTS)})")
     parser.add_argument("--min-ratio", type=float, default=0.1,
                         help="a default path below this fraction of its ceiling fails the check (default 0.1)")
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass
 class PathResult:
     path: str  # "DRAM→DRAM", "VRAM→VRAM"
-    ucx_tls: str  # "default" or the UCX_TLS value used
+    ucx_tls: str  # "default", or the UCX_TLS value (and backend parameters) used
     ok: bool
     backend: str = ""
     gbps: float = 0.0
@@ -54,6 +55,7 @@ class PathResult:
     t_xfer_ms: float = 0.0
     descriptors: int = 0
     verified: bool = False
+    variant: str = "default"  # as given to --tls
     lanes: str = ""  # what UCX's INFO log says the endpoint's lanes use, e.g. "rma_am(tcp/lo) am(tcp/lo cma/memory)"
     ucx_errors: list[str] = field(default_factory=list)
     error: str = ""
@@ -110,16 +112,28 @@ def _probe_plugins() -> dict[str, Any]:
     return {"plugins": plugins}
 
 
-def _probe_transfer(mem: str, nbytes: int, block_bytes: int, iterations: int, deadline_s: float) -> dict[str, Any]:
-    """Two NIXL agents in this process, UCX backend, no progress thread: READ ``nbytes`` as ``block_bytes``
-    descriptors from B's memory into A's; best of ``iterations``; bytes verified."""
-    import numpy as np
+def _make_agent(name: str, backend_params: dict[str, str] | None) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
+
+    if not backend_params:
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    params = {k: str(v) for k, v in agent.get_plugin_params("UCX").items()}
+    params.update(backend_params)
+    agent.create_backend("UCX", params)
+    return agent
+
+
+def _probe_transfer(mem: str, nbytes: int, block_bytes: int, iterations: int, deadline_s: float,
+                    backend_params: dict[str, str] | None = None) -> dict[str, Any]:
+    """Two NIXL agents in this process, UCX backend (with ``backend_params`` over its defaults), no progress
+    thread: READ ``nbytes`` as ``block_bytes`` descriptors from B's memory into A's; best of ``iterations``; bytes
+    verified."""
+    import numpy as np
 
     _quiet_nixl()
     stop_at = time.monotonic() + deadline_s
-    config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-    a, b = nixl_agent("kvl-doctor-a", config), nixl_agent("kvl-doctor-b", config)
+    a, b = _make_agent("kvl-doctor-a", backend_params), _make_agent("kvl-doctor-b", backend_params)
     _quiet_nixl()
     count = max(1, nbytes // block_bytes)
     nbytes = count * block_bytes
@@ -238,17 +252,19 @@ def _probe_all(variants: list[str], mems: list[str], nbytes: int, block_bytes: i
             if left < 1.0:
                 _emit("path", {"mem": mem, "variant": variant, "ok": False, "error": "skipped: time budget"})
                 continue
-            env = dict(original) if variant == "default" else _tls_env(variant, mem)
+            tls, backend_params = _parse_variant(variant)
+            env = dict(original) if tls == "default" else _tls_env(tls, mem)
             for key in ("UCX_TLS", "UCX_NET_DEVICES"):
                 if env.get(key) is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = str(env[key])
-            result, log = _capture_output(_probe_transfer, mem, nbytes, block_bytes, 3, left)
+            result, log = _capture_output(_probe_transfer, mem, nbytes, block_bytes, 3, left, backend_params)
             lanes = [m.group(3).strip() for m in map(_LANES.search, log.splitlines())
                      if m and m.group(1) == "kvl-doctor-a" and m.group(2) != "self"]
             errors = [m.group(1).strip() for m in map(_UCX_ERROR.search, log.splitlines()) if m]
-            _emit("path", {"mem": mem, "variant": variant, "ucx_tls": env.get("UCX_TLS") or "(unset)",
+            label = (env.get("UCX_TLS") or "default") + "".join(f" {k}={v}" for k, v in backend_params.items())
+            _emit("path", {"mem": mem, "variant": variant, "ucx_tls": label,
                            "lanes": lanes[-1] if lanes else "", "ucx_errors": errors[:3], **result})
     for key, value in original.items():
         if value is None:
@@ -281,7 +297,7 @@ def _run_probes(spec: dict[str, Any], timeout_s: float) -> tuple[list[dict[str, 
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         stderr = ""
-        problem = f"probe process did not finish within {timeout_s:.0f} s (a wedged transport?)"
+        problem = f"probe process did not finish within {timeout_s:.1f} s (a wedged transport?)"
     items = [json.loads(line[len("KVL-DOCTOR "):]) for line in stdout.splitlines() if line.startswith("KVL-DOCTOR ")]
     if not items and not problem:
         problem = "probe process printed nothing: " + ((stderr.strip().splitlines() or ["no output"])[-1][:200])
@@ -364,6 +380,33 @@ def _cuda_available() -> bool:
 # --- diagnosis -------------------------------------------------------------------------------------------------
 
 
+# backend parameters a variant may set, after a '+': "default+eh=none" is UCX with ucx_error_handling_mode=none
+_BACKEND_PARAM_ALIASES = {"eh": "ucx_error_handling_mode"}
+
+
+def _parse_variant(variant: str) -> tuple[str, dict[str, str]]:
+    """``"tcp+eh=none"`` -> (``"tcp"``, {"ucx_error_handling_mode": "none"})."""
+    tls, *settings = variant.split("+")
+    params = {}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        params[_BACKEND_PARAM_ALIASES.get(key, key)] = value
+    return tls or "default", params
+
+
+def _fix_for(variant: str) -> str:
+    """How to get a variant's set-up in production."""
+    tls, params = _parse_variant(variant)
+    fixes = []
+    if tls != "default":
+        fixes.append(f"export UCX_TLS={tls}")
+    if params:
+        given = ", ".join(f"'{k}': '{v}'" for k, v in params.items())
+        fixes.append(f"create NIXL's UCX backend with {{{given}}} (nixl_agent_config(backends=[]) then "
+                     f"create_backend('UCX', params))")
+    return " and ".join(fixes) or "the defaults"
+
+
 def _tls_env(variant: str, mem: str = "DRAM") -> dict[str, str]:
     """The UCX environment of a probe variant (``default``: the caller's own environment, untouched)."""
     if variant == "default":
@@ -388,7 +431,7 @@ def diagnose(report: Report, min_ratio: float) -> None:
         best = max(working, key=lambda p: p.gbps, default=None)
         name = f"{default.path} via NIXL/{default.backend or 'UCX'}"
         if not default.ok:
-            hint = (f"UCX_TLS={best.ucx_tls} works here: export UCX_TLS={best.ucx_tls}" if best is not None else
+            hint = (f"{best.ucx_tls} works here: {_fix_for(best.variant)}" if best is not None else
                     "no UCX transport worked: check that /dev/shm is writable and large enough, that ptrace is "
                     "allowed (cma), or set UCX_TLS=tcp UCX_NET_DEVICES=lo")
             report.checks.append({"check": name, "status": "FAIL", "detail": default.error or "failed", "hint": hint})
@@ -398,11 +441,16 @@ def diagnose(report: Report, min_ratio: float) -> None:
         if default.ratio < min_ratio:
             hints = []
             if best is not None and best is not default and best.gbps >= 2 * default.gbps:
-                hints.append(f"UCX_TLS={best.ucx_tls} measured {best.gbps:.2f} GB/s: export UCX_TLS={best.ucx_tls}")
+                hints.append(f"{best.ucx_tls} measured {best.gbps:.2f} GB/s here: {_fix_for(best.variant)}")
             if mem == "VRAM":
-                hints.append("UCX may be staging through host memory: make sure the cuda_copy/cuda_ipc transports "
-                             "load (UCX_TLS=cuda_copy,cuda_ipc,sm) or use kvlifecycle's same-node CUDA IPC "
-                             "transport (ANCHORS: 0.33–0.47 GB/s via NIXL vs 312+ GB/s via CUDA IPC on an H200)")
+                tried = len(working)
+                reached = best is not None and best.ratio >= min_ratio
+                hints.append(("UCX moves device memory through host-side lanes (see the lanes above): "
+                              if not reached else "") +
+                             (f"none of the {tried} working variants reached {min_ratio:.0%} either; " if not reached
+                              else "") +
+                             "on one node use kvlifecycle's CUDA IPC transport (kvlifecycle.transports.cuda_ipc; "
+                             "ANCHORS: 312+ GB/s vs 0.33–0.47 GB/s through NIXL/UCX on an H200)")
             hints.append("a spinning UCX progress thread competes for the cores: "
                          "nixl_agent_config(enable_prog_thread=False) and poll instead")
             report.checks.append({"check": name, "status": "FAIL", "detail": f"{detail}, below {min_ratio:.0%}",
@@ -411,16 +459,25 @@ def diagnose(report: Report, min_ratio: float) -> None:
             report.checks.append({"check": name, "status": "OK", "detail": detail, "hint": ""})
         if default.lanes:
             emulated = "rma_am(" in default.lanes
-            report.checks.append({
-                "check": f"{default.path} UCX lanes", "status": "WARN" if emulated else "OK",
-                "detail": default.lanes,
-                "hint": "UCX emulates RMA over active messages (no RMA-capable transport passed its checks): "
-                        "reads become copies through the AM path; see the UCX errors of the other variants for why"
-                        if emulated else ""})
+            real_rma = [p for p in rows if p.ok and p.lanes and "rma_am(" not in p.lanes]
+            hint = ""
+            if emulated:
+                hint = ("UCX emulates RMA over active messages (no RMA-capable transport passed its checks): reads "
+                        "become copies through the AM path")
+                if real_rma:
+                    alt = max(real_rma, key=lambda p: p.gbps)
+                    hint += (f"; with {alt.ucx_tls} UCX uses real RMA lanes ({alt.lanes.split('  ')[0]}) at "
+                             f"{alt.gbps:.2f} GB/s: {_fix_for(alt.variant)}. Trade-off: without peer error handling "
+                             "a dead peer can hang a transfer instead of failing it (kvlifecycle's leases and load "
+                             "timeouts bound that)")
+                else:
+                    hint += "; see the UCX errors of the other variants for why"
+            report.checks.append({"check": f"{default.path} UCX lanes", "status": "WARN" if emulated else "OK",
+                                  "detail": default.lanes, "hint": hint})
         for other in rows:
             if not other.ok and "no peer failure handler" in " ".join(other.ucx_errors):
                 report.checks.append({
-                    "check": f"{other.path} UCX_TLS={other.ucx_tls}", "status": "WARN",
+                    "check": f"{other.path} {other.ucx_tls}", "status": "WARN",
                     "detail": "refused: shared-memory transports have no peer failure handler",
                     "hint": "NIXL's UCX backend asks for peer error handling (ucx_error_handling_mode=peer), which "
                             "posix/sysv shared memory cannot give, so UCX falls back to tcp (+cma); expected here"})
@@ -470,11 +527,11 @@ def collect(args: argparse.Namespace) -> Report:
                 bool(item.get("ok")), backend=item.get("backend", ""), gbps=float(item.get("gbps", 0.0)),
                 ceiling_gbps=ceilings.get(item["mem"], 0.0), t_post_ms=float(item.get("t_post_s", 0.0)) * 1e3,
                 t_xfer_ms=float(item.get("t_xfer_s", 0.0)) * 1e3, descriptors=int(item.get("descriptors", 0)),
-                verified=bool(item.get("verified", False)), lanes=item.get("lanes", ""),
+                verified=bool(item.get("verified", False)), variant=variant, lanes=item.get("lanes", ""),
                 ucx_errors=list(item.get("ucx_errors", [])), error=str(item.get("error", ""))))
         elif kind == "prog_thread":
             busy = float(item["cpu_per_wall"])
-            spinning = busy > 0.5
+            spinning = busy > 0.2  # an idle agent should use ~0; on a loaded machine the spinner gets less
             report.checks.append({
                 "check": "UCX progress thread (idle agent)", "status": "WARN" if spinning else "OK",
                 "detail": f"an idle agent with NIXL's default progress thread used {busy:.0%} of a core",
@@ -501,9 +558,9 @@ def collect(args: argparse.Namespace) -> Report:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()
     out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(out)
 
 
@@ -516,15 +573,15 @@ def render(report: Report) -> str:
     if report.ucx_info:
         parts.append("ucx_info -d transports: " + ", ".join(report.ucx_info))
     parts.append(_table(
-        ["path", "UCX_TLS", "backend", "result", "GB/s", "ceiling GB/s", "ratio", "T_post ms", "T_xfer ms", "descs"],
+        ["path", "variant", "backend", "result", "GB/s", "ceiling GB/s", "ratio", "T_post ms", "T_xfer ms", "descs"],
         [[p.path, p.ucx_tls, p.backend or "-", "ok" if p.ok else f"FAILED: {p.error[:60]}",
           f"{p.gbps:.2f}" if p.ok else "-", f"{p.ceiling_gbps:.2f}", f"{p.ratio:.0%}" if p.ok else "-",
           f"{p.t_post_ms:.2f}" if p.ok else "-", f"{p.t_xfer_ms:.2f}" if p.ok else "-",
           str(p.descriptors or "-")] for p in report.paths]))
-    lanes = [f"  {p.path} UCX_TLS={p.ucx_tls}: {p.lanes}" for p in report.paths if p.lanes]
+    lanes = [f"  {p.path} {p.ucx_tls}: {p.lanes}" for p in report.paths if p.lanes]
     if lanes:
         parts.append("what UCX chose (its INFO log, lanes of the intra-node endpoint):\n" + "\n".join(lanes))
-    errors = [f"  {p.path} UCX_TLS={p.ucx_tls}: {e}" for p in report.paths for e in p.ucx_errors]
+    errors = [f"  {p.path} {p.ucx_tls}: {e}" for p in report.paths for e in p.ucx_errors]
     if errors:
         parts.append("UCX errors:\n" + "\n".join(errors))
     parts.extend(report.skipped)

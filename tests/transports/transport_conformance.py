@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -185,6 +186,21 @@ class TransportConformance:
         peer = b.add_peer(a.local_metadata())
         h = b.post("READ", b.prepare(peer), [0], [0])
         assert wait_status(b, h) is XferStatus.DONE
+
+    def test_peer_with_a_new_epoch_replaces_the_old_one(self, pair: Any) -> None:
+        """A restarted peer (same agent name, newer epoch): old plans are void, the agent is re-added, and older
+        metadata is refused (vLLM #49238: remove the remote agent before loading its new metadata)."""
+        a, b, ta, tb, _, b_sees_a = pair
+        old_plan = b.prepare(b_sees_a)
+        meta = a.local_metadata()
+        assert b.add_peer(msgspec.structs.replace(meta, epoch=meta.epoch + 1)) == b_sees_a
+        with pytest.raises(PeerEpochError):
+            b.post("READ", old_plan, [0], [0])
+        with pytest.raises(PeerEpochError):
+            b.add_peer(meta)  # the old epoch is stale now
+        h = b.post("READ", b.prepare(b_sees_a), [5], [6])
+        assert wait_status(b, h) is XferStatus.DONE
+        assert all(torch.equal(tb[r][5], ta[r][6]) for r in range(REGIONS))
 
     # -- teardown ---------------------------------------------------------------------------------------------------
     def test_clean_teardown_leaves_nothing_registered(self) -> None:

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import harness as h
 import pytest
-from conftest import event_dirs, replay_json, start_all
+import vllm_harness as h
+from vllm_harness import event_dirs, replay_json, start_all
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -223,6 +223,7 @@ def test_event_logs_replay_clean(cluster: Cluster) -> None:
     """Both sides' logs (P stopped cleanly, D killed above) replay, pass the invariants, and agree with each
     other; P's also ends quiescent: nothing pinned, no lease."""
     cluster.decode_bs64.stop()
+    wait_for_no_pins(cluster, timeout_s=3 * LEASE_TTL_S + 10)  # a lease still running when P stops is not a leak
     cluster.prefill.stop()
     sources, targets = event_dirs(cluster.events, "source"), event_dirs(cluster.events, "target")
     assert sources and len(targets) >= 2

@@ -1,0 +1,122 @@
+"""Producer / Consumer failure paths in one process over the loopback transport (the fast double; the same flows
+run over real NIXL in two processes in test_handoff_nixl.py). Every wait is bounded."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from kvlifecycle.transports.loopback import LoopbackTransport
+
+from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
+from kvlifecycle.handshake import CompatInfo
+from kvlifecycle.invariants import check_merged, check_source, check_target
+from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.transport import KVLayout, MemoryKind
+
+BLOCKS, REGIONS, BYTES = 16, 3, 64
+COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=3, num_kv_heads=2, head_size=16, block_size=1,
+                    kv_layout="NHD")
+
+
+class Recorder:
+    """Every event a ledger records, in memory (a ledger listener)."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+
+
+def until(fn, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if fn():
+            return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.fixture
+def pd(request: pytest.FixtureRequest):
+    import torch
+
+    suffix = f"{request.node.name}-{time.monotonic_ns()}"
+    src = [torch.randint(0, 256, (BLOCKS, BYTES), dtype=torch.uint8) for _ in range(REGIONS)]
+    dst = [torch.zeros((BLOCKS, BYTES), dtype=torch.uint8) for _ in range(REGIONS)]
+    tp, td = LoopbackTransport(f"p-{suffix}"), LoopbackTransport(f"d-{suffix}")
+    for t, kv in ((tp, src), (td, dst)):
+        t.register(KVLayout(MemoryKind.DRAM, 0, BLOCKS, tuple(x.data_ptr() for x in kv), (BYTES,) * REGIONS))
+    plog, dlog = Recorder(), Recorder()
+    sl = SourceLedger(BLOCKS, worker="p", default_ttl_s=30.0)
+    tl = TargetLedger(BLOCKS, worker="d")
+    sl.listeners.append(plog)
+    tl.listeners.append(dlog)
+    prod = Producer(sl, tp, COMPAT)
+    abandoned: list[tuple[str, str]] = []
+    cons = Consumer(tl, td, COMPAT, options=HandoffOptions(heartbeat_every_s=0.01,
+                                                           on_abandoned=lambda r, why: abandoned.append((r, why))))
+    cons.abandoned_calls = abandoned
+    cons.connect(prod.address)
+    yield prod, cons, src, dst, plog, dlog
+    cons.close()
+    prod.close()
+    tp.close()
+    td.close()
+    assert check_source(sl) == [] and check_target(tl) == []
+    assert check_merged(plog.events, dlog.events) == []
+
+
+def grant(prod: Producer, request: str, blocks: list[int]):
+    prod.ledger.allocate(request, blocks)
+    prod.ledger.prefill_done(request)
+    return prod.grant(request)
+
+
+def test_pull_and_push_over_loopback(pd) -> None:
+    prod, cons, src, dst, _, _ = pd
+    for mode, s, d in (("pull", [1, 2], [5, 6]), ("push", [3], [9])):
+        g = grant(prod, mode, s)
+        cons.ledger.reserve(mode, d)
+        if mode == "pull":
+            cons.pull(mode, g, address=prod.address)
+        else:
+            cons.request_push(mode, g, address=prod.address)
+        assert cons.wait_idle(10)
+        assert until(lambda g=g: g.transfer not in prod.ledger.leases)
+        for r in range(REGIONS):
+            assert np.array_equal(dst[r][d].numpy(), src[r][s].numpy())
+        assert cons.ledger.stats["loaded"] == (1 if mode == "pull" else 2)
+        cons.ledger.finish(mode)
+    assert [r.reason for r in prod.ledger.take_released()] == ["completed", "completed"]
+
+
+def test_cancelled_grant_refuses_the_claim_and_d_fails_cleanly(pd) -> None:
+    prod, cons, _, dst, plog, _ = pd
+    g = grant(prod, "gone", [4])
+    prod.ledger.cancel("gone")  # P aborts before D claims
+    cons.ledger.reserve("gone", [0])
+    cons.pull("gone", g, address=prod.address)
+    assert cons.wait_idle(10)
+    # the claim was refused, so the load never started: the reservation went back (policy "fail")
+    assert "gone" not in cons.ledger.requests and "lease refused" in cons.abandoned["gone"]
+    assert [r for r, _ in cons.abandoned_calls] == ["gone"]  # the engine is told through the hook
+    assert cons.ledger.stats["cancelled"] == 1 and cons.ledger.counts()["FREE"] == BLOCKS
+    assert int(dst[0][0].sum()) == 0  # nothing was read
+    assert any(type(e).__name__ == "Refused" and e.command == "heartbeat" for e in plog.events)
+
+
+def test_failed_push_reaches_d_and_then_releases_p(pd) -> None:
+    prod, cons, _, _, _, _ = pd
+    g = grant(prod, "bad-push", [1, 2, 3])
+    cons.ledger.reserve("bad-push", [7, 8])  # 2 target blocks for 3 source blocks: the write cannot post
+    cons.request_push("bad-push", g, address=prod.address)
+    assert cons.wait_idle(10)
+    assert cons.ledger.stats["failed"] == 1
+    assert until(lambda: g.transfer not in prod.ledger.leases)
+    assert [r.reason for r in prod.ledger.take_released()] == ["failed"]

@@ -1,0 +1,125 @@
+"""Backend selection: which transport and NIXL backend for a pair of memory kinds and a locality; verify the plugin
+really loaded; at connect time move a small test payload, record its bandwidth, and warn below a floor so a silent
+slow path is never silent.
+
+Observability hooks in with :func:`add_listener` (``fn(selection, probe)``): the OTel event goes there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvlifecycle.transport import (
+    BackendUnavailableError,
+    Locality,
+    MemoryKind,
+    ProbeResult,
+    TransportError,
+)
+
+log = logging.getLogger("kvlifecycle.transports.select")
+
+DEFAULT_FLOOR_GBPS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    transport: str  # "loopback" | "nixl"
+    backend: str | None  # the NIXL backend, None for loopback
+    local: MemoryKind
+    remote: MemoryKind
+    locality: Locality
+    reason: str
+
+
+Listener = Callable[[Selection, "ProbeResult | None"], None]
+_listeners: list[Listener] = []
+
+
+def add_listener(fn: Listener) -> None:
+    """Called with every selection (and its probe, once measured): the observability issue emits OTel here."""
+    _listeners.append(fn)
+
+
+def remove_listener(fn: Listener) -> None:
+    if fn in _listeners:
+        _listeners.remove(fn)
+
+
+def on_selected(selection: Selection, probe: ProbeResult | None) -> None:
+    for fn in list(_listeners):
+        try:
+            fn(selection, probe)
+        except Exception:  # an observer must never break a connection
+            log.exception("on_selected listener failed")
+
+
+def choose(
+    local: MemoryKind | str,
+    remote: MemoryKind | str,
+    locality: Locality | str,
+    *,
+    prefer: Sequence[str] = ("UCX",),
+    available: Sequence[str] | None = None,
+) -> Selection:
+    """Pick the transport and backend.
+
+    - same process: ``loopback`` (torch copies; VRAM regions need their tensors registered);
+    - same node or remote: ``nixl`` with the first of ``prefer`` that is ``available`` (default UCX, which picks
+      cma/sm on one node and rc/tcp across nodes, cuda_ipc for VRAM↔VRAM on one node).
+    """
+    local, remote, locality = MemoryKind(local), MemoryKind(remote), Locality(locality)
+    if locality is Locality.SAME_PROCESS:
+        return Selection("loopback", None, local, remote, locality, "same process: in-process torch copies")
+    candidates = [b for b in prefer if available is None or b in available]
+    if not candidates:
+        raise BackendUnavailableError(f"none of the preferred NIXL backends {list(prefer)} is available "
+                                      f"(plugins: {list(available or [])})")
+    backend = candidates[0]
+    kinds = f"{local.value}->{remote.value}"
+    where = "one node" if locality is Locality.SAME_NODE else "across nodes"
+    return Selection("nixl", backend, local, remote, locality, f"{kinds} {where} through NIXL/{backend}")
+
+
+def verify_backend(transport: Any, selection: Selection) -> None:
+    """Raise :class:`BackendUnavailableError` unless the selected backend loaded and handles both memory kinds."""
+    if selection.transport != "nixl":
+        return
+    loaded = transport.loaded_backends()
+    if selection.backend not in loaded:
+        raise BackendUnavailableError(f"NIXL backend {selection.backend} did not load (loaded: {loaded})")
+    kinds = {k.removesuffix("_SEG") for k in transport.backend_mem_types(selection.backend)}
+    for kind in {selection.local.value, selection.remote.value}:
+        if kind not in kinds:
+            raise BackendUnavailableError(f"NIXL backend {selection.backend} does not handle {kind} (it does {kinds})")
+
+
+def probe_and_report(
+    transport: Any,
+    peer: str,
+    selection: Selection,
+    *,
+    floor_gbps: float = DEFAULT_FLOOR_GBPS,
+    timeout_s: float = 5.0,
+) -> ProbeResult | None:
+    """Move the connect-time test payload, log it, warn below ``floor_gbps``, and tell the listeners.
+
+    A probe that cannot run is logged and reported as ``None``: it never blocks a connection."""
+    try:
+        result = transport.probe(peer, timeout_s=timeout_s)
+    except TransportError as exc:
+        log.warning("connect-time probe of %s failed: %s", peer, exc)
+        on_selected(selection, None)
+        return None
+    if selection.backend and result.backend not in (selection.backend, "?"):
+        log.warning("NIXL chose backend %s for %s, selection said %s", result.backend, peer, selection.backend)
+    if result.gbps < floor_gbps:
+        log.warning("slow path to %s: %.3f GB/s over %s (%d bytes) is below the floor of %.3f GB/s (%s)",
+                    peer, result.gbps, result.backend, result.bytes, floor_gbps, selection.reason)
+    else:
+        log.info("path to %s: %.3f GB/s over %s", peer, result.gbps, result.backend)
+    on_selected(selection, result)
+    return result
