@@ -310,7 +310,10 @@ class _Ledger:
         if request in self.requests:
             self._refuse(command, "duplicate request id", request)
             raise BlockBusyError(f"request {request!r} already holds blocks")
-        current = self._state.take(ids)
+        try:  # the bounds check rides on the gather: a negative id seen unsigned is out of range too
+            current = self._state.take(ids.view(np.uint32))
+        except IndexError:
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})") from None
         if current.any():  # fast path: every block FREE (0)
             nxt = self._machine.triggers[command].when_true.take(current)
             if nxt.min() < 0:
@@ -321,10 +324,12 @@ class _Ledger:
     def _state_enum(self, value: int) -> Any:
         raise NotImplementedError
 
-    def _as_blocks(self, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    def _as_blocks(self, block_ids: Iterable[int] | np.ndarray, *, checked: bool = True) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=BLOCK_DTYPE)
         if ids.ndim != 1:
             raise ValueError("block ids must be a 1-D sequence")
+        if not checked:
+            return ids
         # one check for both ends: negative ids become huge when seen unsigned
         if ids.size and int(ids.view(np.uint32).max()) >= self.num_blocks:
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
@@ -480,7 +485,7 @@ class SourceLedger(_Ledger):
         Raises :class:`BlockBusyError` (after recording the refusal) when a block is not free — in particular when
         it is still pinned for a transfer: the allocator must not reuse it.
         """
-        ids = self._as_blocks(block_ids)
+        ids = self._as_blocks(block_ids, checked=False)
         with self._lock:
             self._check_allocatable("allocate", request, ids)
             hlc, at = self._stamp()
@@ -872,7 +877,7 @@ class TargetLedger(_Ledger):
 
     # -- commands -------------------------------------------------------------------------------------------------
     def reserve(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
-        ids = self._as_blocks(block_ids)
+        ids = self._as_blocks(block_ids, checked=False)
         with self._lock:
             self._check_allocatable("reserve", request, ids)
             hlc, at = self._stamp()

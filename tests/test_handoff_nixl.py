@@ -170,6 +170,32 @@ def test_tp_ratio_two_counts_consumer_notifications(tmp_path: Path) -> None:
     assert_logs_clean(tmp_path, ["p-tp", "d-tp0", "d-tp1"])
 
 
+def test_p_tp_two_to_d_tp_one_reads_both_p_ranks(tmp_path: Path) -> None:
+    # P TP 2 (2 KV heads per rank: 128 B blocks), D TP 1 (4 heads: 256 B blocks): D's load has two parts
+    hnd = {"kv_layout": "HND", "num_kv_heads": 4, "head_size": 8, "block_size": 4, "dtype": "float16"}
+    kw = {"regions": 2, "blocks": 8, "unit_bytes": 16}
+    ps = [start("producer", f"p-tp2r{r}", tmp_path, block_bytes=128, seed=20 + r, tp_rank=r,
+                compat=default_compat(tp_size=2, **hnd), **kw) for r in (0, 1)]
+    d = start("consumer", "d-tp1", tmp_path, block_bytes=256, compat=default_compat(tp_size=1, **hnd), **kw)
+    try:
+        addrs = [p.hello["address"] for p in ps]
+        links = [d.call("connect", a, push=False) for a in addrs]
+        assert [link["parts"] for link in links] == [2, 2]
+        grants = [p.call("alloc_grant", "tp2", [3, 4]) for p in ps]
+        d.call("reserve", "tp2", [6, 1])
+        d.call("pull", "tp2", [[a, g] for a, g in zip(addrs, grants, strict=True)])
+        assert d.call("wait", 30.0)
+        assert d.call("request_state", "tp2") == "READY_FOR_ATTENTION"
+        assert d.call("digest", [6, 1], 0, 128) == ps[0].call("digest", [3, 4])
+        assert d.call("digest", [6, 1], 128, 128) == ps[1].call("digest", [3, 4])
+        for p, g in zip(ps, grants, strict=True):
+            assert collect_released(p) == [["tp2", g["transfer"], "completed"]]
+        d.call("finish", "tp2")
+    finally:
+        stop_all(d, *ps)
+    assert_logs_clean(tmp_path, ["p-tp2r0", "p-tp2r1", "d-tp1"])
+
+
 def test_peer_restart_gets_new_epoch_and_old_grants_fail_cleanly(tmp_path: Path) -> None:
     p1 = start("producer", "p-r", tmp_path / "first", seed=1)
     d = start("consumer", "d-r", tmp_path)

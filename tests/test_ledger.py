@@ -146,8 +146,10 @@ def test_free_and_grant_refuse_wrong_states(source: SourceLedger) -> None:
         source.free("r")
     source.consumer_done(g.transfer, g.generation)
     source.free("r")
-    with pytest.raises(ValueError, match="block ids"):
-        source.allocate("x", [64])
+    for bad in ([64], [-1], [[1, 2]]):
+        with pytest.raises(ValueError, match="block ids"):
+            source.allocate("x", bad)
+    assert "x" not in source.requests
 
 
 def test_target_happy_path_parts_and_policies(clock: ManualClock) -> None:

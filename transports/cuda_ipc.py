@@ -408,6 +408,9 @@ class CudaIpcTransport:
         self._cu_ctx = 0
         self._cu_stream = 0
         self._order_event = 0
+        self._ids_event = 0
+        self._copy_stream: Any = None
+        self._cu_copy = 0
         self._event_pool: list[tuple[_Event, _Event]] = []
         self._ring: _IdRing | None = None
         self._probe_seed = 0
@@ -464,8 +467,11 @@ class CudaIpcTransport:
                             raise RegistrationError(f"cannot export {base:#x} for IPC: {exc}") from exc
                 self._cu_ctx = self._driver.current_context()
                 self._order_event = self._driver.event_create(timing=False)
+                self._ids_event = self._driver.event_create(timing=False)
+                self._copy_stream = torch.cuda.Stream(device)
                 self._ring = _IdRing(torch, device, ID_RING_INTS, self._driver)
             self._cu_stream = self._stream.cuda_stream
+            self._cu_copy = self._copy_stream.cuda_stream
             self.device = device
             self._probe = probe
             self._exports = list(allocations.values())
@@ -788,17 +794,13 @@ class CudaIpcTransport:
         torch, drv, stream = self._torch, self._driver, self._cu_stream
         start, end = self._event_pool.pop() if self._event_pool else (
             _Event(drv, drv.event_create(timing=True)), _Event(drv, drv.event_create(timing=True)))
-        # Blocks may have been written (P) or last read (D) on the caller's current stream: order after it.
         t_a = time.perf_counter()
-        drv.event_record(self._order_event, torch._C._cuda_getCurrentRawStream(self.device.index))
-        drv.stream_wait(stream, self._order_event)
-        drv.event_record(start.handle, stream)
-        t_b = time.perf_counter()
         pad = -(-n // 4) * 4  # both id lists 16-byte aligned: one kernel specialisation whatever n is
         ring = self._ring
         assert ring is not None
         slot = ring.reserve(2 * pad)
         keep: list[Any] = []
+        ids_copied = False
         if slot is not None:
             ring.host_np[slot:slot + n] = src
             ring.host_np[slot + pad:slot + pad + n] = dst
@@ -806,8 +808,11 @@ class CudaIpcTransport:
             if self.host_ids and warm and ring.host_dev_ptr:
                 src_ptr = ring.host_dev_ptr + 4 * slot  # the kernel reads the ids where the host wrote them
             else:
-                drv.memcpy_htod_async(ring.dev_ptr + 4 * slot, ring.host_ptr + 4 * slot, 8 * pad, stream)
-                src_ptr = ring.dev_ptr + 4 * slot
+                # On the copy stream: the ids move while an earlier transfer's kernel still runs, so back-to-back
+                # transfers leave no copy-engine gap between their kernels.
+                drv.memcpy_htod_async(ring.dev_ptr + 4 * slot, ring.host_ptr + 4 * slot, 8 * pad, self._cu_copy)
+                drv.event_record(self._ids_event, self._cu_copy)
+                src_ptr, ids_copied = ring.dev_ptr + 4 * slot, True
         else:  # ring full of in-flight ids: stage this post on its own (pinned, tracked by torch)
             host = torch.empty(2 * pad, dtype=torch.int32, pin_memory=True)
             host.numpy()[:n], host.numpy()[pad:pad + n] = src, dst
@@ -815,6 +820,13 @@ class CudaIpcTransport:
                 dev_ids = host.to(self.device, non_blocking=True)
             keep = [host, dev_ids]
             src_ptr = dev_ids.data_ptr()
+        t_b = time.perf_counter()
+        # Blocks may have been written (P) or last read (D) on the caller's current stream: order after it.
+        drv.event_record(self._order_event, torch._C._cuda_getCurrentRawStream(self.device.index))
+        drv.stream_wait(stream, self._order_event)
+        if ids_copied:
+            drv.stream_wait(stream, self._ids_event)
+        drv.event_record(start.handle, stream)
         t_c = time.perf_counter()
         for group in groups:
             copier = group.read if op is XferOp.READ else group.write
@@ -826,7 +838,7 @@ class CudaIpcTransport:
         t_d = time.perf_counter()
         drv.event_record(end.handle, stream)
         if self._trace:
-            self._stage_marks = {"order+start": (t_b - t_a) * 1e6, "stage_ids": (t_c - t_b) * 1e6,
+            self._stage_marks = {"stage_ids": (t_b - t_a) * 1e6, "order+start": (t_c - t_b) * 1e6,
                                  "kernel_launch": (t_d - t_c) * 1e6, "end_record": (time.perf_counter() - t_d) * 1e6}
         return _Inflight(start, end, slot, keep, notify)
 
@@ -1000,12 +1012,13 @@ class CudaIpcTransport:
                     for start, end in self._event_pool:
                         self._driver.event_destroy(start.handle)
                         self._driver.event_destroy(end.handle)
-                    if self._order_event:
-                        self._driver.event_destroy(self._order_event)
+                    for ev in (self._order_event, self._ids_event):
+                        if ev:
+                            self._driver.event_destroy(ev)
             else:  # never free what a running kernel may still touch
                 log.error("cuda_ipc: copies still running at close; their events and ids are kept")
             self._event_pool.clear()
-            self._order_event = 0
+            self._order_event = self._ids_event = 0
             self._inflight.clear()
             self._draining.clear()
             self._ring = None

@@ -460,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         raise
     Path(args.out).write_text(json.dumps(result, default=str))
     _log("result", json.dumps({k: v for k, v in result.items() if k != "rooms"}, default=str)[:400])
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # SGLang's backends leave non-daemon threads behind (NIXL's bootstrap thread)
 
 
 if __name__ == "__main__":

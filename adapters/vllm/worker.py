@@ -280,7 +280,10 @@ class WorkerSide:
                     self._done_recving.add(request)  # vLLM: a failed receive is also a finished receive
                     if blocks is not None:
                         self._failed_blocks.update(int(b) for b in blocks.blocks)
-                log.warning("KV load of %s failed: %s", request, event.reason)
+                if event.recompute:
+                    self._commands.put(("release", request))
+                log.warning("KV load of %s failed (%s): %s", request,
+                            "recompute" if event.recompute else "fail", event.reason)
 
     def _on_abandoned(self, request: str, reason: str) -> None:
         """The consumer could not start the load (P refused the claim: its lease was gone). No load exists in the
@@ -289,6 +292,7 @@ class WorkerSide:
         with self._results_lock:
             self._failed_recving.add(request)
             self._done_recving.add(request)
+        self._commands.put(("release", request))
 
     # -- D: the adapter thread ---------------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -308,6 +312,8 @@ class WorkerSide:
                     self._cancel(arg)
                 elif kind == "finish":
                     self._finish(arg)
+                elif kind == "release":
+                    self._release_reservation(arg)
                 self._beat_keepalives()
                 if self.target is not None:
                     self.target.commit()
@@ -447,6 +453,14 @@ class WorkerSide:
         assert self.target is not None
         self._keepalive.pop(request, None)
         if request in self.target.requests:
+            self.target.cancel(request)
+
+    def _release_reservation(self, request: str) -> None:
+        """After a failed load under policy ``recompute`` vLLM frees the request's blocks and allocates new ones
+        for the local prefill (no valid computed tokens): the ledger gives the old reservation back too."""
+        assert self.target is not None
+        req = self.target.requests.get(request)
+        if req is not None and req.transfer is None:
             self.target.cancel(request)
 
     def _finish(self, request: str) -> None:

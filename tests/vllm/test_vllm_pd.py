@@ -29,18 +29,19 @@ class Cluster:
     single: h.VLLMServer
     prefill: h.VLLMServer
     decode: h.VLLMServer
-    decode_bs64: h.VLLMServer  # a D whose block size differs from P's
+    decode_bs64: h.VLLMServer  # a D whose block size differs from P's (kv_load_failure_policy fail)
+    decode_bs64_recompute: h.VLLMServer  # the same with kv_load_failure_policy recompute
     proxy: h.VLLMServer
     events: Path
 
 
-def kvl_config(role: str, events: Path, port: int) -> dict:
+def kvl_config(role: str, events: Path, port: int, policy: str = "fail") -> dict:
     return {
         "kv_connector": "KVLifecycleConnector",
         "kv_connector_module_path": "kvlifecycle.adapters.vllm",
         "kv_role": role,
         "kv_buffer_device": "cpu",
-        "kv_load_failure_policy": "fail",
+        "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"log_dir": str(events), "side_channel_port": port, "mode": "pull",
                                       "lease_ttl_s": LEASE_TTL_S},
     }
@@ -60,11 +61,14 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
                            kv_transfer_config=kvl_config("kv_consumer", events, side))
     decode_bs64 = h.vllm_server("decode-bs64", tiny_model, h.free_port(), logs, cores=[1], block_size=64,
                                 kv_transfer_config=kvl_config("kv_consumer", events, side))
+    decode_bs64_recompute = h.vllm_server("decode-bs64-recompute", tiny_model, h.free_port(), logs, cores=[1],
+                                          block_size=64,
+                                          kv_transfer_config=kvl_config("kv_consumer", events, side, "recompute"))
     proxy = h.proxy_process(h.free_port(), [prefill.url], [decode.url], logs)
-    servers = [single, prefill, decode, decode_bs64, proxy]
+    servers = [single, prefill, decode, decode_bs64, decode_bs64_recompute, proxy]
     try:
         start_all(servers)
-        yield Cluster(single, prefill, decode, decode_bs64, proxy, events)
+        yield Cluster(single, prefill, decode, decode_bs64, decode_bs64_recompute, proxy, events)
     finally:
         for server in reversed(servers):
             server.stop()
@@ -165,6 +169,24 @@ def test_block_size_mismatch_is_refused_at_handshake(cluster: Cluster) -> None:
     assert summary["stats"].get("failed", 0) >= 1
 
 
+def test_block_size_mismatch_with_policy_recompute_prefills_on_decode(cluster: Cluster) -> None:
+    """Same refusal, policy recompute: D prefills the prompt itself; the answer is still the right one, and D's
+    ledger gave the refused reservation back (vLLM reallocates for the local prefill)."""
+    for i in range(2):  # the second request must find its blocks free again in D's ledger
+        prompt = h.prompt_of_length(80, offset=3500 + 40 * i)
+        params = prefill_only(cluster, prompt)
+        status, answer = h.post_json(cluster.decode_bs64_recompute.port, "/v1/completions",
+                                     h.completion_body(prompt, MAX_TOKENS, kv_transfer_params=params),
+                                     timeout_s=120)
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == reference(cluster, prompt)
+    rc, report = replay_json(*event_dirs(cluster.events, "target"), events=True)
+    recomputed = [e for log in report["logs"] for e in log.get("event_list", [])
+                  if e.get("kind") == "TgtLoadFailed" and e.get("recompute")]
+    assert len(recomputed) >= 2 and all("block_size" in e["reason"] for e in recomputed), report.get("violations")
+    assert rc == 0, report.get("violations")
+
+
 def test_abort_mid_transfer_leaves_no_pinned_blocks(cluster: Cluster) -> None:
     """Clients that hang up right after sending (at several delays, so the abort lands before, during and after
     D's load): once the leases end, P has no pinned block and vLLM freed everything (P still serves)."""
@@ -223,10 +245,11 @@ def test_event_logs_replay_clean(cluster: Cluster) -> None:
     """Both sides' logs (P stopped cleanly, D killed above) replay, pass the invariants, and agree with each
     other; P's also ends quiescent: nothing pinned, no lease."""
     cluster.decode_bs64.stop()
+    cluster.decode_bs64_recompute.stop()
     wait_for_no_pins(cluster, timeout_s=3 * LEASE_TTL_S + 10)  # a lease still running when P stops is not a leak
     cluster.prefill.stop()
     sources, targets = event_dirs(cluster.events, "source"), event_dirs(cluster.events, "target")
-    assert sources and len(targets) >= 2
+    assert sources and len(targets) >= 3
     rc, report = replay_json(*sources, *targets)
     assert rc == 0 and report["ok"], report.get("violations", report)
     rc, report = replay_json(*sources, quiescent=True)
