@@ -62,6 +62,7 @@ class SrcGranted(Event, tag="sg"):
 class SrcLeaseRenewed(Event, tag="sr"):
     transfer: str
     expires_at: float
+    peer: str = ""  # the consumer that renewed (claimed) it: a restart of that peer releases the lease
 
 
 class SrcCancelDeferred(Event, tag="sd"):

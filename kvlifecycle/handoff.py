@@ -80,6 +80,7 @@ class GrantReply(msgspec.Struct, frozen=True, tag=True):
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     transfer: str
     generation: int
+    agent: str = ""  # the consumer's agent: P binds the lease to it, so the consumer's restart releases it
 
 
 class PushRequest(msgspec.Struct, frozen=True, tag=True):
@@ -200,7 +201,7 @@ class Producer:
         return reply
 
     def _on_heartbeat(self, msg: Heartbeat, _peer: bytes) -> Ack:
-        ok = self.ledger.heartbeat(msg.transfer, msg.generation)
+        ok = self.ledger.heartbeat(msg.transfer, msg.generation, peer=msg.agent)
         expect = getattr(self.transport, "expect_activity", None)
         if ok and expect is not None:  # a claim precedes a read: let the data plane poll tightly meanwhile
             expect(1.0)
@@ -470,7 +471,8 @@ class Consumer:
         blocks = req.blocks
         for link, grant, _ in load.parts:
             try:
-                beat = link.client.request(Heartbeat(grant.transfer, grant.generation))  # claim before reading
+                # claim first: the claim binds the lease to this agent
+                beat = link.client.request(Heartbeat(grant.transfer, grant.generation, self.transport.agent))
             except SideChannelError as exc:
                 self._abandon(load, f"claim failed: {exc}")
                 return
@@ -610,7 +612,9 @@ class Consumer:
         load.last_beat = now
         for link, grant, _ in load.parts:
             try:
-                beat = link.client.request(Heartbeat(grant.transfer, grant.generation), timeout_s=every)
+                beat = link.client.request(
+                    Heartbeat(grant.transfer, grant.generation, self.transport.agent), timeout_s=every
+                )
             except SideChannelError as exc:
                 log.info("heartbeat to %s failed: %s", link.address, exc)
                 continue

@@ -117,7 +117,7 @@ class Lease:
     consumers: int
     expires_at: float
     ttl_s: float
-    peer: str
+    peers: set[str]  # consumers bound to the lease (at grant, or by their first heartbeat)
     granted_at: float
     done: set[int] = field(default_factory=set)
     claimed: bool = False  # a consumer heartbeated: it may be reading right now
@@ -552,10 +552,11 @@ class SourceLedger(_Ledger):
             self._record(ev.SrcGranted(hlc, at, request, transfer, generation, consumers, at + ttl, peer))
             return Grant(request, transfer, generation, self.worker, req.blocks, req.epoch, consumers, ttl, at + ttl)
 
-    def heartbeat(self, transfer: str, generation: int) -> bool:
+    def heartbeat(self, transfer: str, generation: int, peer: str = "") -> bool:
         """Renew (and claim) a lease. A consumer claims the lease with a heartbeat before it posts a read, so that a
         cancel racing the read defers the release. A lease already past its expiry is not renewed: it is released
-        as expired, and the consumer must not read."""
+        as expired, and the consumer must not read. ``peer`` names the consumer (its side-channel identity): the
+        lease is bound to it, so that :meth:`peer_restarted` releases it when that consumer comes back new."""
         with self._lock:
             lease = self._live_lease("heartbeat", transfer, generation)
             if lease is None:
@@ -565,7 +566,7 @@ class SourceLedger(_Ledger):
                 self._refuse("heartbeat", "lease already expired", lease.request, transfer)
                 self._release(lease, "expired", "heartbeat arrived after expiry")
                 return False
-            self._record(ev.SrcLeaseRenewed(hlc, at, transfer, at + lease.ttl_s))
+            self._record(ev.SrcLeaseRenewed(hlc, at, transfer, at + lease.ttl_s, peer))
             return True
 
     def consumer_done(self, transfer: str, generation: int, consumer: int = 0) -> bool:
@@ -647,7 +648,7 @@ class SourceLedger(_Ledger):
                 return []
             hlc, at = self._stamp()
             self._record(ev.PeerEpochChanged(hlc, at, peer, epoch))
-            dropped = [lease for lease in self.leases.values() if lease.peer == peer] if known is not None else []
+            dropped = [lease for lease in self.leases.values() if peer in lease.peers] if known is not None else []
             for lease in dropped:
                 self._release(lease, "peer_restarted", f"{peer} epoch {known} -> {epoch}")
             return [lease.transfer for lease in dropped]
@@ -768,7 +769,7 @@ class SourceLedger(_Ledger):
             e.consumers,
             e.expires_at,
             e.expires_at - e.at,
-            e.peer,
+            {e.peer} if e.peer else set(),
             e.at,
             block_epochs=req.block_epochs,
         )
@@ -779,6 +780,8 @@ class SourceLedger(_Ledger):
         lease = self.leases[e.transfer]
         lease.expires_at = e.expires_at
         lease.claimed = True
+        if e.peer:
+            lease.peers.add(e.peer)
         self.stats["renewed"] += 1
 
     def _on_cancel_deferred(self, e: ev.SrcCancelDeferred) -> None:

@@ -202,3 +202,17 @@ def test_race_one_layer_fails_while_the_others_complete(pair) -> None:
     p.free("r")
     assert not check_source(p) and not check_target(d)
     assert np.all(d.state == 0)
+
+
+def test_race_restarted_consumer_releases_the_pull_lease_it_claimed(pair) -> None:
+    """A pull lease does not know its reader at grant time; the reader's claim binds it, so a restart of that
+    reader releases the lease at once instead of waiting for the TTL."""
+    p, d, _ = pair
+    p.peer_restarted("d0@127.0.0.1:5601", 1)
+    p.allocate("r", [1])
+    p.prefill_done("r")
+    g = p.grant("r")  # peer unknown yet
+    assert p.heartbeat(g.transfer, g.generation, peer="d0@127.0.0.1:5601")
+    assert p.peer_restarted("d0@127.0.0.1:5601", 2) == [g.transfer]
+    assert [r.reason for r in p.take_released()] == ["peer_restarted"]
+    p.free("r")

@@ -39,6 +39,7 @@ __all__ = [
     "WHOLE_BLOCK",
     "BackendUnavailableError",
     "BlockView",
+    "CudaIpcTransport",
     "HandleReleasedError",
     "KVLayout",
     "LayoutWire",
@@ -64,7 +65,7 @@ __all__ = [
     "XferStatus",
 ]
 
-_LAZY = {"LoopbackTransport": ".loopback", "NixlTransport": ".nixl"}
+_LAZY = {"LoopbackTransport": ".loopback", "NixlTransport": ".nixl", "CudaIpcTransport": ".cuda_ipc"}
 
 
 def __getattr__(name: str) -> Any:

@@ -108,6 +108,7 @@ class NixlTransport:
         capture_telemetry: bool = True,
         idle_poll_s: float = 0.005,
         busy_poll_s: float = 0.001,
+        inflight_poll_s: float = 0.00005,
         call_timeout_s: float = 30.0,
         num_threads: int = 0,
         probe_bytes: int = 1 << 20,
@@ -121,6 +122,7 @@ class NixlTransport:
         self.backends = tuple(backends)
         self.idle_poll_s = float(idle_poll_s)
         self.busy_poll_s = float(busy_poll_s)
+        self.inflight_poll_s = float(inflight_poll_s)
         self._busy_until = 0.0  # poll at busy_poll_s until then (a peer announced it is about to read from us)
         self.call_timeout_s = float(call_timeout_s)
         config = nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=list(self.backends),
@@ -199,7 +201,7 @@ class NixlTransport:
                 self._progress()
             self._drain_notifs()
             if busy and not fn:
-                time.sleep(0)  # let the caller's thread run between polls
+                time.sleep(self.inflight_poll_s)  # drive progress without hogging a core the copy may need
         # answer anything still queued so no caller waits out its timeout
         while True:
             try:

@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 DEFAULT_CHUNK_BYTES = 4096
 DEFAULT_NUM_WARPS = 4
 DEFAULT_REGION_GROUP = 1
+DEFAULT_CACHE = 1
 
 
 if HAVE_TRITON:
@@ -61,6 +62,7 @@ if HAVE_TRITON:
         ALIGN: tl.constexpr,  # every base, stride and chunk start is a multiple of ALIGN elements
         EVEN: tl.constexpr,  # block_elems == CHUNKS * CHUNK: no mask needed
         GROUP: tl.constexpr,  # regions per program: the block ids are read once for GROUP regions
+        CACHE: tl.constexpr = 1,  # 0: default caching, 1: .cg loads / .cs stores (streaming), 2: .cs stores only
     ):
         pid = tl.program_id(0)
         first = tl.program_id(1) * GROUP
@@ -77,8 +79,14 @@ if HAVE_TRITON:
                 src_start = tl.multiple_of(tl.load(src_base_ptr + region) + src_off, ALIGN)
                 dst_start = tl.multiple_of(tl.load(dst_base_ptr + region) + dst_off, ALIGN)
                 if EVEN:
-                    data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
-                    tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
+                    if CACHE == 1:
+                        data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
+                    else:
+                        data = tl.load(anchor_ptr + src_start + offs)
+                    if CACHE == 0:
+                        tl.store(anchor_ptr + dst_start + offs, data)
+                    else:
+                        tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
                 else:
                     mask = chunk * CHUNK + offs < block_elems
                     data = tl.load(anchor_ptr + src_start + offs, mask=mask, cache_modifier=".cg")
@@ -186,6 +194,7 @@ class BlockCopier:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         num_warps: int = DEFAULT_NUM_WARPS,
         region_group: int = DEFAULT_REGION_GROUP,
+        cache: int = DEFAULT_CACHE,
         use_triton: bool | None = None,
         fast_launch: bool = True,
     ) -> None:
@@ -231,8 +240,9 @@ class BlockCopier:
                          self.unit_elems, self.regions)
         self.region_group = max(1, min(int(region_group), self.regions))
         self.region_programs = -(-self.regions // self.region_group)
+        self.cache = int(cache)
         self._constexprs = (self.chunks, self.chunk, self.align, self.unit_elems == self.chunks * self.chunk,
-                            self.region_group)
+                            self.region_group, self.cache)
         # After the first launch through Triton's JIT, launch the compiled kernel directly: the JIT's per-call
         # binding and cache lookup cost more than the copy for small requests. Only when the id pointers are
         # 16-byte aligned (the one argument property that could change the specialisation between calls).
@@ -273,10 +283,11 @@ class BlockCopier:
 
                 self._direct(compiled, grid, torch.cuda.current_stream(self.device).cuda_stream, src_ids, dst_ids)
                 return
-            chunks, chunk, align, even, group = self._constexprs
+            chunks, chunk, align, even, group, cache = self._constexprs
             kernel = _block_copy_kernel[grid](
                 self._anchor_typed, self._src_base, self._dst_base, src_ids, dst_ids, *self._scalars,
-                CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, GROUP=group, num_warps=self.num_warps,
+                CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, GROUP=group, CACHE=cache,
+                num_warps=self.num_warps,
             )
             if self.fast_launch and aligned and compiled is None and _launch_hooks_unset():
                 self._compiled = kernel

@@ -26,6 +26,7 @@ Built on SGLang's ``Common*`` classes (as its NIXL backend is), so the scheduler
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -39,6 +40,8 @@ import numpy as np
 import requests
 import zmq
 from aiohttp import web
+from kvlifecycle.adapters.sglang import wire
+from kvlifecycle.adapters.sglang.plane import NixlPlane, PlaneError, Regions
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
     ABORT_ACK_TAG,
@@ -54,8 +57,6 @@ from sglang.srt.runtime_context import get_device
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
-from kvlifecycle.adapters.sglang import wire
-from kvlifecycle.adapters.sglang.plane import NixlPlane, PlaneError, Regions
 from kvlifecycle.ledger import LedgerError, SourceLedger, TargetLedger, open_ledger
 from kvlifecycle.machines import SourceState, TargetState
 
@@ -254,7 +255,7 @@ class KVLifecycleKVManager(CommonKVManager):
         try:
             self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
             return True
-        except Exception as exc:  # noqa: BLE001 - a dead peer: its rooms fail by the heartbeat window
+        except Exception as exc:
             logger.debug("kvlifecycle: send to %s:%s failed: %s", ip, port, exc)
             return False
 
@@ -873,10 +874,8 @@ class KVLifecycleKVManager(CommonKVManager):
         wire-up. Fast while rooms are loading, slow when idle."""
         while not self._stop.is_set():
             busy = any(d.loading for d in list(self.d_rooms.values()))
-            try:
+            with contextlib.suppress(Exception):
                 self.plane.agent.get_new_notifs()
-            except Exception:  # noqa: BLE001 - progress is best effort
-                pass
             time.sleep(0.001 if busy else 0.02)
 
     def _d_housekeeping(self) -> None:
@@ -909,7 +908,7 @@ class KVLifecycleKVManager(CommonKVManager):
         try:
             resp = requests.get(f"http://{addr}/kvl/epochs", timeout=(1, 2))
             ranks = resp.json().get("ranks", {}) if resp.status_code == 200 else None
-        except Exception:  # noqa: BLE001 - an unreachable bootstrap server: the heartbeat window decides
+        except Exception:
             ranks = None
         if not ranks:
             return

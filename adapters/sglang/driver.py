@@ -186,7 +186,7 @@ class Side:
                                 meta.output_top_logprobs_idx, meta.output_topk_p, meta.output_topk_index,
                                 meta.output_hidden_states, meta.bootstrap_room) if b is not None]
             self.metadata_buffers = meta
-        except Exception as exc:  # noqa: BLE001 - same shapes by hand
+        except Exception as exc:
             _log(f"MetadataBuffers unavailable on CPU ({exc}); plain tensors instead")
             bufs = [torch.zeros((self.plan.aux_rows, 16), dtype=torch.int32),
                     torch.zeros((self.plan.aux_rows, 64), dtype=torch.float32),
@@ -214,7 +214,7 @@ class Side:
 def _failure_reason(obj: Any) -> str:
     try:
         obj.failure_exception()
-    except Exception as exc:  # noqa: BLE001 - KVTransferError carries the reason
+    except Exception as exc:
         return str(exc)
     return ""
 

@@ -14,6 +14,7 @@ array built with numpy.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -133,18 +134,14 @@ class NixlPlane:
             peer = self._peers.pop(name, None)
             if peer is not None:
                 self._release_peer(peer)
-            try:
+            with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001 - a peer NIXL already dropped is gone either way
-                pass
 
     def _release_peer(self, peer: _Peer) -> None:
         for h in (peer.kv_handle, peer.aux_handle):
             if h is not None:
-                try:
+                with contextlib.suppress(Exception):
                     self.agent.release_dlist_handle(h)
-                except Exception:  # noqa: BLE001
-                    pass
 
     def has_peer(self, name: str) -> bool:
         return name in self._peers
@@ -200,10 +197,8 @@ class NixlPlane:
                 raise PlaneError(f"NIXL WRITE to {peer_name} failed: {exc}") from exc
             finally:
                 for h in handles:
-                    try:
+                    with contextlib.suppress(Exception):
                         self.agent.release_xfer_handle(h)
-                    except Exception:  # noqa: BLE001 - a handle NIXL could not release is logged by NIXL
-                        pass
             t2 = time.perf_counter()
             descriptors = sum(len(lo) for _, lo, _, _ in posts)
             return nbytes, descriptors, t1 - t0, t2 - t0
@@ -228,10 +223,8 @@ class NixlPlane:
             time.sleep(0 if spins < 64 else 0.0005)
 
     def _settle_quietly(self, handles: list, deadline: float) -> None:
-        try:
+        with contextlib.suppress(PlaneError):
             self._settle(handles, deadline)
-        except PlaneError:
-            pass
 
     def close(self) -> None:
         with self._lock:
@@ -239,13 +232,9 @@ class NixlPlane:
                 self.remove_peer(name)
             for h in (self._local_kv, self._local_aux):
                 if h is not None:
-                    try:
+                    with contextlib.suppress(Exception):
                         self.agent.release_dlist_handle(h)
-                    except Exception:  # noqa: BLE001
-                        pass
             for descs in self._reg:
-                try:
+                with contextlib.suppress(Exception):
                     self.agent.deregister_memory(descs)
-                except Exception:  # noqa: BLE001
-                    pass
             self._reg = []

@@ -44,14 +44,13 @@ def extend_transfer_backend() -> Any:
 
 
 def kvlifecycle_classes() -> dict[Any, type]:
-    from sglang.srt.disaggregation.utils import KVClassType
-
     from kvlifecycle.adapters.sglang.conn import (
         KVLifecycleKVBootstrapServer,
         KVLifecycleKVManager,
         KVLifecycleKVReceiver,
         KVLifecycleKVSender,
     )
+    from sglang.srt.disaggregation.utils import KVClassType
 
     return {
         KVClassType.MANAGER: KVLifecycleKVManager,

@@ -196,6 +196,8 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         variants += [(4096, 4, g, h) for g in (1, 2, 4, 8, 16) for h in (False, True)]
         variants += [(c, w, 1, False) for c in (2048, 8192, 16384, 32768) for w in (2, 4, 8)]
         variants = list(dict.fromkeys(variants))
+        for c, w in ((4096, 4), (2048, 2), (8192, 4)):  # cache hints: 0 none, 2 streaming stores only
+            variants += [(c, w, 1, False, cache) for cache in (0, 2)]
     host_sets = []
     for s, d in sets:  # pinned host copies of the ids, 16-byte aligned halves, as the transport stages them
         pad = -(-len(s) // 4) * 4
@@ -204,8 +206,11 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         host_sets.append((h, pad))
     stream = torch.cuda.current_stream(ip.device).cuda_stream
     out["kernel_variants"] = {}
-    for chunk, warps, group, host in variants:
-        copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps, region_group=group)
+    for variant in variants:
+        chunk, warps, group, host = variant[:4]
+        cache = variant[4] if len(variant) > 4 else 1
+        copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps, region_group=group,
+                             cache=cache)
         copier.copy(*dev_sets[0])  # through Triton's JIT once: later launches are direct
         if host:
             def fn(h: Any, pad: int, copier: Any = copier) -> None:
@@ -219,10 +224,10 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         ip.poison(sets[-1][1])
         fn(*args[-1])
         exact = ip.check(*sets[-1])
-        key = f"{chunk}B/{warps}w/G{group}/{'host' if host else 'dev'}-ids"
+        key = f"{chunk}B/{warps}w/G{group}/{'host' if host else 'dev'}-ids" + (f"/cache{cache}" if cache != 1 else "")
         out["kernel_variants"][key] = {"event_s": ev, "gbps": _gbps(nbytes, ev), "exact": exact,
                                        "backend": copier.backend}
-        if (chunk, warps, group, host) == variants[0]:
+        if variant == variants[0]:
             out["kernel_event_s"] = ev
             out["kernel_wall_s"] = _median(ip.time_wall(fn, args))
             out["kernel_exact"] = exact
@@ -236,7 +241,7 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
                 launch.append(time.perf_counter() - t0)
             out["kernel_launch_host_us"] = _median(launch) * 1e6
             out["kernel_fast_launch"] = copier._compiled is not None
-        elif (chunk, warps, group, host) == variants[1]:
+        elif variant == variants[1]:
             out["kernel_host_ids_event_s"] = ev
     return out
 
@@ -557,6 +562,13 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
 # --- the command -------------------------------------------------------------------------------------------------
 
 
+def _peer_ceiling(torch: Any, ip: InProcess, nbytes: int, peer_device: int, reps: int = 10) -> float:
+    """Median CUDA-event time of a contiguous copy of ``nbytes`` from ``peer_device`` into this device."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=torch.device("cuda", peer_device))
+    dst = ip.dst.view(-1)[:nbytes]
+    return _median(ip.time_events(lambda: dst.copy_(src), [()] * reps))
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -585,6 +597,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     id_sets = {label: _id_sets(rng, pool, shape.blocks, args.reps) for label, shape in shapes.items()}
     for label, shape in shapes.items():
         res[label] = bench_in_process(torch, ip, shape, id_sets[label], args.sweep, args.pipeline)
+    if args.peer_device is not None and args.peer_device != args.device:
+        # Two GPUs (issue 8): P's memory is on --peer-device; the ceiling is a torch peer copy of the same bytes.
+        for label, shape in shapes.items():
+            try:
+                res[label]["peer_ceiling_event_s"] = _peer_ceiling(torch, ip, shape.nbytes, args.peer_device)
+            except Exception as exc:
+                res[label]["peer_ceiling_error"] = f"{type(exc).__name__}: {exc}"
     if not args.no_e2e:
         log_dir = args.dir or tempfile.mkdtemp(prefix="kvl-bench-gpu-")
         peer = args.device if args.peer_device is None else args.peer_device
@@ -622,6 +641,11 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
         r["ratio_kvl_kernel_to_ceiling_event"] = r["gbps_kvl_kernel"] / r["gbps_ceiling_event"]
         r["ratio_kernel_to_ceiling_event"] = r["gbps_kernel_event"] / r["gbps_ceiling_event"]
     large, small = res["large"], res["small"]
+    for r, shape in ((large, shapes["large"]), (small, shapes["small"])):
+        if "peer_ceiling_event_s" in r:  # two GPUs: the ratios that issue 8 asks for
+            r["gbps_peer_ceiling"] = _gbps(shape.nbytes, r["peer_ceiling_event_s"])
+            r["ratio_kvl_to_peer_ceiling"] = r["gbps_kvl_wall"] / r["gbps_peer_ceiling"]
+            r["ratio_kvl_kernel_to_peer_ceiling"] = r["gbps_kvl_kernel"] / r["gbps_peer_ceiling"]
     res["gbps_kvl"] = large["gbps_kvl_wall"]
     res["gbps_ceiling"] = large["gbps_ceiling_wall"]
     res["ratio_to_ceiling"] = large["ratio_kvl_to_ceiling_wall"]
@@ -678,6 +702,10 @@ def print_table(res: dict[str, Any]) -> None:
         ]
         for name, gbps, ratio in rows:
             print(f"  {name:<52}{_fmt(gbps):>10}{_fmt(ratio, 3):>11}")
+        if "gbps_peer_ceiling" in r:
+            print(f"  two GPUs: torch peer copy (events) {_fmt(r['gbps_peer_ceiling'])} GB/s; kvl e2e "
+                  f"{_fmt(r['ratio_kvl_to_peer_ceiling'], 3)}x, kvl device time "
+                  f"{_fmt(r['ratio_kvl_kernel_to_peer_ceiling'], 3)}x of it")
         if "nixl_error" in r:
             print(f"  NIXL: {r['nixl_error']}")
         if r.get("kernel_variants") and len(r["kernel_variants"]) > 2:

@@ -105,6 +105,11 @@ class _Worker:
         side = "source" if cfg.side == "producer" else "target"
         extra = {"default_ttl_s": cfg.ttl_s} if side == "source" else {}
         self.ledger: Any = open_ledger(side, cfg.blocks, cfg.log_dir, fsync=cfg.fsync, worker=cfg.name, **extra)
+        from kvlifecycle import logs, telemetry
+
+        # OTel spans/metrics (to files when $KVLIFECYCLE_OTEL_DIR is set; no-ops otherwise) and debug-level event logs
+        self.telemetry = telemetry.instrument_from_env(self.ledger)
+        logs.log_events(self.ledger)
         if side == "source":
             self.role: Any = Producer(self.ledger, self.transport, compat, tp_rank=cfg.tp_rank, options=options)
         else:

@@ -54,3 +54,11 @@ def test_verify_and_probe_with_real_nixl(caplog: pytest.LogCaptureFixture) -> No
         select._listeners.clear()
         a.close()
         b.close()
+
+
+def test_same_node_vram_picks_cuda_ipc_and_everything_else_does_not() -> None:
+    s = select.choose("VRAM", "VRAM", "same_node")
+    assert (s.transport, s.backend) == ("cuda_ipc", "triton")
+    assert select.choose("VRAM", "VRAM", "same_node", cuda_ipc=False).transport == "nixl"
+    assert select.choose("VRAM", "DRAM", "same_node").transport == "nixl"
+    assert select.choose("VRAM", "VRAM", "remote").transport == "nixl"

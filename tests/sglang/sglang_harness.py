@@ -1,0 +1,170 @@
+"""Run the SGLang driver (``kvlifecycle.adapters.sglang.driver``) in the SGLang venv from the main venv's pytest.
+
+Every process gets its own session (so a stuck one is killed with its children), loopback-only UCX and SGLang
+addresses, and a hard deadline. Nothing here asserts timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_VENV = Path(os.environ.get("KVL_SGLANG_VENV", ROOT / ".venv-sglang"))
+SGLANG_PY = SGLANG_VENV / "bin" / "python"
+DRIVER = "kvlifecycle.adapters.sglang.driver"
+
+
+
+def require_sglang() -> Path:
+    """Skip (or, with KVL_REQUIRE_ALL=1 as in CI, fail) when the SGLang venv is missing."""
+    import pytest
+
+    if SGLANG_PY.exists():
+        return SGLANG_PY
+    reason = f"SGLang venv missing ({SGLANG_VENV}); create it with scripts/setup-sglang-env.sh"
+    if os.environ.get("KVL_REQUIRE_ALL") == "1":
+        pytest.fail(reason + " [KVL_REQUIRE_ALL=1: not skipping]")
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 whose neighbour (port + 1, the driver's nominal HTTP port) is free too."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port pair")
+
+
+def base_env(log_dir: Path | None = None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_SGLANG_")}
+    env.update(UCX_TLS="self,sm,tcp", UCX_NET_DEVICES="lo", SGLANG_HOST_IP="127.0.0.1", HOST_IP="127.0.0.1",
+               SGLANG_PLUGINS="kvlifecycle", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if log_dir is not None:
+        env["KVL_SGLANG_LOG_DIR"] = str(log_dir)
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    out: Path
+    log: Path
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            kill(self)
+            tail = self.tail()
+            raise AssertionError(f"{self.name} did not finish within {timeout:.0f} s; log tail:\n{tail}") from exc
+
+    def result(self) -> dict:
+        if not self.out.exists():
+            raise AssertionError(f"{self.name} wrote no result; log tail:\n{self.tail()}")
+        data = json.loads(self.out.read_text())
+        if "error" in data:
+            raise AssertionError(f"{self.name} failed: {data['error']}\n{data.get('traceback', '')}")
+        return data
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        keep = [ln for ln in lines if "Warning" not in ln and "warnings.warn" not in ln]
+        return "\n".join(keep[-n:])
+
+
+def kill(proc: Proc) -> None:
+    if proc.popen.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        proc.popen.wait(timeout=30)
+
+
+def spawn(name: str, work: Path, args: list[str], env: dict[str, str]) -> Proc:
+    out = work / f"{name}.json"
+    log = work / f"{name}.log"
+    cmd = [str(SGLANG_PY), "-m", DRIVER, *args, "--out", str(out)]
+    with open(log, "wb") as fh:
+        popen = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    return Proc(name, popen, out, log)
+
+
+@dataclass
+class PairRun:
+    results: dict[str, dict] = field(default_factory=dict)
+    log_dir: Path | None = None
+    work: Path | None = None
+
+
+def run_pair(work: Path, scenario: str, *, backend: str = "kvlifecycle", extra: list[str] | None = None,
+             env_extra: dict[str, str] | None = None, timeout: float = 240.0) -> PairRun:
+    """Prefill and decode of one scenario, side by side; both results returned."""
+    require_sglang()
+    port = free_port()
+    log_dir = work / "logs"
+    env = base_env(log_dir, **(env_extra or {}))
+    common = ["--backend", backend, "--scenario", scenario, "--port", str(port), "--sync-dir", str(work),
+              *(extra or [])]
+    procs = [spawn("prefill", work, ["--role", "prefill", *common], env),
+             spawn("decode", work, ["--role", "decode", *common], env)]
+    try:
+        for p in procs:
+            p.wait(timeout)
+        return PairRun({p.name: p.result() for p in procs}, log_dir, work)
+    finally:
+        for p in procs:
+            kill(p)
+
+
+def run_restart(work: Path, *, timeout: float = 300.0, env_extra: dict[str, str] | None = None) -> PairRun:
+    """Prefill #1 serves, then dies holding a bootstrapped room; prefill #2 comes back on the same bootstrap
+    port with a new epoch; one decode throughout."""
+    require_sglang()
+    port = free_port()
+    log_dir = work / "logs"
+    env = base_env(log_dir, **(env_extra or {}))
+    common = ["--scenario", "restart", "--port", str(port), "--sync-dir", str(work)]
+    p1 = spawn("prefill1", work, ["--role", "prefill", "--generation", "1", *common], env)
+    d = spawn("decode", work, ["--role", "decode", "--deadline", "200", *common], env)
+    procs = [p1, d]
+    try:
+        p1.wait(timeout)
+        p2 = spawn("prefill2", work, ["--role", "prefill", "--generation", "2", *common], env)
+        procs.append(p2)
+        d.wait(timeout)
+        p2.wait(timeout)
+        return PairRun({p.name: p.result() for p in procs}, log_dir, work)
+    finally:
+        for p in procs:
+            kill(p)
+
+
+def run_probe(script: Path, env_extra: dict[str, str], timeout: float = 240.0) -> dict:
+    """Run a probe script in the SGLang venv; it prints one JSON line last."""
+    require_sglang()
+    env = base_env(None, **env_extra)
+    proc = subprocess.run([str(SGLANG_PY), str(script)], cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"probe failed rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
