@@ -64,9 +64,10 @@ def run_pair(kind: str, model: Path, prompts: list[str], output_tokens: int, log
         startup_s = time.perf_counter() - started
         h.stream_completion(proxy_port, h.prompt_of_length(len(prompts[0].split()), offset=99991), output_tokens)
         results = [h.stream_completion(proxy_port, prompt, output_tokens, timeout_s=300) for prompt in prompts]
-        bad = [r for r in results if r.status != 200]
+        bad = [r for r in results if r.status != 200 or not r.text]  # an error mid-stream leaves no text
         if bad:
-            raise RuntimeError(f"{kind}: {len(bad)} request(s) failed: {bad[0].text[:300]}")
+            raise RuntimeError(f"{kind}: {len(bad)} request(s) failed ({bad[0].status}: {bad[0].text[:300]!r}); "
+                               f"decode log tail:\n{decode.log_tail(15)}")
         time.sleep(1.0)  # let the last request's lease settle before measuring idle
         cpu_p, cpu_d = idle_cpu([prefill, decode], idle_s)
         return {

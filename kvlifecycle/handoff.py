@@ -141,8 +141,12 @@ class Producer:
     """P side: serves metadata, grants and heartbeats on a side channel; counts consumer notifications."""
 
     def __init__(self, ledger: SourceLedger, transport: Transport, compat: CompatInfo, *, tp_rank: int = 0,
-                 options: HandoffOptions = HandoffOptions()) -> None:
+                 options: HandoffOptions = HandoffOptions(), fast_transport: Transport | None = None) -> None:
+        """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
+        ``transport``; its metadata travels in the handshake reply next to ``transport``'s, and the notifications
+        of reads through it are drained like ``transport``'s."""
         self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
+        self.fast_transport = fast_transport
         self.options = options
         self.grants: dict[str, GrantReply] = {}
         self.epochs = EpochTracker()
@@ -191,7 +195,16 @@ class Producer:
             except RemoteMismatchError as exc:  # e.g. heterogeneous TP: D pulls its slices, P does not push
                 log.info("push to %s unavailable: %s", peer, exc)
                 self._push_refusals[(peer, msg.meta.epoch)] = str(exc)
-        return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata())
+        return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta())
+
+    def _fast_meta(self) -> PeerMetadata | None:
+        if self.fast_transport is None:
+            return None
+        try:
+            return self.fast_transport.local_metadata()
+        except TransportError as exc:  # not registered, or closed: D falls back to NIXL
+            log.info("no fast-path metadata offered: %s", exc)
+            return None
 
     def _on_get_grant(self, msg: GetGrant, _peer: bytes) -> GrantReply:
         with self._lock:
@@ -267,7 +280,10 @@ class Producer:
         self._pushes = still
 
     def _drain(self) -> None:
-        for _sender, note in self.transport.notifications():
+        notes = list(self.transport.notifications())
+        if self.fast_transport is not None:  # D's reads through the fast path notify there, after their event
+            notes += self.fast_transport.notifications()
+        for _sender, note in notes:
             self.notifications_seen += 1
             if note.kind == "done":
                 self.ledger.consumer_done(note.transfer, note.generation, note.part)
@@ -319,6 +335,9 @@ class PeerLink:
     prepared: PreparedPlan  # the descriptor lists for this P rank's read
     client: SideChannelClient
     probe: ProbeResult | None = None
+    data: Transport | None = None  # the transport that moves this link's bytes (None: the Consumer's own)
+    data_peer: str = ""  # P's name on ``data`` ("" : ``agent``)
+    choice: Any = None  # why ``data`` was chosen and what its self-test measured (cuda_ipc.Choice)
 
 
 @dataclass(slots=True)
@@ -329,6 +348,7 @@ class _Load:
     parts: list[tuple[PeerLink, GrantReply, int]]  # (link, grant, part index)
     started: float
     handles: dict[int, TransferHandle] = field(default_factory=dict)  # part -> handle
+    via: dict[int, Transport] = field(default_factory=dict)  # part -> the transport that owns its handle
     done: set[int] = field(default_factory=set)
     last_beat: float = 0.0
     failed: bool = False
@@ -340,8 +360,13 @@ class Consumer:
     """D side: handshakes with P ranks, pulls (or asks for pushes), heartbeats leases, settles its ledger."""
 
     def __init__(self, ledger: TargetLedger, transport: Transport, compat: CompatInfo, *, tp_rank: int = 0,
-                 options: HandoffOptions = HandoffOptions()) -> None:
+                 options: HandoffOptions = HandoffOptions(), fast_transport: Transport | None = None) -> None:
+        """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
+        ``transport``. At connect, :func:`kvlifecycle.transports.cuda_ipc.select_same_node` picks it for a P rank
+        that offers it when both sides hold VRAM on one node and the self-test passes; ``transport`` (NIXL) stays
+        the fallback and carries pushes."""
         self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
+        self.fast_transport = fast_transport
         self.options = options
         self.links: dict[str, PeerLink] = {}
         self.epochs = EpochTracker()
@@ -356,7 +381,8 @@ class Consumer:
         add_listener = getattr(transport, "add_completion_listener", None)
         if add_listener is not None:  # the transport wakes us when a transfer settles: no tight polling needed
             add_listener(lambda _handle: self._jobs.put(_noop))
-            self._wakeful = True
+            # a fast path without listeners completes only when polled: keep the tight rhythm then
+            self._wakeful = fast_transport is None or hasattr(fast_transport, "add_completion_listener")
         self._thread = threading.Thread(target=self._serve, name=f"consumer-{transport.agent}", daemon=True)
         self._thread.start()
 
@@ -396,6 +422,7 @@ class Consumer:
             agent, local_view=scale_view(read.local_view, unit) if unit else read.local_view,
             remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view)
         link = PeerLink(address, agent, reply.meta.epoch, plan, prepared, client)
+        self._select_data_path(link, reply, read, unit)
         with self._lock:
             self.links[address] = link
         probe = self._probe(link) if self.options.probe else None
@@ -403,9 +430,32 @@ class Consumer:
             self.options.on_connect(link, probe)
         return link
 
+    def _select_data_path(self, link: PeerLink, reply: MetaReply, read: Any, unit: int) -> None:
+        """Same node, VRAM on both sides, the self-test passed: reads go through the fast path (CUDA IPC); else
+        they stay on ``transport`` (NIXL). The choice is logged and reported to the selection listeners by
+        ``select_same_node``; ``link.choice`` keeps it."""
+        fast = self.fast_transport
+        if fast is None or getattr(fast, "layout", None) is None:
+            return
+        from kvlifecycle.transports.cuda_ipc import select_same_node  # lazily: the core imports no transport
+
+        chosen, peer, choice = select_same_node(fast.layout, fast, reply.fast_meta,  # type: ignore[arg-type]
+                                                lambda: self.transport, fallback_name=self.transport.name)
+        link.choice = choice
+        if chosen is self.transport:
+            return
+        try:
+            link.prepared = chosen.prepare(
+                peer, local_view=scale_view(read.local_view, unit) if unit else read.local_view,
+                remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view)
+        except TransportError as exc:  # a view the fast path cannot express: NIXL's plan stays
+            log.info("fast path to %s not used: %s", link.agent, exc)
+            return
+        link.data, link.data_peer = chosen, peer
+
     def _probe(self, link: PeerLink) -> ProbeResult | None:
         try:
-            result = self.transport.probe(link.agent)
+            result = (link.data or self.transport).probe(link.data_peer or link.agent)
         except (TransportError, AttributeError) as exc:
             log.info("no connect-time probe of %s: %s", link.agent, exc)
             return None
@@ -501,12 +551,14 @@ class Consumer:
                     return
                 continue
             prepared = link.prepared
+            data = link.data or self.transport
             local, remote = self._map_blocks(blocks, np.asarray(grant.block_ids, dtype=np.int32), link)
-            note = Notification(grant.request, grant.transfer, grant.generation, self.transport.epoch, "done",
+            note = Notification(grant.request, grant.transfer, grant.generation, data.epoch, "done",
                                 self._consumer_index(link))
             try:
-                load.handles[part] = self.transport.post(XferOp.READ, prepared, local, remote, notification=note,
-                                                         transfer=grant.transfer)
+                load.handles[part] = data.post(XferOp.READ, prepared, local, remote, notification=note,
+                                               transfer=grant.transfer)
+                load.via[part] = data
             except (TransportError, ValueError) as exc:
                 self._fail(load, f"post failed: {exc}")
                 return
@@ -553,9 +605,9 @@ class Consumer:
         with self._lock:
             self._loads.pop(load.transfer, None)
             self._settled.notify_all()
-        for handle in load.handles.values():
+        for part, handle in load.handles.items():
             with contextlib.suppress(TransportError):
-                self.transport.release(handle)
+                load.via.get(part, self.transport).release(handle)
         if load.transfer in self.ledger.loads:
             self.ledger.fail(load.transfer, reason)
         for link, grant, _ in load.parts:  # tell P now rather than at lease expiry
@@ -576,25 +628,29 @@ class Consumer:
             if not load.live:
                 continue
             for part, handle in list(load.handles.items()):
-                status = self.transport.poll(handle)
+                data = load.via.get(part, self.transport)
+                status = data.poll(handle)
                 if status is XferStatus.PENDING:
                     continue
                 if status is XferStatus.FAILED:
-                    self._fail(load, f"read failed: {self.transport.error(handle)}")
+                    self._fail(load, f"read failed: {data.error(handle)}")
                     break
-                stats = self.transport.stats(handle)
+                stats = data.stats(handle)
                 if stats is not None:
                     self.ledger.observe_transfer(load.transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s,
                                                  nbytes=stats.bytes, descriptors=stats.desc_count,
                                                  backend=stats.backend, ok=True)
-                self.transport.release(handle)
+                data.release(handle)
                 del load.handles[part]
                 self._part_done(load, part)
             if load.transfer in self._loads and now - load.started > self.options.load_timeout_s:
                 self._fail(load, f"load timed out after {self.options.load_timeout_s}s")
             elif load.transfer in self._loads and load.live:
                 self._heartbeat(load, now)
-        for _sender, note in self.transport.notifications():  # push completions / failures from P
+        notes = list(self.transport.notifications())
+        if self.fast_transport is not None:  # also sends the notifications of reads that completed meanwhile
+            notes += self.fast_transport.notifications()
+        for _sender, note in notes:  # push completions / failures from P
             transfer = self._by_p_transfer.get(note.transfer)
             load = self._loads.get(transfer) if transfer else None
             if load is None:

@@ -120,6 +120,10 @@ class MetaReply(msgspec.Struct, frozen=True, tag=True):
     compat: CompatInfo
     tp_rank: int
     meta: PeerMetadata
+    # P's same-node fast path (CUDA IPC) next to ``meta`` (NIXL): D picks it when both sides hold VRAM on one
+    # node and its connect-time self-test passes. Optional with a default: an older peer's reply still decodes
+    # (msgspec skips fields it does not know, and fills this one with None).
+    fast_meta: PeerMetadata | None = None
 
 
 # --- agent epochs ------------------------------------------------------------------------------------------------

@@ -277,13 +277,21 @@ _blob_decoder = msgspec.msgpack.Decoder(CudaIpcBlob)
 _header_decoder = msgspec.msgpack.Decoder(tuple[str, int])
 
 
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _block_ids(ids: Any, limit: int, what: str) -> np.ndarray:
-    """Block ids as a 1-D integer array within [0, limit) (no copy when they already are)."""
-    arr = np.asarray(ids)
+    """Block ids as a 1-D integer array within [0, limit) (no copy when they already are).
+
+    One reduction checks both ends: viewed as unsigned, a negative id is larger than any limit (the hot path of
+    ``post``; min() + max() cost two passes and two Python round trips)."""
+    arr = ids if type(ids) is np.ndarray else np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise RemoteMismatchError(f"{what} block ids must be a 1-D integer array")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
-        raise RemoteMismatchError(f"{what} block ids must be in [0, {limit}), got [{arr.min()}, {arr.max()}]")
+    if arr.size:
+        unsigned = arr.view(_UNSIGNED[arr.dtype.itemsize]) if arr.dtype.kind == "i" else arr
+        if int(unsigned.max()) >= limit:
+            raise RemoteMismatchError(f"{what} block ids must be in [0, {limit}), got [{arr.min()}, {arr.max()}]")
     return arr
 
 
@@ -332,10 +340,28 @@ class _Group:
 
 
 @dataclass(slots=True)
+class _Launch:
+    """What ``post`` needs for one set of groups, computed once (plan) or once per region subset."""
+
+    read: list[Any]  # BlockCopier per group, peer -> local
+    write: list[Any]  # BlockCopier per group, local -> peer
+    bytes_per_block: int  # bytes moved per block id over every region
+    regions: int  # regions (descriptors per block id)
+    backend: str
+
+
+def _launch_of(groups: list[_Group]) -> _Launch:
+    return _Launch([g.read for g in groups], [g.write for g in groups],
+                   sum(g.unit_bytes * len(g.regions) for g in groups), sum(len(g.regions) for g in groups),
+                   groups[0].read.backend if groups else "")
+
+
+@dataclass(slots=True)
 class _Plan:
     plan: PreparedPlan
     groups: list[_Group]
     subsets: dict[tuple[int, tuple[int, ...]], _Group] = field(default_factory=dict)
+    whole: _Launch | None = None  # the launch over every region (regions=None), built with the plan
 
 
 @dataclass(slots=True)
@@ -345,6 +371,7 @@ class _Inflight:
     slot: int | None  # ring slot of the ids, freed when the copy completed
     keep: list[Any]  # ids staged outside the ring, alive until the copy finished
     notify: tuple[str, Notification] | None = None
+    t_launched: float = 0.0  # host clock right after the last kernel launch call returned
 
 
 class CudaIpcTransport:
@@ -407,6 +434,7 @@ class CudaIpcTransport:
         self._draining: list[tuple[str, _Inflight]] = []  # released handles whose copy is still running
         self._cu_ctx = 0
         self._cu_stream = 0
+        self._dev_index = 0
         self._order_event = 0
         self._ids_event = 0
         self._copy_stream: Any = None
@@ -433,6 +461,7 @@ class CudaIpcTransport:
         port = self._router.bind_to_random_port(f"tcp://{bind_host}")
         self.endpoint = f"tcp://{bind_host}:{port}"
         self._host = node_identity()
+        self._header = msgspec.msgpack.encode((self.agent, self.epoch))  # every notification's first frame
 
     # -- registration -----------------------------------------------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
@@ -473,6 +502,7 @@ class CudaIpcTransport:
             self._cu_stream = self._stream.cuda_stream
             self._cu_copy = self._copy_stream.cuda_stream
             self.device = device
+            self._dev_index = device.index
             self._probe = probe
             self._exports = list(allocations.values())
             self.layout = layout
@@ -691,7 +721,7 @@ class CudaIpcTransport:
             plan = PreparedPlan(next(self._plan_keys), peer, p.epoch, local_view, remote_view, nl, nr,
                                 self.layout.num_regions)
             groups = self._groups(local_specs, remote_specs, np.arange(self.layout.num_regions))
-            self._plans[plan.key] = _Plan(plan, groups)
+            self._plans[plan.key] = _Plan(plan, groups, whole=_launch_of(groups))
             return plan
 
     def _groups(self, local_specs: list[Any], remote_specs: list[Any], regions: np.ndarray) -> list[_Group]:
@@ -745,53 +775,66 @@ class CudaIpcTransport:
         notification: Notification | None = None,
         transfer: str = "",
     ) -> TransferHandle:
+        """Check, stage the ids, launch; the handle's bookkeeping runs after the launch, while the copy runs.
+
+        Host time before the kernel launch adds to every request's latency; host time after it overlaps the copy.
+        So everything that can wait (the handle record, byte counts, trace marks) comes after the launch."""
         t0 = time.perf_counter()
-        op = XferOp(op)
+        if op.__class__ is not XferOp:
+            op = XferOp(op)
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
             prepared = self._plans.get(plan.key)
-            if prepared is None or prepared.plan != plan:
+            if prepared is None or (prepared.plan is not plan and prepared.plan != plan):
                 raise PeerEpochError(f"plan {plan.key} for {plan.peer} is void (peer removed or restarted)")
             local = _block_ids(local_blocks, plan.local_blocks, "local")
             remote = _block_ids(remote_blocks, plan.remote_blocks, "remote")
-            if local.size != remote.size:
-                raise RemoteMismatchError(f"{local.size} local blocks vs {remote.size} remote blocks")
-            groups = self._plan_groups(prepared, regions)
+            n = local.size
+            if n != remote.size:
+                raise RemoteMismatchError(f"{n} local blocks vs {remote.size} remote blocks")
+            if regions is None and prepared.whole is not None:
+                launch = prepared.whole
+            else:
+                launch = _launch_of(self._plan_groups(prepared, regions))
+            notify = (plan.peer, notification) if notification is not None else None
+            copiers = launch.read if op is XferOp.READ else launch.write
             t_checked = time.perf_counter()
+            if n == 0 or not copiers:
+                flight = _Inflight(None, None, None, [], notify)
+            else:
+                src, dst = (remote, local) if op is XferOp.READ else (local, remote)
+                pushed = self._need_context()  # a service thread may have no context current
+                if pushed:
+                    self._driver.push_context(self._cu_ctx)
+                try:
+                    flight = self._launch(copiers, src, dst, n, notify)
+                finally:
+                    if pushed:
+                        self._driver.pop_context()
+            # -- the copy is running (or there is nothing to copy): bookkeeping overlaps it --
             rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
             rec.t_post_start = t0
-            src, dst = (remote, local) if op is XferOp.READ else (local, remote)
-            n = local.size
-            notify = (plan.peer, notification) if notification is not None else None
-            rec.nbytes = n * sum(g.unit_bytes * len(g.regions) for g in groups)
-            rec.ndesc = n * sum(len(g.regions) for g in groups)
-            rec.native = groups[0].read.backend if groups else ""
-            if n == 0 or not groups:
-                rec.t_post_end = time.perf_counter()
-                self._inflight[rec.handle.id] = _Inflight(None, None, None, [], notify)
-                self._complete(rec)
-                return rec.handle
-            drv = self._driver
-            pushed = self._need_context()  # a service thread may have no context current
-            if pushed:
-                drv.push_context(self._cu_ctx)
-            try:
-                t_ctx = time.perf_counter()
-                self._inflight[rec.handle.id] = self._launch(op, groups, src, dst, n, notify)
-            finally:
-                if pushed:
-                    drv.pop_context()
+            rec.nbytes = n * launch.bytes_per_block
+            rec.ndesc = n * launch.regions
+            rec.native = launch.backend
+            self._inflight[rec.handle.id] = flight
             rec.t_post_end = time.perf_counter()
-            if self._trace:
-                rec.extra["stages_us"] = {"checks": (t_checked - t0) * 1e6, "record+ctx": (t_ctx - t_checked) * 1e6,
-                                          "launch": (rec.t_post_end - t_ctx) * 1e6, **self._stage_marks}
+            if flight.end is None:
+                self._complete(rec)
+            elif self._trace:
+                rec.extra["stages_us"] = {"checks": (t_checked - t0) * 1e6,
+                                          "to_launch": (flight.t_launched - t0) * 1e6,
+                                          "after_launch": (rec.t_post_end - flight.t_launched) * 1e6,
+                                          **self._stage_marks}
             return rec.handle
 
-    def _launch(self, op: XferOp, groups: list[_Group], src: np.ndarray, dst: np.ndarray, n: int,
+    def _launch(self, copiers: list[Any], src: np.ndarray, dst: np.ndarray, n: int,
                 notify: tuple[str, Notification] | None) -> _Inflight:
-        """Order after the caller's stream, stage the ids, launch every group's copy, record the completion."""
-        torch, drv, stream = self._torch, self._driver, self._cu_stream
+        """Stage the ids (one async copy from the pinned ring), order after the caller's stream, launch every
+        group's copy, record the completion event. Driver calls go straight to libcuda (no wrapper frames); a
+        non-zero result is turned into an error by the checked wrapper."""
+        drv = self._driver
         start, end = self._event_pool.pop() if self._event_pool else (
             _Event(drv, drv.event_create(timing=True)), _Event(drv, drv.event_create(timing=True)))
         t_a = time.perf_counter()
@@ -799,48 +842,86 @@ class CudaIpcTransport:
         ring = self._ring
         assert ring is not None
         slot = ring.reserve(2 * pad)
+        try:
+            return self._stage_and_launch(copiers, src, dst, n, notify, start, end, pad, slot, t_a)
+        except BaseException:
+            if slot is not None:
+                ring.free(slot)  # a step failed before its kernel was enqueued (later ones: the context is gone)
+            self._event_pool.append((start, end))
+            raise
+
+    def _stage_and_launch(self, copiers: list[Any], src: np.ndarray, dst: np.ndarray, n: int,
+                          notify: tuple[str, Notification] | None, start: _Event, end: _Event, pad: int,
+                          slot: int | None, t_a: float) -> _Inflight:
+        drv, stream = self._driver, self._cu_stream
+        lib = drv.lib
+        ring = self._ring
+        assert ring is not None
         keep: list[Any] = []
         ids_copied = False
         if slot is not None:
-            ring.host_np[slot:slot + n] = src
-            ring.host_np[slot + pad:slot + pad + n] = dst
-            warm = all((g.read if op is XferOp.READ else g.write).warm for g in groups)
-            if self.host_ids and warm and ring.host_dev_ptr:
+            host = ring.host_np
+            host[slot:slot + n] = src
+            host[slot + pad:slot + pad + n] = dst
+            if self.host_ids and ring.host_dev_ptr and all(c.warm for c in copiers):
                 src_ptr = ring.host_dev_ptr + 4 * slot  # the kernel reads the ids where the host wrote them
-            else:
+            elif self._inflight or self._draining:
                 # On the copy stream: the ids move while an earlier transfer's kernel still runs, so back-to-back
                 # transfers leave no copy-engine gap between their kernels.
-                drv.memcpy_htod_async(ring.dev_ptr + 4 * slot, ring.host_ptr + 4 * slot, 8 * pad, self._cu_copy)
-                drv.event_record(self._ids_event, self._cu_copy)
-                src_ptr, ids_copied = ring.dev_ptr + 4 * slot, True
+                src_ptr = ring.dev_ptr + 4 * slot
+                rc = lib.cuMemcpyHtoDAsync_v2(src_ptr, ring.host_ptr + 4 * slot, 8 * pad, self._cu_copy)
+                if rc:
+                    drv._check(rc, "cuMemcpyHtoDAsync")
+                rc = lib.cuEventRecord(self._ids_event, self._cu_copy)
+                if rc:
+                    drv._check(rc, "cuEventRecord(ids)")
+                ids_copied = True
+            else:
+                # Nothing in flight: no kernel to overlap with, so the ids go on the transfer's own stream (two
+                # driver calls fewer on a lone request's latency path: no event, no cross-stream wait).
+                src_ptr = ring.dev_ptr + 4 * slot
+                rc = lib.cuMemcpyHtoDAsync_v2(src_ptr, ring.host_ptr + 4 * slot, 8 * pad, stream)
+                if rc:
+                    drv._check(rc, "cuMemcpyHtoDAsync")
         else:  # ring full of in-flight ids: stage this post on its own (pinned, tracked by torch)
-            host = torch.empty(2 * pad, dtype=torch.int32, pin_memory=True)
-            host.numpy()[:n], host.numpy()[pad:pad + n] = src, dst
+            torch = self._torch
+            host_t = torch.empty(2 * pad, dtype=torch.int32, pin_memory=True)
+            host_t.numpy()[:n], host_t.numpy()[pad:pad + n] = src, dst
             with torch.cuda.stream(self._stream):
-                dev_ids = host.to(self.device, non_blocking=True)
-            keep = [host, dev_ids]
+                dev_ids = host_t.to(self.device, non_blocking=True)
+            keep = [host_t, dev_ids]
             src_ptr = dev_ids.data_ptr()
         t_b = time.perf_counter()
         # Blocks may have been written (P) or last read (D) on the caller's current stream: order after it.
-        drv.event_record(self._order_event, torch._C._cuda_getCurrentRawStream(self.device.index))
-        drv.stream_wait(stream, self._order_event)
+        rc = lib.cuEventRecord(self._order_event, self._torch._C._cuda_getCurrentRawStream(self._dev_index))
+        if rc:
+            drv._check(rc, "cuEventRecord(order)")
+        rc = lib.cuStreamWaitEvent(stream, self._order_event, 0)
+        if rc:
+            drv._check(rc, "cuStreamWaitEvent(order)")
         if ids_copied:
-            drv.stream_wait(stream, self._ids_event)
-        drv.event_record(start.handle, stream)
+            rc = lib.cuStreamWaitEvent(stream, self._ids_event, 0)
+            if rc:
+                drv._check(rc, "cuStreamWaitEvent(ids)")
+        rc = lib.cuEventRecord(start.handle, stream)
+        if rc:
+            drv._check(rc, "cuEventRecord(start)")
         t_c = time.perf_counter()
-        for group in groups:
-            copier = group.read if op is XferOp.READ else group.write
-            if not copier.launch_ptrs(stream, src_ptr, src_ptr + 4 * pad, n):
+        dst_ptr = src_ptr + 4 * pad
+        for copier in copiers:
+            if not copier.launch_ptrs(stream, src_ptr, dst_ptr, n):
                 ids = ring.dev[slot:slot + 2 * pad] if slot is not None else keep[1]  # first launch: Triton's JIT
                 if slot is not None and src_ptr != ring.dev_ptr + 4 * slot:
                     drv.memcpy_htod_async(ring.dev_ptr + 4 * slot, ring.host_ptr + 4 * slot, 8 * pad, stream)
                 copier.launch(self._stream, ids[:n], ids[pad:pad + n])
         t_d = time.perf_counter()
-        drv.event_record(end.handle, stream)
+        rc = lib.cuEventRecord(end.handle, stream)
+        if rc:
+            drv._check(rc, "cuEventRecord(end)")
         if self._trace:
             self._stage_marks = {"stage_ids": (t_b - t_a) * 1e6, "order+start": (t_c - t_b) * 1e6,
                                  "kernel_launch": (t_d - t_c) * 1e6, "end_record": (time.perf_counter() - t_d) * 1e6}
-        return _Inflight(start, end, slot, keep, notify)
+        return _Inflight(start, end, slot, keep, notify, t_d)
 
     def _need_context(self) -> bool:
         """Whether this thread must push the transport's context for driver calls (checked once per thread)."""
@@ -908,17 +989,22 @@ class CudaIpcTransport:
 
     def poll(self, handle: TransferHandle) -> XferStatus:
         with self._lock:
-            rec = self._handles.get(handle)
+            rec = self._handles.live.get(handle.id)
+            if rec is None or (rec.handle is not handle and rec.handle != handle):
+                rec = self._handles.get(handle)  # raises the precise error (released, or not ours)
             if rec.status is XferStatus.PENDING:
-                flight = self._inflight.get(rec.handle.id)
+                flight = self._inflight.get(handle.id)
                 if flight is not None:
                     drv = self._driver
                     pushed = self._need_context()
                     if pushed:
                         drv.push_context(self._cu_ctx)
                     try:
-                        if flight.end.query():
+                        rc = drv.lib.cuEventQuery(flight.end.handle)  # never blocks
+                        if rc == 0:
                             self._complete(rec)
+                        elif rc != 600:  # CUDA_ERROR_NOT_READY is the only "not yet"
+                            drv._check(rc, "cuEventQuery")
                     finally:
                         if pushed:
                             drv.pop_context()
@@ -951,7 +1037,7 @@ class CudaIpcTransport:
         if p is None or p.dealer is None:
             raise UnknownPeerError(f"unknown peer {peer!r}")
         raw = encode_notification(note)
-        header = msgspec.msgpack.encode((self.agent, self.epoch))
+        header = self._header
         try:
             p.dealer.send_multipart([header, raw], flags=self._zmq.NOBLOCK)
         except self._zmq.ZMQError as exc:

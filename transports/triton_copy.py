@@ -250,6 +250,7 @@ class BlockCopier:
         self._compiled: Any = None
         self._raw_launch: Any = None
         self._raw_flags: tuple[Any, ...] = ()
+        self._bound: tuple[Any, tuple[Any, ...], tuple[Any, ...]] | None = None
         self._anchor_ptr = self._anchor_typed.data_ptr()
         self._src_base_ptr, self._dst_base_ptr = self._src_base.data_ptr(), self._dst_base.data_ptr()
 
@@ -292,6 +293,7 @@ class BlockCopier:
             if self.fast_launch and aligned and compiled is None and _launch_hooks_unset():
                 self._compiled = kernel
                 self._raw_launch, self._raw_flags = _raw_launcher(kernel)
+                self._bind()
             return
         src_long, dst_long = src_ids.long(), dst_ids.long()
         for src_view, dst_view in self._torch_views():
@@ -320,19 +322,29 @@ class BlockCopier:
         """The hot path: launch the warm compiled kernel on a raw stream handle with raw int32 id pointers (both
         16-byte aligned, on the device). Returns False (nothing launched) until a first :meth:`launch` has gone
         through Triton's JIT, or where the direct launch is off; the caller then uses :meth:`launch`."""
-        compiled = self._compiled
-        if compiled is None or not n or src_ids_ptr % 16 or dst_ids_ptr % 16:
+        bound = self._bound
+        if bound is None or not n or src_ids_ptr % 16 or dst_ids_ptr % 16:
             return False
-        grid0, grid1 = n * self.chunks, self.region_programs
-        args = (self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr, src_ids_ptr, dst_ids_ptr, *self._scalars,
-                *self._constexprs)
-        raw = self._raw_launch
-        if raw is not None:
-            raw(grid0, grid1, 1, stream, compiled.function, *self._raw_flags, compiled.packed_metadata, None, None,
-                None, *args)
-        else:
-            compiled.run(grid0, grid1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        # Everything but the grid, the stream and the two id pointers was bound once (_bind): one call, no
+        # per-launch tuple building beyond the argument list itself.
+        fn, head, tail = bound
+        fn(n * self.chunks, self.region_programs, 1, stream, *head, src_ids_ptr, dst_ids_ptr, *tail)
         return True
+
+    def _bind(self) -> None:
+        """Pre-bind the warm kernel's launch: (launcher, arguments before the id pointers, arguments after)."""
+        compiled = self._compiled
+        if compiled is None:
+            self._bound = None
+            return
+        bases = (self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr)
+        tail = (*self._scalars, *self._constexprs)
+        if self._raw_launch is not None:
+            head = (compiled.function, *self._raw_flags, compiled.packed_metadata, None, None, None, *bases)
+            self._bound = (self._raw_launch, head, tail)
+        else:
+            head = (compiled.function, compiled.packed_metadata, None, None, None, *bases)
+            self._bound = (compiled.run, head, tail)
 
     def _direct(self, compiled: Any, grid: tuple[int, int, int], stream: int, src_ids: Any, dst_ids: Any) -> None:
         # Pointers as plain ints: the launcher takes them as they are (no per-launch pointer attribute query).

@@ -263,6 +263,8 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
                     sent.add(room)
                     continue
                 if room in ids["crash"]:
+                    if any(r not in done for r in order if r not in ids["crash"]):
+                        continue  # crash only once every other room concluded: nothing else is in flight
                     _log("crash: holding a bootstrapped room, exiting without a word")
                     Path(args.out).write_text(json.dumps({**result, "crashed": True}))
                     os._exit(0)

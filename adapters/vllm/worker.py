@@ -176,7 +176,10 @@ class WorkerSide:
             consumer_options = HandoffOptions(
                 secret=self.options.secret, host=self.options.host, port=0,
                 request_timeout_s=self.options.request_timeout_s, load_timeout_s=self.options.load_timeout_s,
-                on_abandoned=self._on_abandoned)
+                on_abandoned=self._on_abandoned,
+                # heterogeneous TP views are in (head x token) units; on vLLM's CPU layout one unit is a token's
+                # fused K and V of one head: 2 x head_size elements
+                unit_bytes=2 * compat.head_size * next(iter(kv_caches.values())).element_size())
             self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
                                      options=consumer_options)
             self._thread = threading.Thread(target=self._serve, name="kvl-vllm-consumer", daemon=True)

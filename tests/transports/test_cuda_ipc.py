@@ -21,6 +21,7 @@ from kvlifecycle.transports import cuda_ipc
 from transport_conformance import BLOCK_BYTES, BLOCKS, REGIONS, TransportConformance, wait_notes, wait_status
 
 from kvlifecycle.clock import ManualClock
+from kvlifecycle.handshake import CompatInfo, MetaReply
 from kvlifecycle.ledger import BlockBusyError, SourceLedger
 from kvlifecycle.transport import (
     BlockView,
@@ -175,6 +176,64 @@ def test_block_copier_refuses_out_of_range_ids() -> None:
         copier.check_ids(np.array([0]), np.array([-1]))
     with pytest.raises(ValueError, match="unit sizes differ"):
         BlockCopier([RegionSpec.of_tensor(src[0])], [RegionSpec.of_tensor(dst[0][:, :128])], src[0].device)
+
+
+def test_block_ids_are_checked_at_both_ends_in_one_pass() -> None:
+    """post's id check views signed ids as unsigned (one reduction): negatives must still be refused."""
+    ok = cuda_ipc._block_ids(np.array([0, 5, 7], dtype=np.int32), 8, "local")
+    assert ok.dtype == np.int32 and ok.tolist() == [0, 5, 7]
+    assert cuda_ipc._block_ids([1, 2], 8, "local").tolist() == [1, 2]
+    assert cuda_ipc._block_ids(np.array([3], dtype=np.uint16), 4, "local").tolist() == [3]
+    assert cuda_ipc._block_ids(np.array([], dtype=np.int64), 4, "local").size == 0
+    for bad in (np.array([0, -1], dtype=np.int32), np.array([-(2**62)], dtype=np.int64), [8], [2, 9, 1],
+                np.array([4], dtype=np.uint8)):
+        with pytest.raises(RemoteMismatchError, match=r"must be in \[0, "):
+            cuda_ipc._block_ids(bad, 4 if isinstance(bad, np.ndarray) and bad.dtype == np.uint8 else 8, "remote")
+    with pytest.raises(RemoteMismatchError, match="1-D integer"):
+        cuda_ipc._block_ids(np.array([0.5]), 8, "local")
+    with pytest.raises(RemoteMismatchError, match="1-D integer"):
+        cuda_ipc._block_ids(np.zeros((2, 2), dtype=np.int32), 8, "local")
+
+
+@gpu
+@pytest.mark.gpu
+def test_lone_and_back_to_back_posts_stage_ids_correctly_and_free_the_ring() -> None:
+    """A lone post copies its ids on the transfer's own stream; posts behind running copies use the copy stream.
+    Both must land byte-exact, a refused post must leak nothing, and every ring slot is free once all completed."""
+    suffix = time.monotonic_ns()
+    a, b = cuda_ipc.CudaIpcTransport(f"lone-a-{suffix}"), cuda_ipc.CudaIpcTransport(f"lone-b-{suffix}")
+    a._trace = True
+    ta, tb = vram_tensors("random", 5), vram_tensors("zeros")
+    try:
+        a.register(vram_layout(tb))  # a reads into its zeros from b's random blocks
+        b.register(vram_layout(ta))
+        peer = a.add_peer(b.local_metadata())
+        plan = a.prepare(peer)
+        rng = np.random.default_rng(3)
+        perm = rng.permutation(BLOCKS).astype(np.int32)
+        lone_src, lone_dst = perm[:3], rng.permutation(BLOCKS)[:3].astype(np.int32)
+        h = a.post("READ", plan, lone_dst, lone_src)
+        assert wait_status(a, h) is XferStatus.DONE
+        stages = a._handles.live[h.id].extra["stages_us"]
+        assert {"to_launch", "after_launch", "kernel_launch"} <= stages.keys()
+        a.release(h)
+        with pytest.raises(RemoteMismatchError):
+            a.post("READ", plan, [0, BLOCKS], [0, 1])
+        # back to back: each post after the first finds a copy in flight (distinct destination blocks)
+        dsts = np.setdiff1d(np.arange(BLOCKS), lone_dst).astype(np.int32)[:24].reshape(6, 4)
+        srcs = [rng.permutation(BLOCKS)[:4].astype(np.int32) for _ in range(6)]
+        handles = [a.post("READ", plan, d, s_) for d, s_ in zip(dsts, srcs, strict=True)]
+        assert all(wait_status(a, x) is XferStatus.DONE for x in handles)
+        torch.cuda.synchronize()
+        for d, s_ in [(lone_dst, lone_src), *zip(dsts, srcs, strict=True)]:
+            for r in range(REGIONS):
+                assert torch.equal(tb[r][torch.from_numpy(d).cuda().long()], ta[r][torch.from_numpy(s_).cuda().long()])
+        for x in handles:
+            a.release(x)
+        assert a._ring is not None and not a._ring.busy  # every slot back once its copy completed
+    finally:
+        a.close()
+        b.close()
 
 
 # --- two processes: real CUDA IPC -----------------------------------------------------------------------------------
@@ -715,3 +774,128 @@ def test_selection_picks_cuda_ipc_on_one_node_and_reports_the_self_test(caplog: 
         select.remove_listener(listener)
         d.close()
         p.close()
+
+
+# --- the generic handoff picks the fast path (issue 7, selection) ----------------------------------------------------
+
+_HANDOFF_COMPAT = dict(model_id="m", dtype="bfloat16", num_layers=REGIONS, num_kv_heads=2, head_size=16, block_size=1,
+                       kv_layout="NHD")
+
+
+def test_meta_reply_fast_meta_is_optional_on_the_wire() -> None:
+    """The cuda_ipc metadata rides next to NIXL's in MetaReply; a reply without it (an older P) still decodes,
+    and a reply with it decodes on a peer that does not know the field (it is skipped)."""
+    compat = CompatInfo(**_HANDOFF_COMPAT)
+    nixl_meta = PeerMetadata("p", 1, "nixl", b"x", LayoutWire("VRAM", 0, 4, [0x1000], [256]))
+
+    class OldMetaReply(msgspec.Struct, frozen=True, tag="MetaReply"):
+        compat: CompatInfo
+        tp_rank: int
+        meta: PeerMetadata
+
+    old_bytes = msgspec.msgpack.encode(OldMetaReply(compat, 0, nixl_meta))
+    decoded = msgspec.msgpack.decode(old_bytes, type=MetaReply)
+    assert decoded.fast_meta is None and decoded.meta == nixl_meta
+    new = MetaReply(compat, 0, nixl_meta, _meta(cuda_ipc.node_identity()))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=MetaReply) == new
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldMetaReply).meta == nixl_meta
+
+
+def _handoff_pair(kind: MemoryKind, fast: bool) -> Any:
+    """P and D over loopback (the generic transport) with, if ``fast``, a second transport as the fast path:
+    CUDA IPC for VRAM, another loopback for DRAM (which selection must refuse)."""
+    from kvlifecycle.transports.loopback import LoopbackTransport
+
+    from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
+    from kvlifecycle.ledger import TargetLedger
+
+    suffix = time.monotonic_ns()
+    if kind is MemoryKind.VRAM:
+        src, dst = vram_tensors("random", 9), vram_tensors("zeros")
+    else:
+        gen = torch.Generator().manual_seed(9)
+        src = [torch.randint(0, 256, (BLOCKS, BLOCK_BYTES), dtype=torch.uint8, generator=gen) for _ in range(REGIONS)]
+        dst = [torch.zeros((BLOCKS, BLOCK_BYTES), dtype=torch.uint8) for _ in range(REGIONS)]
+
+    def layout(ts: list[torch.Tensor]) -> KVLayout:
+        return KVLayout(kind, 0, BLOCKS, tuple(t.data_ptr() for t in ts), (BLOCK_BYTES,) * REGIONS)
+
+    made: list[Any] = []
+
+    def transports(side: str, ts: list[torch.Tensor]) -> tuple[Any, Any]:
+        generic = LoopbackTransport(f"{side}-{suffix}")
+        generic.register(layout(ts), tensors=ts if kind is MemoryKind.VRAM else None)
+        made.append(generic)
+        if not fast:
+            return generic, None
+        if kind is MemoryKind.VRAM:
+            quick: Any = cuda_ipc.CudaIpcTransport(f"{side}-fast-{suffix}")
+            quick.register(layout(ts))
+        else:
+            quick = LoopbackTransport(f"{side}-fast-{suffix}")
+            quick.register(layout(ts))
+        made.append(quick)
+        return generic, quick
+
+    tp, fp = transports("p", src)
+    td, fd = transports("d", dst)
+    compat = CompatInfo(**_HANDOFF_COMPAT)
+    prod = Producer(SourceLedger(BLOCKS, worker="p", default_ttl_s=30.0), tp, compat, fast_transport=fp)
+    cons = Consumer(TargetLedger(BLOCKS, worker="d"), td, compat, options=HandoffOptions(heartbeat_every_s=0.01),
+                    fast_transport=fd)
+    return prod, cons, src, dst, made
+
+
+def _pull_once(prod: Any, cons: Any, src: list[torch.Tensor], dst: list[torch.Tensor]) -> Any:
+    link = cons.connect(prod.address)
+    prod.ledger.allocate("r", [3, 1, 7])
+    prod.ledger.prefill_done("r")
+    g = prod.grant("r")
+    cons.ledger.reserve("r", [0, 5, 2])
+    cons.pull("r", g, address=prod.address)
+    assert cons.wait_idle(WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while g.transfer in prod.ledger.leases and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert g.transfer not in prod.ledger.leases  # the lease was released (by the copy's notification)
+    assert [r.reason for r in prod.ledger.take_released()] == ["completed"]
+    assert cons.ledger.stats["loaded"] == 1
+    s, d = torch.tensor([3, 1, 7]).long(), torch.tensor([0, 5, 2]).long()
+    for r in range(REGIONS):
+        assert torch.equal(dst[r][d.to(dst[r].device)].cpu(), src[r][s.to(src[r].device)].cpu())
+    return link
+
+
+def test_handoff_without_a_usable_fast_path_stays_on_the_generic_transport() -> None:
+    """DRAM on both sides (no GPU needed): the fast transport is offered but refused, and the pull runs over the
+    generic transport with the reason kept on the link."""
+    for fast in (False, True):
+        prod, cons, src, dst, made = _handoff_pair(MemoryKind.DRAM, fast)
+        try:
+            link = _pull_once(prod, cons, src, dst)
+            assert link.data is None and link.data_peer == ""
+            if fast:
+                assert link.choice.backend == "loopback" and "not VRAM" in link.choice.reason
+            else:
+                assert link.choice is None
+        finally:
+            cons.close()
+            prod.close()
+            for t in made:
+                t.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_handoff_picks_cuda_ipc_for_vram_on_one_node_and_releases_after_the_copy() -> None:
+    prod, cons, src, dst, made = _handoff_pair(MemoryKind.VRAM, True)
+    try:
+        link = _pull_once(prod, cons, src, dst)
+        assert link.data is cons.fast_transport and link.choice.backend == "cuda_ipc"
+        assert link.data_peer == prod.fast_transport.agent
+        assert prod.notifications_seen == 1  # the done notification came through the fast path's side channel
+    finally:
+        cons.close()
+        prod.close()
+        for t in made:
+            t.close()
