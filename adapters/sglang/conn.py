@@ -303,7 +303,6 @@ class KVLifecycleKVManager(CommonKVManager):
         self._queue_cv = threading.Condition()
         self._room_of_transfer: dict[str, int] = {}
         assert isinstance(self.ledger, SourceLedger)
-        self.ledger.listeners.append(self._on_source_event)
         self._threads = [
             threading.Thread(target=self._recv_loop, args=(self._p_handle,), name="kvl-p-recv", daemon=True),
             threading.Thread(target=self._p_worker, name="kvl-p-worker", daemon=True),
@@ -404,6 +403,7 @@ class KVLifecycleKVManager(CommonKVManager):
                 r.acks[(note.decode_ip, note.decode_port)] = note.generation
             inflight = r.inflight
         self._p_cancel_leases(note.room)
+        self._drain_released()
         if inflight == 0:
             self._p_send_acks(note.room)
 
@@ -445,25 +445,23 @@ class KVLifecycleKVManager(CommonKVManager):
                               transfer or dst.meta.transfer, reason, self.ledger.hlc.tick())
             self._send(dst.endpoint, dst.port, wire.encode(msg))
 
-    def _on_source_event(self, event: Any) -> None:
-        """Ledger listener: a lease that ended decides the room (the ledger, not the transport, is the authority)."""
-        from kvlifecycle import events as ev
-
-        if not isinstance(event, ev.SrcLeaseReleased):
-            return
-        room = self._room_of_transfer.get(event.transfer)
-        if room is None:
+    def _drain_released(self) -> None:
+        """Leases that ended decide their rooms: the ledger, not the transport, is the authority. Called outside
+        the ledger's lock (lock order: manager, then ledger; never the other way round)."""
+        released = self.ledger.take_released()
+        if not released:
             return
         with self._lock:
-            r = self.rooms.get(room)
-            if r is None:
-                return
-            if event.reason == "completed":
-                r.completed.add(event.transfer)
-            elif r.failure is None:
-                r.failure = f"lease {event.transfer} released: {event.reason}" + (
-                    f" ({event.detail})" if event.detail else "")
-                self._fail_room_locked(r)
+            for rel in released:
+                room = self._room_of_transfer.get(rel.transfer)
+                r = self.rooms.get(room) if room is not None else None
+                if r is None:
+                    continue
+                if rel.reason == "completed":
+                    r.completed.add(rel.transfer)
+                elif r.failure is None:
+                    r.failure = f"lease {rel.transfer} released: {rel.reason}"
+                    self._fail_room_locked(r)
 
     def add_transfer_request(
         self,
@@ -580,6 +578,7 @@ class KVLifecycleKVManager(CommonKVManager):
             self.ledger.fail(chunk.transfer, chunk.generation, error)
         elif failed and chunk.transfer in self.ledger.leases:
             self.ledger.cancel(chunk.request)
+        self._drain_released()
         with self._lock:
             if r is None:
                 return
@@ -606,7 +605,8 @@ class KVLifecycleKVManager(CommonKVManager):
             for peer in peers:
                 self._send(peer.endpoint, peer.port, frames)
             assert isinstance(self.ledger, SourceLedger)
-            self.ledger.sweep()  # expired leases fail their rooms through the listener
+            self.ledger.sweep()
+            self._drain_released()  # expired leases fail their rooms
             with self._lock:
                 for r in list(self.rooms.values()):
                     if r.failure is not None or r.success_sent:
@@ -635,6 +635,7 @@ class KVLifecycleKVManager(CommonKVManager):
 
     def p_room_status(self, room: int) -> KVPoll:
         """The sender's KVPoll, read off the ledger and the room record."""
+        self._drain_released()
         with self._lock:
             r = self.rooms.get(room)
             if r is None:

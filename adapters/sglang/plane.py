@@ -45,6 +45,13 @@ class Regions:
         """Index of region i's first row in the prepared list."""
         return np.concatenate(([0], np.cumsum(self.counts, dtype=np.int64)[:-1])).astype(np.int64)
 
+    def concat(self, other: Regions) -> Regions:
+        return Regions(self.ptrs + other.ptrs, self.item_lens + other.item_lens, self.counts + other.counts)
+
+    @property
+    def total_rows(self) -> int:
+        return int(sum(self.counts))
+
     def strided(self) -> np.ndarray:
         return np.array([(p, n, 0, n, c) for p, n, c in zip(self.ptrs, self.item_lens, self.counts, strict=True)],
                         dtype=np.uint64).reshape(-1, 5)
@@ -60,8 +67,7 @@ class _Peer:
     name: str
     kv: Regions
     aux: Regions
-    kv_handle: object
-    aux_handle: object
+    handle: object  # KV regions, then aux buffers: one prepared list, so a request is one NIXL post
 
 
 class NixlPlane:
@@ -92,8 +98,7 @@ class NixlPlane:
                     raise PlaneError("NIXL refused to register the KV/aux memory")
                 self._reg.append(descs)
         self._strided = True
-        self._local_kv = self._prep(NIXL_INIT_AGENT, kv) if kv.ptrs else None
-        self._local_aux = self._prep(NIXL_INIT_AGENT, aux) if aux.ptrs else None
+        self._local = self._prep(NIXL_INIT_AGENT, kv.concat(aux)) if (kv.ptrs or aux.ptrs) else None
         self._peers: dict[str, _Peer] = {}
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -120,13 +125,12 @@ class NixlPlane:
                 old = self._peers.pop(name, None)
                 if old is not None:
                     self._release_peer(old)
-                kv_h = self._prep(name, kv) if kv.ptrs else None
-                aux_h = self._prep(name, aux) if aux.ptrs else None
+                handle = self._prep(name, kv.concat(aux)) if (kv.ptrs or aux.ptrs) else None
             except PlaneError:
                 raise
             except Exception as exc:  # NIXL's own error types
                 raise PlaneError(f"NIXL refused the peer's metadata or memory: {exc}") from exc
-            self._peers[name] = _Peer(name, kv, aux, kv_h, aux_h)
+            self._peers[name] = _Peer(name, kv, aux, handle)
             return name
 
     def remove_peer(self, name: str) -> None:
@@ -138,10 +142,9 @@ class NixlPlane:
                 self.agent.remove_remote_agent(name)
 
     def _release_peer(self, peer: _Peer) -> None:
-        for h in (peer.kv_handle, peer.aux_handle):
-            if h is not None:
-                with contextlib.suppress(Exception):
-                    self.agent.release_dlist_handle(h)
+        if peer.handle is not None:
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(peer.handle)
 
     def has_peer(self, name: str) -> bool:
         return name in self._peers
@@ -166,42 +169,44 @@ class NixlPlane:
             if src_pages.size and (src_pages.max() >= self.kv.counts[0] or dst_pages.max() >= peer.kv.counts[0]
                                    or min(src_pages.min(), dst_pages.min()) < 0):
                 raise PlaneError("page id out of range")
-            posts = []
+            local_ids: list[np.ndarray] = []
+            remote_ids: list[np.ndarray] = []
             nbytes = 0
-            if src_pages.size and self._local_kv is not None:
-                lo = (self.kv.offsets[:, None] + src_pages[None, :]).ravel().astype(np.int32)
-                ro = (peer.kv.offsets[:, None] + dst_pages[None, :]).ravel().astype(np.int32)
-                posts.append((self._local_kv, lo, peer.kv_handle, ro))
+            if src_pages.size and self.kv.ptrs:
+                local_ids.append((self.kv.offsets[:, None] + src_pages[None, :]).ravel())
+                remote_ids.append((peer.kv.offsets[:, None] + dst_pages[None, :]).ravel())
                 nbytes += int(src_pages.size) * sum(self.kv.item_lens)
-            if src_aux is not None and dst_aux is not None and self._local_aux is not None:
+            if src_aux is not None and dst_aux is not None and self.aux.ptrs and peer.aux.ptrs:
                 n = min(len(self.aux.ptrs), len(peer.aux.ptrs))
-                lo = (self.aux.offsets[:n] + src_aux).astype(np.int32)
-                ro = (peer.aux.offsets[:n] + dst_aux).astype(np.int32)
-                posts.append((self._local_aux, lo, peer.aux_handle, ro))
+                if not (0 <= src_aux < self.aux.counts[0] and 0 <= dst_aux < min(peer.aux.counts[:n])):
+                    raise PlaneError(f"aux row {src_aux} -> {dst_aux} out of range")
+                local_ids.append(self.kv.total_rows + self.aux.offsets[:n] + src_aux)
+                remote_ids.append(peer.kv.total_rows + peer.aux.offsets[:n] + dst_aux)
                 nbytes += sum(self.aux.item_lens[:n])
-            handles = []
+            if not local_ids:
+                return 0, 0, 0.0, 0.0
+            lo = np.concatenate(local_ids).astype(np.int32)
+            ro = np.concatenate(remote_ids).astype(np.int32)
+            handle = None
             t0 = time.perf_counter()
             try:
-                for local_h, lo, remote_h, ro in posts:
-                    h = self.agent.make_prepped_xfer("WRITE", local_h, lo, remote_h, ro)
-                    handles.append(h)
-                    if self.agent.transfer(h) == "ERR":
-                        raise PlaneError(f"NIXL refused to post a WRITE to {peer_name}")
+                handle = self.agent.make_prepped_xfer("WRITE", self._local, lo, peer.handle, ro)
+                if self.agent.transfer(handle) == "ERR":
+                    raise PlaneError(f"NIXL refused to post a WRITE to {peer_name}")
                 t1 = time.perf_counter()
-                self._settle(handles, time.monotonic() + timeout_s)
+                self._settle([handle], time.monotonic() + timeout_s)
             except PlaneError:
-                self._settle_quietly(handles, time.monotonic() + timeout_s)
+                self._settle_quietly([handle] if handle is not None else [], time.monotonic() + timeout_s)
                 raise
             except Exception as exc:  # NIXL raises its own error types on a dead peer
-                self._settle_quietly(handles, time.monotonic() + timeout_s)
+                self._settle_quietly([handle] if handle is not None else [], time.monotonic() + timeout_s)
                 raise PlaneError(f"NIXL WRITE to {peer_name} failed: {exc}") from exc
             finally:
-                for h in handles:
+                if handle is not None:
                     with contextlib.suppress(Exception):
-                        self.agent.release_xfer_handle(h)
+                        self.agent.release_xfer_handle(handle)
             t2 = time.perf_counter()
-            descriptors = sum(len(lo) for _, lo, _, _ in posts)
-            return nbytes, descriptors, t1 - t0, t2 - t0
+            return nbytes, int(lo.size), t1 - t0, t2 - t0
 
     def _settle(self, handles: list, deadline: float) -> None:
         pending = list(handles)
@@ -230,10 +235,9 @@ class NixlPlane:
         with self._lock:
             for name in list(self._peers):
                 self.remove_peer(name)
-            for h in (self._local_kv, self._local_aux):
-                if h is not None:
-                    with contextlib.suppress(Exception):
-                        self.agent.release_dlist_handle(h)
+            if self._local is not None:
+                with contextlib.suppress(Exception):
+                    self.agent.release_dlist_handle(self._local)
             for descs in self._reg:
                 with contextlib.suppress(Exception):
                     self.agent.deregister_memory(descs)

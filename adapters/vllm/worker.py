@@ -14,6 +14,7 @@ NIXL agent runs without UCX's progress thread (it spins a core); the transport's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -30,8 +31,8 @@ import numpy as np
 from kvlifecycle import events as ev
 from kvlifecycle.handoff import Consumer, GetGrant, GrantReply, HandoffOptions, Heartbeat, LoadFailed, Producer
 from kvlifecycle.handshake import CompatInfo, CompatMismatchError
-from kvlifecycle.ledger import BlockBusyError, InvalidTransitionError, LedgerError, open_ledger
-from kvlifecycle.machines import TargetState
+from kvlifecycle.ledger import InvalidTransitionError, LedgerError, open_ledger
+from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.sidechannel import SideChannelClient, SideChannelError, SideChannelRefused
 from kvlifecycle.transport import KVLayout, MemoryKind, TransportError
 
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvlifecycle.adapters.vllm")
 RESERVED = int(TargetState.RESERVED)
+FREE, PREFIX_CACHED = int(SourceState.FREE), int(SourceState.PREFIX_CACHED)
+OWN_SUFFIX = "#own"  # the companion request that holds a request's newly allocated blocks (see _acquire)
 
 
 class LayoutError(ValueError):
@@ -140,7 +143,8 @@ class WorkerSide:
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self._unsendable: set[str] = set()  # P: grants that could not be made; their blocks go back at once
+        # P: requests whose blocks vLLM may free now (lease ended, or no grant could be made)
+        self._sending_done: set[str] = set()
         self._load_of_transfer: dict[str, str] = {}
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._grants: dict[str, GrantReply] = {}
@@ -194,6 +198,8 @@ class WorkerSide:
 
     # -- every step (forward thread): cheap, never blocks -------------------------------------------------------
     def on_metadata(self, meta: KVLifecycleMetadata) -> None:
+        if meta.grants and self.source is not None:
+            self._drain_released()
         for cmd in meta.grants:
             self._grant(cmd.request, np.asarray(cmd.block_ids, dtype=np.int32))
         for peer in meta.announces:
@@ -212,43 +218,65 @@ class WorkerSide:
             log.error("grant for %s on a worker that is not a producer (kv_role)", request)
             return
         try:
-            try:
-                self.source.allocate(request, block_ids)
-            except BlockBusyError:
-                # a prefix-cache hit on blocks another request still has pinned: they are shared, not reallocated
-                self.source.share(request, block_ids)
+            self._acquire(request, block_ids)
             self.source.prefill_done(request)
             self.producer.grant(request, ttl_s=self.config.lease_ttl_s)
         except (LedgerError, ValueError) as exc:
             # the blocks cannot be handed off: D's grant lookup fails and it reports a load failure
             log.error("cannot grant %s: %s", request, exc)
-            if request in self.source.requests:
-                try:
+            with contextlib.suppress(LedgerError):
+                if request in self.source.requests and self.source.requests[request].leases:
                     self.source.cancel(request)
-                    self.source.free(request, cache=self.cache_blocks)
-                except LedgerError:
-                    pass
+                self._free_source(request)
             with self._results_lock:
-                self._unsendable.add(request)
+                self._sending_done.add(request)
+
+    def _acquire(self, request: str, block_ids: np.ndarray) -> None:
+        """Enter the request's blocks in the ledger. With prefix caching some of them may already be held by
+        another request (e.g. pinned for its own handoff): those are shared (no new epoch), the others allocated.
+        The ledger takes one or the other per request, so the newly allocated part is held by a companion
+        request ``<id>#own`` that is freed together with the request."""
+        assert self.source is not None
+        states = self.source.state[block_ids]
+        fresh = ((states == FREE) | (states == PREFIX_CACHED)) & (self.source.refs[block_ids] == 0)
+        if fresh.all():
+            self.source.allocate(request, block_ids)
+            return
+        if fresh.any():
+            own = f"{request}{OWN_SUFFIX}"
+            self.source.allocate(own, block_ids[fresh])
+            self.source.prefill_done(own)
+        self.source.share(request, block_ids)
+
+    def _free_source(self, request: str) -> None:
+        assert self.source is not None
+        for name in (request, f"{request}{OWN_SUFFIX}"):
+            if name in self.source.requests:
+                self.source.free(name, cache=self.cache_blocks)
+
+    def _drain_released(self) -> None:
+        """Leases that ended (any reason): free the requests in the ledger now and queue them for vLLM's
+        ``finished_sending``. Runs before new grants too, so a block whose lease just ended is not RELEASABLE
+        (which cannot be granted) when a new request shares it."""
+        assert self.source is not None
+        for released in self.source.take_released():
+            req = self.source.requests.get(released.request)
+            if req is None or req.leases:
+                continue  # another lease still pins it (prefix shared by two grants)
+            try:
+                self._free_source(released.request)
+            except LedgerError as exc:
+                log.warning("freeing %s after its lease ended: %s", released.request, exc)
+            self._forget_grant(released.request)
+            with self._results_lock:
+                self._sending_done.add(released.request)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        sending: set[str] = set()
         if self.source is not None:
-            for released in self.source.take_released():
-                req = self.source.requests.get(released.request)
-                if req is None or req.leases:
-                    continue  # another lease still pins it (prefix shared by two grants)
-                try:
-                    self.source.free(released.request, cache=self.cache_blocks)
-                except LedgerError as exc:
-                    log.warning("freeing %s after its lease ended: %s", released.request, exc)
-                self._forget_grant(released.request)
-                sending.add(released.request)
+            self._drain_released()
             self.source.commit()
         with self._results_lock:
-            if self._unsendable:
-                sending |= self._unsendable
-                self._unsendable = set()
+            sending, self._sending_done = self._sending_done, set()
             recving, self._done_recving = self._done_recving, set()
             failed, self._failed_recving = self._failed_recving, set()
         return sending, recving, failed
@@ -425,10 +453,10 @@ class WorkerSide:
         if req is not None and req.transfer is not None:
             self.target.fail(req.transfer, reason)
         elif req is not None:
-            transfer = grant.transfer if grant is not None else f"{peer.request}/no-grant"
-            if transfer in self.target.loads:
-                transfer = f"{peer.request}/refused"
-            self.target.start_load(peer.request, transfer)
+            # No byte was ever requested: a load of its own id (not the grant's), so that D's log never shows a
+            # read of P's transfer that did not happen.
+            transfer = f"{grant.transfer if grant is not None else peer.request}/refused-by-d"
+            self.target.start_load(peer.request, transfer, generation=grant.generation if grant else 0)
             self.target.fail(transfer, reason)
         if grant is not None:
             try:

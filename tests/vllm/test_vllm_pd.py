@@ -150,6 +150,29 @@ def test_decode_really_uses_the_prefill_kv(cluster: Cluster) -> None:
     assert answer["choices"][0]["text"] == ref_a
 
 
+def test_prefix_shared_with_a_handoff_still_pinned(cluster: Cluster) -> None:
+    """Prefix caching on P: B's first blocks are A's, still pinned for A's handoff; B's grant shares them (no new
+    epoch) and allocates the rest. Both D answers are right, and P's log shows the split."""
+    shared = h.prompt_of_length(256, offset=7000)  # two full 128-token blocks
+    prompt_a = shared + " " + h.prompt_of_length(64, offset=7100)
+    prompt_b = shared + " " + h.prompt_of_length(64, offset=7200)
+    params_a = prefill_only(cluster, prompt_a)
+    params_b = prefill_only(cluster, prompt_b)  # A's lease is live: its blocks are pinned
+    assert params_a["remote_block_ids"][:2] == params_b["remote_block_ids"][:2]  # the prefix-cache hit
+    for prompt, params in ((prompt_b, params_b), (prompt_a, params_a)):
+        status, answer = h.post_json(cluster.decode.port, "/v1/completions",
+                                     h.completion_body(prompt, MAX_TOKENS, kv_transfer_params=params))
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == reference(cluster, prompt)
+    dirs = event_dirs(cluster.events, "source")
+    rc, report = replay_json(*dirs, events=True)
+    assert rc == 0, report.get("violations")
+    events = report["logs"][0]["event_list"]
+    b_request = params_b["remote_request_id"]
+    assert any(e["kind"] == "SrcShared" and e["request"] == b_request for e in events)
+    assert any(e["kind"] == "SrcAllocated" and e["request"].startswith(b_request) for e in events)
+
+
 def test_block_size_mismatch_is_refused_at_handshake(cluster: Cluster) -> None:
     prompt = h.prompt_of_length(64, offset=3333)
     params = prefill_only(cluster, prompt)
