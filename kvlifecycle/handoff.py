@@ -81,6 +81,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     transfer: str
     generation: int
     agent: str = ""  # the consumer's agent: P binds the lease to it, so the consumer's restart releases it
+    hlc: int = 0  # the sender's hybrid logical clock (0: unknown): what P records next sorts after it
 
 
 class PushRequest(msgspec.Struct, frozen=True, tag=True):
@@ -101,6 +102,7 @@ class LoadFailed(msgspec.Struct, frozen=True, tag=True):
     transfer: str
     generation: int
     reason: str
+    hlc: int = 0
 
 
 REPLY_TYPES = (MetaReply, GrantReply)
@@ -140,8 +142,16 @@ class _Push:
 class Producer:
     """P side: serves metadata, grants and heartbeats on a side channel; counts consumer notifications."""
 
-    def __init__(self, ledger: SourceLedger, transport: Transport, compat: CompatInfo, *, tp_rank: int = 0,
-                 options: HandoffOptions = HandoffOptions(), fast_transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        ledger: SourceLedger,
+        transport: Transport,
+        compat: CompatInfo,
+        *,
+        tp_rank: int = 0,
+        options: HandoffOptions = HandoffOptions(),
+        fast_transport: Transport | None = None,
+    ) -> None:
         """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
         ``transport``; its metadata travels in the handshake reply next to ``transport``'s, and the notifications
         of reads through it are drained like ``transport``'s."""
@@ -158,9 +168,18 @@ class Producer:
         self._stop = threading.Event()
         self.notifications_seen = 0
         self.server = SideChannelServer(
-            {GetMeta: self._on_get_meta, GetGrant: self._on_get_grant, Heartbeat: self._on_heartbeat,
-             PushRequest: self._on_push, LoadFailed: self._on_load_failed},
-            host=options.host, port=options.port, secret=options.secret, name=f"side-{transport.agent}")
+            {
+                GetMeta: self._on_get_meta,
+                GetGrant: self._on_get_grant,
+                Heartbeat: self._on_heartbeat,
+                PushRequest: self._on_push,
+                LoadFailed: self._on_load_failed,
+            },
+            host=options.host,
+            port=options.port,
+            secret=options.secret,
+            name=f"side-{transport.agent}",
+        )
         self._thread = threading.Thread(target=self._serve, name=f"producer-{transport.agent}", daemon=True)
         self._thread.start()
 
@@ -171,8 +190,18 @@ class Producer:
     # -- engine-facing ----------------------------------------------------------------------------------------------
     def grant(self, request: str, *, consumers: int = 1, ttl_s: float | None = None, peer: str = "") -> GrantReply:
         g = self.ledger.grant(request, consumers=consumers, ttl_s=ttl_s, peer=peer)
-        reply = GrantReply(g.request, g.transfer, g.generation, g.worker, g.block_ids.tolist(), g.consumers, g.ttl_s,
-                           self.transport.agent, self.transport.epoch, self.tp_rank)
+        reply = GrantReply(
+            g.request,
+            g.transfer,
+            g.generation,
+            g.worker,
+            g.block_ids.tolist(),
+            g.consumers,
+            g.ttl_s,
+            self.transport.agent,
+            self.transport.epoch,
+            self.tp_rank,
+        )
         with self._lock:
             self.grants[request] = reply
         return reply
@@ -206,6 +235,11 @@ class Producer:
             log.info("no fast-path metadata offered: %s", exc)
             return None
 
+    def forget(self, request: str) -> GrantReply | None:
+        """Stop publishing ``request``'s grant (the engine dropped it); the lease itself ends through the ledger."""
+        with self._lock:
+            return self.grants.pop(request, None)
+
     def _on_get_grant(self, msg: GetGrant, _peer: bytes) -> GrantReply:
         with self._lock:
             reply = self.grants.get(msg.request)
@@ -214,6 +248,8 @@ class Producer:
         return reply
 
     def _on_heartbeat(self, msg: Heartbeat, _peer: bytes) -> Ack:
+        if msg.hlc:
+            self.ledger.hlc.observe(msg.hlc)
         ok = self.ledger.heartbeat(msg.transfer, msg.generation, peer=msg.agent)
         expect = getattr(self.transport, "expect_activity", None)
         if ok and expect is not None:  # a claim precedes a read: let the data plane poll tightly meanwhile
@@ -221,6 +257,8 @@ class Producer:
         return Ack(ok, "" if ok else "lease is gone (released, expired or stale)")
 
     def _on_load_failed(self, msg: LoadFailed, _peer: bytes) -> Ack:
+        if msg.hlc:  # D settled its load before telling us: our release must sort after that
+            self.ledger.hlc.observe(msg.hlc)
         return Ack(self.ledger.fail(msg.transfer, msg.generation, f"consumer: {msg.reason}"))
 
     def _on_push(self, msg: PushRequest, _peer: bytes) -> Ack:
@@ -233,13 +271,22 @@ class Producer:
             return Ack(False, "lease is gone (released, expired or stale)")
         src = lease.blocks
         dst = np.asarray(msg.blocks, dtype=np.int32)
-        note = Notification(msg.target_request, msg.transfer, msg.generation, self.transport.epoch, "done", msg.part)
+        note = Notification(
+            msg.target_request,
+            msg.transfer,
+            msg.generation,
+            self.transport.epoch,
+            "done",
+            msg.part,
+            hlc=self.ledger.hlc.tick(),
+        )
         self._jobs.put(lambda: self._start_push(plan, src, dst, msg, note))
         return Ack(True)
 
     # -- service thread ---------------------------------------------------------------------------------------------
-    def _start_push(self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest,
-                    note: Notification) -> None:
+    def _start_push(
+        self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest, note: Notification
+    ) -> None:
         try:
             handle = self.transport.post(XferOp.WRITE, plan, src, dst, notification=note, transfer=msg.transfer)
         except (TransportError, ValueError) as exc:
@@ -253,8 +300,10 @@ class Producer:
         told, the lease is released now; if D never answers, lease expiry reclaims the blocks."""
         log.warning("push %s to %s failed: %s", transfer, peer, reason)
         try:
-            self.transport.send_notification(peer, msgspec.structs.replace(note, kind="failed",
-                                                                           payload=reason.encode()[:512]))
+            failed = msgspec.structs.replace(
+                note, kind="failed", payload=reason.encode()[:512], hlc=self.ledger.hlc.tick()
+            )
+            self.transport.send_notification(peer, failed)
         except TransportError as exc:
             log.warning("could not tell %s that push %s failed (%s): releasing now", peer, transfer, exc)
             self.ledger.fail(transfer, generation, reason)
@@ -269,9 +318,15 @@ class Producer:
             stats = self.transport.stats(push.handle)
             if status is XferStatus.DONE:
                 if stats is not None:
-                    self.ledger.observe_transfer(push.transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s,
-                                                 nbytes=stats.bytes, descriptors=stats.desc_count,
-                                                 backend=stats.backend, ok=True)
+                    self.ledger.observe_transfer(
+                        push.transfer,
+                        t_post_s=stats.t_post_s,
+                        t_xfer_s=stats.t_xfer_s,
+                        nbytes=stats.bytes,
+                        descriptors=stats.desc_count,
+                        backend=stats.backend,
+                        ok=True,
+                    )
                 self.ledger.consumer_done(push.transfer, push.generation, push.note.part)
             else:
                 err = self.transport.error(push.handle)
@@ -285,6 +340,8 @@ class Producer:
             notes += self.fast_transport.notifications()
         for _sender, note in notes:
             self.notifications_seen += 1
+            if note.hlc:
+                self.ledger.hlc.observe(note.hlc)
             if note.kind == "done":
                 self.ledger.consumer_done(note.transfer, note.generation, note.part)
             elif note.kind == "failed":
@@ -323,7 +380,6 @@ def _noop() -> None:
     pass
 
 
-
 @dataclass(slots=True)
 class PeerLink:
     """D's view of one P rank after a handshake."""
@@ -359,8 +415,16 @@ class _Load:
 class Consumer:
     """D side: handshakes with P ranks, pulls (or asks for pushes), heartbeats leases, settles its ledger."""
 
-    def __init__(self, ledger: TargetLedger, transport: Transport, compat: CompatInfo, *, tp_rank: int = 0,
-                 options: HandoffOptions = HandoffOptions(), fast_transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        ledger: TargetLedger,
+        transport: Transport,
+        compat: CompatInfo,
+        *,
+        tp_rank: int = 0,
+        options: HandoffOptions = HandoffOptions(),
+        fast_transport: Transport | None = None,
+    ) -> None:
         """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
         ``transport``. At connect, :func:`kvlifecycle.transports.cuda_ipc.select_same_node` picks it for a P rank
         that offers it when both sides hold VRAM on one node and the self-test passes; ``transport`` (NIXL) stays
@@ -393,12 +457,18 @@ class Consumer:
         Raises :class:`CompatMismatchError` (field by field) or :class:`SideChannelRefused`."""
         with self._lock:
             old = self.links.get(address)
-            client = old.client if old is not None else SideChannelClient(
-                address, REPLY_TYPES, secret=self.options.secret, timeout_s=self.options.request_timeout_s)
+            client = (
+                old.client
+                if old is not None
+                else SideChannelClient(
+                    address, REPLY_TYPES, secret=self.options.secret, timeout_s=self.options.request_timeout_s
+                )
+            )
         me: PeerMetadata | None = self.transport.local_metadata() if push else None
         try:
-            reply: MetaReply = client.request(GetMeta(self.compat, self.tp_rank, self.transport.agent,
-                                                      self.transport.epoch, me))
+            reply: MetaReply = client.request(
+                GetMeta(self.compat, self.tp_rank, self.transport.agent, self.transport.epoch, me)
+            )
         except SideChannelRefused as exc:
             if old is None:
                 client.close()
@@ -416,11 +486,14 @@ class Consumer:
         reads = [r for r in plan.reads if r.p_rank == reply.tp_rank]
         if not reads:
             raise CompatMismatchError(
-                f"D rank {self.tp_rank} reads P ranks {[r.p_rank for r in plan.reads]}, not {reply.tp_rank}", [])
+                f"D rank {self.tp_rank} reads P ranks {[r.p_rank for r in plan.reads]}, not {reply.tp_rank}", []
+            )
         read, unit = reads[0], self.options.unit_bytes
         prepared = self.transport.prepare(
-            agent, local_view=scale_view(read.local_view, unit) if unit else read.local_view,
-            remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view)
+            agent,
+            local_view=scale_view(read.local_view, unit) if unit else read.local_view,
+            remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view,
+        )
         link = PeerLink(address, agent, reply.meta.epoch, plan, prepared, client)
         self._select_data_path(link, reply, read, unit)
         with self._lock:
@@ -439,15 +512,22 @@ class Consumer:
             return
         from kvlifecycle.transports.cuda_ipc import select_same_node  # lazily: the core imports no transport
 
-        chosen, peer, choice = select_same_node(fast.layout, fast, reply.fast_meta,  # type: ignore[arg-type]
-                                                lambda: self.transport, fallback_name=self.transport.name)
+        chosen, peer, choice = select_same_node(
+            fast.layout,
+            fast,
+            reply.fast_meta,  # type: ignore[arg-type]
+            lambda: self.transport,
+            fallback_name=self.transport.name,
+        )
         link.choice = choice
         if chosen is self.transport:
             return
         try:
             link.prepared = chosen.prepare(
-                peer, local_view=scale_view(read.local_view, unit) if unit else read.local_view,
-                remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view)
+                peer,
+                local_view=scale_view(read.local_view, unit) if unit else read.local_view,
+                remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view,
+            )
         except TransportError as exc:  # a view the fast path cannot express: NIXL's plan stays
             log.info("fast path to %s not used: %s", link.agent, exc)
             return
@@ -460,11 +540,23 @@ class Consumer:
             log.info("no connect-time probe of %s: %s", link.agent, exc)
             return None
         link.probe = result
-        self.ledger.observe_transfer(f"probe:{link.agent}", t_post_s=0.0, t_xfer_s=result.seconds,
-                                     nbytes=result.bytes, descriptors=1, backend=result.backend, ok=True)
+        self.ledger.observe_transfer(
+            f"probe:{link.agent}",
+            t_post_s=0.0,
+            t_xfer_s=result.seconds,
+            nbytes=result.bytes,
+            descriptors=1,
+            backend=result.backend,
+            ok=True,
+        )
         if result.gbps < self.options.probe_floor_gbps:
-            log.warning("slow path to %s: %.3f GB/s over %s is below the floor of %.3f GB/s", link.agent,
-                        result.gbps, result.backend, self.options.probe_floor_gbps)
+            log.warning(
+                "slow path to %s: %.3f GB/s over %s is below the floor of %.3f GB/s",
+                link.agent,
+                result.gbps,
+                result.backend,
+                self.options.probe_floor_gbps,
+            )
         return result
 
     def _peer_restarted(self, agent: str, epoch: int) -> None:
@@ -479,8 +571,9 @@ class Consumer:
         return link.client.request(GetGrant(request))
 
     # -- loads ------------------------------------------------------------------------------------------------------
-    def pull(self, request: str, grants: Sequence[tuple[str, GrantReply]] | GrantReply, *,
-             address: str | None = None) -> str:
+    def pull(
+        self, request: str, grants: Sequence[tuple[str, GrantReply]] | GrantReply, *, address: str | None = None
+    ) -> str:
         """Start loading ``request`` (already reserved) by READs of each (P address, grant). Returns D's transfer
         id. Non-blocking: the claim and the post happen on the service thread."""
         return self._start(request, grants, address, "pull")
@@ -522,7 +615,9 @@ class Consumer:
         for link, grant, _ in load.parts:
             try:
                 # claim first: the claim binds the lease to this agent
-                beat = link.client.request(Heartbeat(grant.transfer, grant.generation, self.transport.agent))
+                beat = link.client.request(
+                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick())
+                )
             except SideChannelError as exc:
                 self._abandon(load, f"claim failed: {exc}")
                 return
@@ -532,8 +627,14 @@ class Consumer:
             load.claimed += 1
         first = load.parts[0]
         try:
-            self.ledger.start_load(load.request, load.transfer, parts=len(load.parts), generation=first[1].generation,
-                                   peer=first[0].agent, peer_epoch=first[0].epoch)
+            self.ledger.start_load(
+                load.request,
+                load.transfer,
+                parts=len(load.parts),
+                generation=first[1].generation,
+                peer=first[0].agent,
+                peer_epoch=first[0].epoch,
+            )
         except Exception as exc:  # e.g. the peer restarted meanwhile (stale peer epoch): refused and recorded
             self._abandon(load, f"start_load refused: {exc}")
             return
@@ -541,8 +642,17 @@ class Consumer:
         for link, grant, part in load.parts:
             if load.mode == "push":
                 try:
-                    ack = link.client.request(PushRequest(grant.transfer, grant.generation, self.transport.agent,
-                                                          self.transport.epoch, blocks.tolist(), load.request, part))
+                    ack = link.client.request(
+                        PushRequest(
+                            grant.transfer,
+                            grant.generation,
+                            self.transport.agent,
+                            self.transport.epoch,
+                            blocks.tolist(),
+                            load.request,
+                            part,
+                        )
+                    )
                 except SideChannelError as exc:
                     self._fail(load, f"push request failed: {exc}")
                     return
@@ -553,11 +663,19 @@ class Consumer:
             prepared = link.prepared
             data = link.data or self.transport
             local, remote = self._map_blocks(blocks, np.asarray(grant.block_ids, dtype=np.int32), link)
-            note = Notification(grant.request, grant.transfer, grant.generation, data.epoch, "done",
-                                self._consumer_index(link))
+            note = Notification(
+                grant.request,
+                grant.transfer,
+                grant.generation,
+                data.epoch,
+                "done",
+                self._consumer_index(link),
+                hlc=self.ledger.hlc.tick(),
+            )
             try:
-                load.handles[part] = data.post(XferOp.READ, prepared, local, remote, notification=note,
-                                               transfer=grant.transfer)
+                load.handles[part] = data.post(
+                    XferOp.READ, prepared, local, remote, notification=note, transfer=grant.transfer
+                )
                 load.via[part] = data
             except (TransportError, ValueError) as exc:
                 self._fail(load, f"post failed: {exc}")
@@ -594,7 +712,9 @@ class Consumer:
                 log.exception("on_abandoned hook failed")
         for link, grant, _ in load.parts[: load.claimed]:
             try:
-                link.client.request(LoadFailed(grant.transfer, grant.generation, reason), timeout_s=1.0)
+                link.client.request(
+                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick()), timeout_s=1.0
+                )
             except SideChannelError as exc:
                 log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
 
@@ -612,7 +732,9 @@ class Consumer:
             self.ledger.fail(load.transfer, reason)
         for link, grant, _ in load.parts:  # tell P now rather than at lease expiry
             try:
-                link.client.request(LoadFailed(grant.transfer, grant.generation, reason), timeout_s=1.0)
+                link.client.request(
+                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick()), timeout_s=1.0
+                )
             except SideChannelError as exc:
                 log.info("could not tell %s that %s failed: %s", link.address, grant.transfer, exc)
 
@@ -637,9 +759,15 @@ class Consumer:
                     break
                 stats = data.stats(handle)
                 if stats is not None:
-                    self.ledger.observe_transfer(load.transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s,
-                                                 nbytes=stats.bytes, descriptors=stats.desc_count,
-                                                 backend=stats.backend, ok=True)
+                    self.ledger.observe_transfer(
+                        load.transfer,
+                        t_post_s=stats.t_post_s,
+                        t_xfer_s=stats.t_xfer_s,
+                        nbytes=stats.bytes,
+                        descriptors=stats.desc_count,
+                        backend=stats.backend,
+                        ok=True,
+                    )
                 data.release(handle)
                 del load.handles[part]
                 self._part_done(load, part)
@@ -651,6 +779,8 @@ class Consumer:
         if self.fast_transport is not None:  # also sends the notifications of reads that completed meanwhile
             notes += self.fast_transport.notifications()
         for _sender, note in notes:  # push completions / failures from P
+            if note.hlc:
+                self.ledger.hlc.observe(note.hlc)
             transfer = self._by_p_transfer.get(note.transfer)
             load = self._loads.get(transfer) if transfer else None
             if load is None:
@@ -669,7 +799,8 @@ class Consumer:
         for link, grant, _ in load.parts:
             try:
                 beat = link.client.request(
-                    Heartbeat(grant.transfer, grant.generation, self.transport.agent), timeout_s=every
+                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick()),
+                    timeout_s=every,
                 )
             except SideChannelError as exc:
                 log.info("heartbeat to %s failed: %s", link.address, exc)

@@ -84,6 +84,12 @@ SOURCE_MACHINE = MachineSpec(
         Edge("grant", "PREFIX_CACHED", "PINNED_FOR_TRANSFER", why="a cached prefix pinned for a new consumer"),
         Edge("grant", "PINNED_FOR_TRANSFER", "PINNED_FOR_TRANSFER", why="another consumer of the same block"),
         Edge(
+            "grant",
+            "RELEASABLE",
+            "PINNED_FOR_TRANSFER",
+            why="released but not yet freed: pinned again for a new consumer",
+        ),
+        Edge(
             "release",
             "PINNED_FOR_TRANSFER",
             "RELEASABLE",

@@ -144,6 +144,7 @@ class Notification(msgspec.Struct, frozen=True, array_like=True):
     kind: str = "done"
     part: int = 0
     payload: bytes = b""
+    hlc: int = 0  # the sender's hybrid logical clock: the receiver observes it, so merged logs stay causal
 
 
 _notif_encoder = msgspec.msgpack.Encoder()

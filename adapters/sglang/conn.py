@@ -1010,10 +1010,6 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
         self.required_dst_info_num = 1
         self.bootstrap_infos: list[dict] | None = None
 
-    def _get_bootstrap_info_from_server(self, prefill_dp_rank, prefill_cp_rank, target_tp_rank, target_pp_rank):
-        return super()._get_bootstrap_info_from_server(prefill_dp_rank, prefill_cp_rank, target_tp_rank,
-                                                       target_pp_rank)
-
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
         if self.conclude_state is None and self.bootstrap_infos:
@@ -1060,9 +1056,6 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
         d = self.kv_mgr.d_rooms.get(self.bootstrap_room)
         infos = self.bootstrap_infos or []
         return d is not None and len(d.acks) >= max(1, len([i for i in infos if not i.get("is_dummy")]))
-
-    def abort(self) -> None:
-        super().abort()
 
     def _clear(self) -> None:
         super()._clear()

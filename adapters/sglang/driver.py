@@ -271,7 +271,10 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
                 if room in ids["abort_d_meta"] and hold_file is not None:
                     if not hold_file.exists():
                         continue  # P holds the send until D's abort went out
-                    time.sleep(0.5)  # the ABORT frame is on its way: it must win, never the write
+                    # the race SGLang's scheduler can hit: its last poll said WaitingForInput, the ABORT has been
+                    # processed since, and send() comes now. The backend must not write.
+                    if side.mgr.p_room_status(room) != KVPoll.Failed:
+                        continue
                 s.init(len(plan.src[room]), plan.aux_src[room])
                 side.fill_aux(room)
                 if room in timed and t_first_send is None:
@@ -295,6 +298,7 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
     if ledger is not None:
         result["ledger"] = {"counts": ledger.counts(), "stats": ledger.stats, "refusals": ledger.refusals,
                             "leases": len(ledger.leases)}
+        result["malformed"] = side.mgr.malformed
     # stay up until the decode is done with us (its heartbeats and acks still reach us)
     linger = time.monotonic() + args.linger
     while time.monotonic() < linger and not (args.sync_dir and (Path(args.sync_dir) / "decode.done").exists()):
@@ -342,7 +346,12 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
                 if state in (KVPoll.Success, KVPoll.Failed):
                     reason = ""
                     if state == KVPoll.Failed:
-                        acked = r.is_abort_release_safe() if hasattr(r, "is_abort_release_safe") else None
+                        acked = None
+                        if room in aborted and hasattr(r, "is_abort_release_safe"):
+                            # like SGLang's deferred KV release: hold the pages until P acknowledged (bounded)
+                            hold = min(deadline, time.monotonic() + 20.0)
+                            while not (acked := r.is_abort_release_safe()) and time.monotonic() < hold:
+                                time.sleep(0.005)
                         reason = _failure_reason(r)
                     else:
                         acked = None
@@ -353,6 +362,7 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
 
     receivers: dict[int, Any] = {}
     done: dict[int, dict] = {}
+    aborted = set(ids["abort_d"]) | set(ids["abort_d_meta"])
     if args.scenario == "never":
         ok = wait_info(addr, 3.0)
         room = ids["never"][0]
@@ -366,6 +376,18 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
         warm = ids["warmup"][0]
         receivers[warm] = open_room(warm)
         settle(receivers, done)
+        if args.scenario == "suite":
+            # foreign and malformed frames on the prefill rank's control socket: refused, nothing else lost
+            import zmq
+
+            info = (receivers[warm].bootstrap_infos or [{}])[0]
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(f"tcp://{info.get('rank_ip')}:{info.get('rank_port')}")
+            sock.send_multipart([b"KVL1", b"\xc1 not msgpack"])
+            sock.send_multipart([b"KVL1", b"\x92\xa3hb"])
+            sock.close()
+            result["malformed_sent"] = 2
         timed = ids["transfer"]
         for room in timed:
             receivers[room] = open_room(room)

@@ -289,8 +289,7 @@ class WorkerSide:
     def _forget_grant(self, request: str) -> None:
         producer = self.producer
         if producer is not None:
-            with producer._lock:
-                producer.grants.pop(request, None)
+            producer.forget(request)
 
     # -- D: ledger listener (runs on whichever thread changed the target ledger) ---------------------------------
     def _on_target_event(self, event: ev.Event) -> None:

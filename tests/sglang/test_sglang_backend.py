@@ -80,6 +80,13 @@ def test_transfer_is_byte_exact_and_leaves_other_pages_untouched(suite: h.PairRu
     assert d["untouched_ok"] is True  # pages and aux rows no successful room targeted kept their sentinel
 
 
+def test_malformed_control_frames_are_refused_and_lose_nothing(suite: h.PairRun) -> None:
+    d, p = suite.results["decode"], suite.results["prefill"]
+    assert d["malformed_sent"] == 2
+    assert p["malformed"] == 2  # counted and logged with a reason, never half-applied
+    assert all(_room(p, offset)["status"] == "success" for offset in (1, 2, 3, 4))  # sent after the garbage
+
+
 def test_abort_by_decode_is_acknowledged_and_nothing_lands(suite: h.PairRun) -> None:
     d, p = suite.results["decode"], suite.results["prefill"]
     for offset in (200, 201):  # before metadata; after metadata, with P holding its send until the ABORT went out
