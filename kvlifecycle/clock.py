@@ -46,6 +46,7 @@ class ManualClock:
 
 
 LOGICAL_BITS = 16
+_time_ns = time.time_ns
 LOGICAL_MASK = (1 << LOGICAL_BITS) - 1
 
 
@@ -66,23 +67,33 @@ class HybridLogicalClock:
     does after seeing a peer's message sorts after that message in a merged log.
     """
 
-    __slots__ = ("_last", "_lock", "_wall_ms")
-
     def __init__(self, wall_ms: Callable[[], int] | None = None) -> None:
         self._wall_ms = wall_ms  # None: the system clock
         self._last = 0
         self._lock = threading.Lock()
+        if wall_ms is None:
+            self.tick = self._tick_system_clock  # type: ignore[method-assign]
 
     def _physical(self) -> int:
-        wall = time.time_ns() // 1_000_000 if self._wall_ms is None else self._wall_ms()
+        wall = _time_ns() // 1_000_000 if self._wall_ms is None else self._wall_ms()
         return wall << LOGICAL_BITS
 
     def tick(self) -> int:
         physical = self._physical()
         with self._lock:
             last = self._last
-            self._last = physical if physical > last else last + 1
-            return self._last
+            stamp = physical if physical > last else last + 1
+            self._last = stamp
+        return stamp
+
+    def _tick_system_clock(self) -> int:
+        # tick() with the system clock inlined: this runs once per recorded event
+        physical = time.time_ns() // 1_000_000 << 16  # 16 = LOGICAL_BITS
+        with self._lock:
+            last = self._last
+            stamp = physical if physical > last else last + 1
+            self._last = stamp
+        return stamp
 
     def observe(self, remote: int) -> int:
         physical = self._physical()

@@ -314,7 +314,7 @@ class _Ledger:
             current = self._state.take(ids.view(np.uint32))
         except IndexError:
             raise ValueError(f"block ids must be in [0, {self.num_blocks})") from None
-        if current.any():  # fast path: every block FREE (0)
+        if np.count_nonzero(current):  # fast path: every block FREE (0); count_nonzero is ~5x cheaper than any()
             nxt = self._machine.triggers[command].when_true.take(current)
             if nxt.min() < 0:
                 reason = self._first_invalid(command, ids, nxt)
@@ -337,9 +337,9 @@ class _Ledger:
 
     def _new_allocation(self, ids: np.ndarray, request: str) -> int:
         self.allocations += 1
-        self.epoch[ids] = self.allocations
+        self.epoch.put(ids, self.allocations)  # put() is the cheapest scatter numpy has for this
         if not self._lazy:
-            self._state[ids] = self._owned
+            self._state.put(ids, self._owned)
         self._owner[self.allocations] = request
         return self.allocations
 
@@ -349,7 +349,7 @@ class _Ledger:
         if self._lazy:
             self._final[req.epoch] = final
         else:
-            self._state[req.blocks] = final
+            self._state.put(req.blocks, final)
 
     def _materialize(self) -> None:
         """End of a lazy replay: each block's state is the state its last allocation left it in."""
@@ -479,8 +479,9 @@ class SourceLedger(_Ledger):
         return view
 
     # -- commands -------------------------------------------------------------------------------------------------
-    def allocate(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
-        """The engine's allocator gives ``block_ids`` to ``request``. Returns the blocks' new epochs.
+    def allocate(self, request: str, block_ids: Iterable[int] | np.ndarray) -> int:
+        """The engine's allocator gives ``block_ids`` to ``request``. Returns the blocks' new epoch (one number for the
+        whole allocation: every block of it gets the same, larger than any it had).
 
         Raises :class:`BlockBusyError` (after recording the refusal) when a block is not free — in particular when
         it is still pinned for a transfer: the allocator must not reuse it.
@@ -490,7 +491,7 @@ class SourceLedger(_Ledger):
             self._check_allocatable("allocate", request, ids)
             hlc, at = self._stamp()
             self._record(ev.SrcAllocated(hlc, at, request, ev.pack_blocks(ids)))
-            return self.requests[request].epochs
+            return self.requests[request].epoch
 
     def share(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
         """``request`` references blocks another request already holds (a prefix-cache hit): no new epoch."""
@@ -879,13 +880,14 @@ class TargetLedger(_Ledger):
         return TargetState(value)
 
     # -- commands -------------------------------------------------------------------------------------------------
-    def reserve(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    def reserve(self, request: str, block_ids: Iterable[int] | np.ndarray) -> int:
+        """D's scheduler reserves ``block_ids`` for ``request``; returns their new epoch (as ``allocate`` does)."""
         ids = self._as_blocks(block_ids, checked=False)
         with self._lock:
             self._check_allocatable("reserve", request, ids)
             hlc, at = self._stamp()
             self._record(ev.TgtReserved(hlc, at, request, ev.pack_blocks(ids)))
-            return self.requests[request].epochs
+            return self.requests[request].epoch
 
     def start_load(
         self,

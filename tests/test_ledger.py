@@ -28,8 +28,8 @@ def states(ledger, blocks) -> list[str]:
 
 
 def test_source_happy_path_and_epochs(source: SourceLedger) -> None:
-    epochs = source.allocate("r1", [3, 4, 5])
-    assert epochs.tolist() == [1, 1, 1]
+    assert source.allocate("r1", [3, 4, 5]) == 1
+    assert source.epoch[[3, 4, 5]].tolist() == [1, 1, 1]
     source.prefill_done("r1")
     grant = source.grant("r1")
     assert states(source, [3, 4, 5]) == ["PINNED_FOR_TRANSFER"] * 3
@@ -39,7 +39,8 @@ def test_source_happy_path_and_epochs(source: SourceLedger) -> None:
     assert states(source, [3]) == ["RELEASABLE"]
     source.free("r1")
     assert states(source, [3, 4, 5]) == ["FREE"] * 3
-    assert source.allocate("r2", [3]).tolist() == [2]  # reallocation bumps the epoch
+    assert source.allocate("r2", [3]) == 2  # reallocation bumps the epoch
+    assert source.epoch[[3, 4]].tolist() == [2, 1]
     assert not check_source(source)
 
 

@@ -279,7 +279,13 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
                 side.fill_aux(room)
                 if room in timed and t_first_send is None:
                     t_first_send = time.monotonic()
-                s.send(plan.src[room])
+                pages = plan.src[room]
+                if args.chunked and room % 2 == 1 and pages.size > 1:
+                    # chunked prefill: the first chunk goes out before the last (which carries the aux row)
+                    s.send(pages[: pages.size // 2])
+                    s.send(pages[pages.size // 2:])
+                else:
+                    s.send(pages)
                 sent.add(room)
             elif state in (KVPoll.Success, KVPoll.Failed):
                 reason = _failure_reason(s) if state == KVPoll.Failed else ""
@@ -472,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=120.0)
     ap.add_argument("--linger", type=float, default=30.0, help="prefill: wait this long for decode.done")
     ap.add_argument("--sync-dir", default="")
+    ap.add_argument("--chunked", action="store_true", help="send odd rooms in two chunks (chunked prefill)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     plan = Plan(args.seed, args.num_pages, args.layers, args.item_bytes, args.pages_per_room, args.rooms,

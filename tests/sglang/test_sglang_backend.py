@@ -36,7 +36,7 @@ def _replay_all(log_dir: Path) -> list:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> h.PairRun:
     h.require_sglang()
-    return h.run_pair(tmp_path_factory.mktemp("sglang-suite"), "suite", env_extra=SUITE_ENV)
+    return h.run_pair(tmp_path_factory.mktemp("sglang-suite"), "suite", env_extra=SUITE_ENV, extra=["--chunked"])
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,8 @@ def test_abort_by_decode_is_acknowledged_and_nothing_lands(suite: h.PairRun) -> 
         assert _room(d, offset)["abort_acked"] is True, _room(d, offset)
     # the room whose pages D had published got no byte (untouched_ok covers its pages)
     assert d["untouched_ok"] is True
-    # P granted leases only to the rooms that transferred
-    assert p["ledger"]["stats"]["granted"] == 5
+    # P granted leases only to the rooms that transferred (warm-up + 4 rooms, two of them in two chunks)
+    assert p["ledger"]["stats"]["granted"] == 7
 
 
 def test_prefill_abort_reaches_decode(suite: h.PairRun) -> None:
@@ -131,10 +131,12 @@ def test_both_event_logs_replay_clean(suite: h.PairRun) -> None:
     assert check_pair(results) == []
     source = next(r for r in results if r.side == "source")
     target = next(r for r in results if r.side == "target")
-    # the same transfer ids on both sides: P's leases and D's loads line up in the merged log
-    granted = {e.transfer for e in source.events if type(e).__name__ == "SrcGranted"}
+    # the same transfer ids on both sides: P's leases and D's loads line up in the merged log (a chunked room's
+    # leases are "<transfer>#<chunk>", one per chunk, under D's one load)
+    granted = [e.transfer for e in source.events if type(e).__name__ == "SrcGranted"]
     loaded = {e.transfer for e in target.events if type(e).__name__ == "TgtLoadStarted"}
-    assert granted and granted <= loaded
+    assert granted and {t.split("#")[0] for t in granted} <= loaded
+    assert any("#" in t for t in granted)  # the chunked rooms really went out in chunks
 
 
 def test_peer_that_never_appears_fails_the_receiver(tmp_path: Path) -> None:
