@@ -19,7 +19,8 @@ from kvlifecycle.ledger import (
     open_ledger,
 )
 from kvlifecycle.machines import SOURCE_MACHINE, TARGET_MACHINE, SourceState, TargetState
-from kvlifecycle.replay import check, check_pair, replay
+from kvlifecycle.replay import check, check_pair
+from kvlifecycle.replay import replay as replay_log  # not "replay": that name is the module kvlifecycle.replay
 
 __version__ = "0.1.0"
 
@@ -47,5 +48,5 @@ __all__ = [
     "check",
     "check_pair",
     "open_ledger",
-    "replay",
+    "replay_log",
 ]

@@ -2,13 +2,14 @@
 
 Layout of a log directory::
 
-    seg-00000000.kvl   MAGIC | frame(header) | frame(event) | frame(event) | ...
+    seg-00000000.kvl   MAGIC | frame(header) | frame(batch of events) | frame(batch of events) | ...
     seg-00000001.kvl   ...
 
 A frame is ``<u32 length><u32 crc32(payload, seed)><payload>`` (a damaged length reads the wrong span, which fails the
-checksum). An event frame's payload is one committed batch: a msgpack array of events, written with one ``write``
-and decoded with one call, so a batch is the unit of atomicity — a crash keeps whole batches or loses the last; the header frame is a msgpack map with the
-schema version and the ledger's configuration (side, worker, number of blocks), so a log replays on its own.
+checksum). The header frame is a msgpack map with the schema version and the ledger's configuration (side, worker,
+number of blocks, incarnation), so a log replays on its own. Every other frame is one committed batch: a msgpack
+array of events, written with one ``write`` and decoded with one call, so a batch is the unit of atomicity — a crash
+keeps whole batches and loses at most the last.
 
 Durability: appends go into an in-memory batch; the batch is written (one ``write``) and fsynced according to the
 :class:`FsyncPolicy` — every commit, every N ms, or never. Crash safety: on open for append, a torn or corrupt tail of
@@ -425,7 +426,11 @@ class EventLog:
             return
         n = len(pending)
         # a msgpack array header followed by the encoded elements is the encoding of the list: no re-encoding
-        head = bytes((0x90 | n,)) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big"))
+        head = (
+            bytes((0x90 | n,))
+            if n < 16
+            else (b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big"))
+        )
         payload = head + b"".join(pending)
         frame = _pack_frame(len(payload), _crc32(payload)) + payload
         if self._segment_size + len(frame) > self.segment_bytes and self._segment_size > 64:

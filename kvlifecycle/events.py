@@ -113,6 +113,7 @@ class TgtLoadStarted(Event, tag="tl"):
     generation: int = 0  # the source lease generation this load reads under
     peer: str = ""
     peer_epoch: int = 0
+    mode: str = "pull"  # pull: D reads P's pinned blocks; push: P writes into D's blocks
 
 
 class TgtPartDone(Event, tag="tp"):

@@ -634,6 +634,7 @@ class Consumer:
                 generation=first[1].generation,
                 peer=first[0].agent,
                 peer_epoch=first[0].epoch,
+                mode=load.mode,
             )
         except Exception as exc:  # e.g. the peer restarted meanwhile (stale peer epoch): refused and recorded
             self._abandon(load, f"start_load refused: {exc}")

@@ -161,8 +161,9 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
     """Cross-side rules on P's and D's logs (HLC-ordered): P must not release a lease under a reader.
 
     - a load D started after P had already released that transfer's lease (D read blocks P may have reused);
-    - P released a lease as failed or cancelled while D's load of it was still in flight (completion and expiry
-      are the only ways a lease may end under a reader).
+    - P released a lease as failed or cancelled while D's pull of it was still in flight (completion and expiry
+      are the only ways a lease may end under a reader). In push mode P is the one reading its blocks (to write
+      them into D's): once its write failed, releasing before D has heard of it is the right order.
     """
     out: list[Violation] = []
     released: dict[str, tuple[int, str]] = {}
@@ -171,9 +172,12 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
             released[e.transfer] = (e.hlc, e.reason)
     started: dict[str, int] = {}
     settled: dict[str, int] = {}
+    pushed: set[str] = set()
     for e in target_events:
         if isinstance(e, ev.TgtLoadStarted):
             started[e.transfer] = e.hlc
+            if e.mode == "push":
+                pushed.add(e.transfer)
         elif isinstance(e, ev.TgtPartDone | ev.TgtLoadFailed):
             settled[e.transfer] = e.hlc
     for transfer, start in started.items():
@@ -183,7 +187,8 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
         if rel_hlc < start and reason != "completed":
             out.append(Violation("read-after-release", f"D started loading {transfer} after P released it ({reason})"))
         end = settled.get(transfer)
-        if reason in ("failed", "cancelled") and start <= rel_hlc and (end is None or rel_hlc < end):
+        under_reader = transfer not in pushed and start <= rel_hlc and (end is None or rel_hlc < end)
+        if reason in ("failed", "cancelled") and under_reader:
             out.append(
                 Violation("released-under-reader", f"P released {transfer} ({reason}) while D's load was in flight")
             )

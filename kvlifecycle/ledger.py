@@ -898,8 +898,12 @@ class TargetLedger(_Ledger):
         generation: int = 0,
         peer: str = "",
         peer_epoch: int = 0,
+        mode: str = "pull",
     ) -> None:
-        """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected."""
+        """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected.
+        ``mode``: ``pull`` (D reads P's pinned blocks) or ``push`` (P writes into these)."""
+        if mode not in ("pull", "push"):
+            raise ValueError("mode must be 'pull' or 'push'")
         if parts < 1:
             raise ValueError("parts must be >= 1")
         with self._lock:
@@ -917,7 +921,7 @@ class TargetLedger(_Ledger):
                 self._refuse("start_load", reason, request, transfer)
                 raise InvalidTransitionError(reason)
             hlc, at = self._stamp()
-            self._record(ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch))
+            self._record(ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, mode))
 
     def part_done(self, transfer: str, part: int = 0) -> bool:
         """One expected part (layer, shard, P rank) landed. The last one makes the blocks READY_FOR_ATTENTION."""

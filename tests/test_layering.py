@@ -39,7 +39,7 @@ def test_transports_and_adapters_are_subpackages_not_top_level_names() -> None:
     assert out.stdout.split() == ["True", "True", "True"]
 
 
-def test_wheel_ships_subpackages_under_kvlifecycle_only(tmp_path) -> None:  # noqa: ANN001
+def test_wheel_ships_subpackages_under_kvlifecycle_only(tmp_path) -> None:
     import zipfile
     from pathlib import Path
 

@@ -207,7 +207,7 @@ def test_race_one_layer_fails_while_the_others_complete(pair) -> None:
 def test_race_restarted_consumer_releases_the_pull_lease_it_claimed(pair) -> None:
     """A pull lease does not know its reader at grant time; the reader's claim binds it, so a restart of that
     reader releases the lease at once instead of waiting for the TTL."""
-    p, d, _ = pair
+    p, _d, _ = pair
     p.peer_restarted("d0@127.0.0.1:5601", 1)
     p.allocate("r", [1])
     p.prefill_done("r")

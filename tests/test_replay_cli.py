@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlifecycle.clock import HybridLogicalClock, ManualClock
 from kvlifecycle.cli import main
+from kvlifecycle.clock import HybridLogicalClock, ManualClock
 from kvlifecycle.eventlog import segment_paths
 from kvlifecycle.ledger import open_ledger
 
@@ -50,7 +50,7 @@ def test_replay_check_json_clean(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_replay_reports_leftover_pins_at_quiescence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    p, d = handoff_logs(tmp_path, leave_pinned=True)
+    p, _d = handoff_logs(tmp_path, leave_pinned=True)
     assert main(["replay", p, "--check"]) == 0  # mid-flight is fine ...
     assert main(["replay", p, "--check", "--quiescent"]) == 1  # ... but not at quiescence
     out = capsys.readouterr().out
@@ -79,8 +79,9 @@ def test_corrupt_log_is_a_clear_error_and_nothing_is_modified(tmp_path: Path) ->
     data = bytearray(seg.read_bytes())
     data[40] ^= 0xFF  # inside the first record, good records follow
     seg.write_bytes(bytes(data))
-    proc = subprocess.run([sys.executable, "-m", "kvlifecycle", "replay", p, "--check"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlifecycle", "replay", p, "--check"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert "corrupt event log" in proc.stderr and seg.name in proc.stderr and "offset" in proc.stderr
     assert seg.read_bytes() == bytes(data)
@@ -104,3 +105,25 @@ def test_restarted_worker_log_replays_each_incarnation(tmp_path: Path, capsys: p
     out = json.loads(capsys.readouterr().out)["logs"][0]
     assert out["restarts"][0]["leases"] == 1 and out["restarts"][0]["pinned_blocks"] == 1
     assert out["blocks"]["ALLOCATED"] == 1
+
+
+@pytest.mark.parametrize(("mode", "violations"), [("pull", ["released-under-reader"]), ("push", [])])
+def test_failed_release_under_a_load_is_a_violation_only_when_d_reads(tmp_path: Path, mode: str, violations) -> None:
+    from kvlifecycle.invariants import check_merged
+    from kvlifecycle.replay import replay
+
+    clock, hlc = ManualClock(), HybridLogicalClock()
+    p = open_ledger("source", 8, str(tmp_path / "p"), clock=clock, hlc=hlc, worker="p0")
+    d = open_ledger("target", 8, str(tmp_path / "d"), clock=clock, hlc=hlc, worker="d0")
+    p.allocate("r", [1])
+    p.prefill_done("r")
+    g = p.grant("r")
+    p.heartbeat(g.transfer, g.generation)
+    d.reserve("r", [2])
+    d.start_load("r", g.transfer, generation=g.generation, mode=mode)
+    p.fail(g.transfer, g.generation, "write failed" if mode == "push" else "P gave up")  # D still loading
+    d.fail(g.transfer, "told by P")
+    for ledger in (p, d):
+        ledger.log.close()
+    found = check_merged(replay(tmp_path / "p").events, replay(tmp_path / "d").events)
+    assert [v.rule for v in found] == violations

@@ -821,7 +821,7 @@ class KVLifecycleKVManager(CommonKVManager):
             d.agents = {i.get("kvl_agent", "") for i in infos}
         try:
             self.ledger.reserve(str(room), pages)
-            self.ledger.start_load(str(room), transfer, parts=d.parts, peer=peer,
+            self.ledger.start_load(str(room), transfer, parts=d.parts, peer=peer, mode="push",
                                    peer_epoch=int(real[0].get("kvl_epoch", 0)) if real else 0)
         except (LedgerError, ValueError) as exc:
             if str(room) in self.ledger.requests:
