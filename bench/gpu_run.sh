@@ -1,0 +1,25 @@
+#!/bin/bash
+# Device-side driver for the GPU tests and benchmark (run on a CUDA machine with Python 3.12 and torch; no
+# registry needed there). Wheels it lacks travel in the git-ignored .whl/ (bench/fetch-gpu-wheels.sh fills it).
+#   bash bench/gpu_run.sh tests bench        # CUDA IPC + VRAM conformance tests, then `kvlifecycle bench gpu`
+# Env: BENCH_ARGS (e.g. "--json --reps 30"), TEST_TIMEOUT, BENCH_TIMEOUT, OUT (where logs go; default /tmp/out).
+R=$(pwd)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 9
+# assemble the package as pyproject's package-dir mapping does (transports/ and adapters/ live under kvlifecycle)
+rm -rf /tmp/kvl && mkdir -p /tmp/kvl && cp -r kvlifecycle /tmp/kvl/ && cp -r transports /tmp/kvl/kvlifecycle/transports \
+  && cp -r adapters /tmp/kvl/kvlifecycle/adapters || exit 8
+export PYTHONPATH=/tmp/kvl:/tmp/site
+cd /tmp  # outside the checkout, whose kvlifecycle/ (without transports/) would shadow the assembled package
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, nixl._api, zmq, msgspec; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+for step in "$@"; do
+  case $step in
+    tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -c "$R/pyproject.toml" -p no:cacheprovider -q -rs --timeout 120 \
+             "$R/tests/transports/test_cuda_ipc.py" 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
+    bench) timeout "${BENCH_TIMEOUT:-240}" python3 -m kvlifecycle bench gpu ${BENCH_ARGS} --out "$OUT/bench.json" 2>&1 \
+             | tee "$OUT/bench.txt" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
