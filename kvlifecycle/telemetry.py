@@ -146,23 +146,30 @@ class _Instruments:
     """The metric instruments, shared by every ledger instrumented against the same meter."""
 
     def __init__(self, meter: Any) -> None:
-        self.post_time = meter.create_histogram("kv.transfer.post_time", unit="s",
-                                                description="T_post: time to prepare and submit a transfer")
-        self.xfer_time = meter.create_histogram("kv.transfer.xfer_time", unit="s",
-                                                description="T_xfer: submit to completion reported by the backend")
-        self.bandwidth = meter.create_histogram("kv.transfer.bandwidth", unit="By/s",
-                                                description="effective bandwidth of a successful transfer")
-        self.visible_wait = meter.create_histogram("kv.visible_wait", unit="s",
-                                                   description="T_visible: D reserve -> KV ready (or failed)")
-        self.transfers = meter.create_counter("kv.transfers", unit="{transfer}",
-                                              description="handoffs settled, by outcome")
+        self.post_time = meter.create_histogram(
+            "kv.transfer.post_time", unit="s", description="T_post: time to prepare and submit a transfer"
+        )
+        self.xfer_time = meter.create_histogram(
+            "kv.transfer.xfer_time", unit="s", description="T_xfer: submit to completion reported by the backend"
+        )
+        self.bandwidth = meter.create_histogram(
+            "kv.transfer.bandwidth", unit="By/s", description="effective bandwidth of a successful transfer"
+        )
+        self.visible_wait = meter.create_histogram(
+            "kv.visible_wait", unit="s", description="T_visible: D reserve -> KV ready (or failed)"
+        )
+        self.transfers = meter.create_counter(
+            "kv.transfers", unit="{transfer}", description="handoffs settled, by outcome"
+        )
         self.renewals = meter.create_counter("kv.lease.renewals", unit="{renewal}", description="lease renewals")
         self.expiries = meter.create_counter("kv.lease.expiries", unit="{lease}", description="leases that expired")
         self.refusals = meter.create_counter("kv.refusals", unit="{command}", description="refused commands")
-        self.stale = meter.create_counter("kv.stale_token.refusals", unit="{command}",
-                                          description="commands refused for naming a stale token")
-        self.recompute = meter.create_counter("kv.fallback.recompute", unit="{request}",
-                                              description="failed loads that fell back to recomputing the KV")
+        self.stale = meter.create_counter(
+            "kv.stale_token.refusals", unit="{command}", description="commands refused for naming a stale token"
+        )
+        self.recompute = meter.create_counter(
+            "kv.fallback.recompute", unit="{request}", description="failed loads that fell back to recomputing the KV"
+        )
 
 
 def _is_noop_tracer_provider(provider: Any) -> bool:
@@ -202,28 +209,32 @@ class Instrumentation:
             ev.Refused: self._on_refused,
         }
         if self.side == "source":
-            handlers.update({
-                ev.SrcAllocated: self._on_src_allocated,
-                ev.SrcShared: self._on_src_allocated,
-                ev.SrcPrefillDone: self._on_src_prefill_done,
-                ev.SrcGranted: self._on_src_granted,
-                ev.SrcLeaseRenewed: self._on_src_renewed,
-                ev.SrcCancelDeferred: self._on_src_cancel_deferred,
-                ev.SrcConsumerDone: self._on_src_consumer_done,
-                ev.SrcLeaseReleased: self._on_src_released,
-                ev.SrcFreed: self._on_src_gone,
-                ev.SrcAborted: self._on_src_gone,
-            })
+            handlers.update(
+                {
+                    ev.SrcAllocated: self._on_src_allocated,
+                    ev.SrcShared: self._on_src_allocated,
+                    ev.SrcPrefillDone: self._on_src_prefill_done,
+                    ev.SrcGranted: self._on_src_granted,
+                    ev.SrcLeaseRenewed: self._on_src_renewed,
+                    ev.SrcCancelDeferred: self._on_src_cancel_deferred,
+                    ev.SrcConsumerDone: self._on_src_consumer_done,
+                    ev.SrcLeaseReleased: self._on_src_released,
+                    ev.SrcFreed: self._on_src_gone,
+                    ev.SrcAborted: self._on_src_gone,
+                }
+            )
         else:
-            handlers.update({
-                ev.TgtReserved: self._on_tgt_reserved,
-                ev.TgtLoadStarted: self._on_tgt_load_started,
-                ev.TgtPartDone: self._on_tgt_part_done,
-                ev.TgtLoadFailed: self._on_tgt_load_failed,
-                ev.TgtCancelled: self._on_tgt_cancelled,
-                ev.TgtLocalFilled: self._on_tgt_local_filled,
-                ev.TgtFinished: self._on_tgt_finished,
-            })
+            handlers.update(
+                {
+                    ev.TgtReserved: self._on_tgt_reserved,
+                    ev.TgtLoadStarted: self._on_tgt_load_started,
+                    ev.TgtPartDone: self._on_tgt_part_done,
+                    ev.TgtLoadFailed: self._on_tgt_load_failed,
+                    ev.TgtCancelled: self._on_tgt_cancelled,
+                    ev.TgtLocalFilled: self._on_tgt_local_filled,
+                    ev.TgtFinished: self._on_tgt_finished,
+                }
+            )
         self._handlers = handlers
         self._gauges: list[Any] = []
         # the ledger calls self._listener: a bare countdown closure while dormant (a plain function call is the
@@ -265,10 +276,16 @@ class Instrumentation:
         metering = not _is_noop_meter_provider(meter_provider)
         if not (tracing or metering):
             return False
-        self.tracer = (trace.get_tracer(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, tracer_provider=tracer_provider)
-                       if tracing else trace.NoOpTracer())
-        self.meter = (metrics.get_meter(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, meter_provider=meter_provider)
-                      if metering else metrics.NoOpMeter(INSTRUMENTATION_NAME))
+        self.tracer = (
+            trace.get_tracer(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, tracer_provider=tracer_provider)
+            if tracing
+            else trace.NoOpTracer()
+        )
+        self.meter = (
+            metrics.get_meter(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, meter_provider=meter_provider)
+            if metering
+            else metrics.NoOpMeter(INSTRUMENTATION_NAME)
+        )
         self.metrics = self._m = _Instruments(self.meter)
         self._gauges = self._register_gauges(self.meter)
         self.active = True
@@ -317,8 +334,9 @@ class Instrumentation:
         return handoff_context(sources[0]), [Link(handoff_span_context(t)) for t in sources[1:]]
 
     def _child(self, handoff: _Handoff, name: str, start_ns: int, attributes: dict[str, Any] | None = None) -> Any:
-        return self.tracer.start_span(name, context=trace.set_span_in_context(handoff.root),
-                                      attributes=attributes, start_time=start_ns)
+        return self.tracer.start_span(
+            name, context=trace.set_span_in_context(handoff.root), attributes=attributes, start_time=start_ns
+        )
 
     def _register_gauges(self, meter: Any) -> list[Any]:
         ledger = self.ledger
@@ -327,16 +345,31 @@ class Instrumentation:
         def count(state: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
             def callback(_options: CallbackOptions) -> Iterable[Observation]:
                 return [Observation(int(np.count_nonzero(ledger.state == state)), attrs)]
+
             return callback
 
         if self.side == "source":
-            return [meter.create_observable_gauge("kv.source.pinned_blocks", [count(SourceState.PINNED_FOR_TRANSFER)],
-                                                  unit="{block}", description="source blocks pinned for a transfer")]
+            return [
+                meter.create_observable_gauge(
+                    "kv.source.pinned_blocks",
+                    [count(SourceState.PINNED_FOR_TRANSFER)],
+                    unit="{block}",
+                    description="source blocks pinned for a transfer",
+                )
+            ]
         return [
-            meter.create_observable_gauge("kv.target.loading_blocks", [count(TargetState.LOADING)], unit="{block}",
-                                          description="target blocks receiving bytes"),
-            meter.create_observable_gauge("kv.target.ready_blocks", [count(TargetState.READY_FOR_ATTENTION)],
-                                          unit="{block}", description="target blocks ready for attention"),
+            meter.create_observable_gauge(
+                "kv.target.loading_blocks",
+                [count(TargetState.LOADING)],
+                unit="{block}",
+                description="target blocks receiving bytes",
+            ),
+            meter.create_observable_gauge(
+                "kv.target.ready_blocks",
+                [count(TargetState.READY_FOR_ATTENTION)],
+                unit="{block}",
+                description="target blocks ready for attention",
+            ),
         ]
 
     def _settle(self, transfer: str, outcome: str, now: int, at: float, detail: str = "") -> _Handoff | None:
@@ -365,16 +398,25 @@ class Instrumentation:
         if e.ok and e.t_xfer_s > 0:
             self._m.bandwidth.record(e.nbytes / e.t_xfer_s, attrs)
         start = now - int(max(e.t_xfer_s, 0.0) * 1e9)
-        span_attrs = {**attrs, "kv.transfer_id": e.transfer, "kv.bytes": e.nbytes, "kv.descriptors": e.descriptors,
-                      "kv.t_post_s": e.t_post_s, "kv.t_xfer_s": e.t_xfer_s}
+        span_attrs = {
+            **attrs,
+            "kv.transfer_id": e.transfer,
+            "kv.bytes": e.nbytes,
+            "kv.descriptors": e.descriptors,
+            "kv.t_post_s": e.t_post_s,
+            "kv.t_xfer_s": e.t_xfer_s,
+        }
         handoff = self._handoffs.get(e.transfer)
         if handoff is not None:
             span_attrs["kv.request_id"] = handoff.request
             span = self._child(handoff, "kv.transfer", start, span_attrs)
         else:  # observed after the lease settled, or on a side that holds no span for it: still the same trace
-            span = self.tracer.start_span("kv.transfer", context=handoff_context(source_transfers(e.transfer)[0]),
-                                          attributes=span_attrs,
-                                          start_time=start)
+            span = self.tracer.start_span(
+                "kv.transfer",
+                context=handoff_context(source_transfers(e.transfer)[0]),
+                attributes=span_attrs,
+                start_time=start,
+            )
         span.add_event("posted", {"kv.t_post_s": e.t_post_s}, timestamp=start + int(max(e.t_post_s, 0.0) * 1e9))
         if not e.ok:
             span.set_status(Status(StatusCode.ERROR, "transfer failed"))
@@ -386,8 +428,12 @@ class Instrumentation:
         self._m.refusals.add(1, attrs)
         if stale:
             self._m.stale.add(1, attrs)
-        event_attrs = {"kv.command": e.command, "kv.reason": e.reason, "kv.request_id": e.request,
-                       "kv.transfer_id": e.transfer}
+        event_attrs = {
+            "kv.command": e.command,
+            "kv.reason": e.reason,
+            "kv.request_id": e.request,
+            "kv.transfer_id": e.transfer,
+        }
         name = "refused.stale_token" if stale else "refused"
         handoff = self._handoffs.get(e.transfer) if e.transfer else None
         if handoff is None and e.request:
@@ -398,8 +444,12 @@ class Instrumentation:
             handoff.phase.add_event(name, event_attrs, timestamp=now)
         elif e.transfer:
             # a late or stale token for a settled handoff: show it in that handoff's trace all the same
-            span = self.tracer.start_span("kv.refused", context=handoff_context(source_transfers(e.transfer)[0]),
-                                          attributes={**self._base, **event_attrs}, start_time=now)
+            span = self.tracer.start_span(
+                "kv.refused",
+                context=handoff_context(source_transfers(e.transfer)[0]),
+                attributes={**self._base, **event_attrs},
+                start_time=now,
+            )
             span.add_event(name, event_attrs, timestamp=now)
             span.set_status(Status(StatusCode.ERROR, e.reason))
             span.end(end_time=now)
@@ -420,20 +470,33 @@ class Instrumentation:
             req = self._requests[e.request] = _Request(now, e.at, 0)
         req.transfer = e.transfer
         lease = self.ledger.leases.get(e.transfer)
-        attrs: dict[str, Any] = {**self._base, "kv.request_id": e.request, "kv.transfer_id": e.transfer,
-                                 "kv.generation": e.generation, "kv.consumers": e.consumers, "kv.peer": e.peer,
-                                 "kv.lease.ttl_s": e.expires_at - e.at}
+        attrs: dict[str, Any] = {
+            **self._base,
+            "kv.request_id": e.request,
+            "kv.transfer_id": e.transfer,
+            "kv.generation": e.generation,
+            "kv.consumers": e.consumers,
+            "kv.peer": e.peer,
+            "kv.lease.ttl_s": e.expires_at - e.at,
+        }
         if lease is not None:
             attrs.update(_epoch_attributes(lease.epochs))
             attrs["kv.blocks"] = int(lease.blocks.size)
         parent, links = self._parent(e.transfer)
-        root = self.tracer.start_span("kv.source.handoff", context=parent, kind=SpanKind.PRODUCER,
-                                      attributes=attrs, links=links, start_time=req.start_ns)
+        root = self.tracer.start_span(
+            "kv.source.handoff",
+            context=parent,
+            kind=SpanKind.PRODUCER,
+            attributes=attrs,
+            links=links,
+            start_time=req.start_ns,
+        )
         handoff = _Handoff(e.request, root, None, req.at, now, attributes=attrs)
         if req.prefill_ns:
             self._child(handoff, "kv.prefill", req.start_ns, {"kv.request_id": e.request}).end(end_time=req.prefill_ns)
-        handoff.phase = self._child(handoff, "kv.lease", now, {"kv.transfer_id": e.transfer,
-                                                               "kv.generation": e.generation})
+        handoff.phase = self._child(
+            handoff, "kv.lease", now, {"kv.transfer_id": e.transfer, "kv.generation": e.generation}
+        )
         handoff.phase.add_event("lease.granted", {"kv.expires_at": e.expires_at}, timestamp=now)
         self._handoffs[e.transfer] = handoff
 
@@ -441,14 +504,16 @@ class Instrumentation:
         self._m.renewals.add(1, self._base)
         handoff = self._handoffs.get(e.transfer)
         if handoff is not None:
-            handoff.phase.add_event("lease.renewed", {"kv.expires_at": e.expires_at, "kv.at": e.at},
-                                    timestamp=_now_ns())
+            handoff.phase.add_event(
+                "lease.renewed", {"kv.expires_at": e.expires_at, "kv.at": e.at}, timestamp=_now_ns()
+            )
 
     def _on_src_cancel_deferred(self, e: ev.SrcCancelDeferred) -> None:
         handoff = self._handoffs.get(e.transfer)
         if handoff is not None:
-            handoff.phase.add_event("cancel.deferred", {"kv.why": "a consumer claimed the lease and may be reading"},
-                                    timestamp=_now_ns())
+            handoff.phase.add_event(
+                "cancel.deferred", {"kv.why": "a consumer claimed the lease and may be reading"}, timestamp=_now_ns()
+            )
 
     def _on_src_consumer_done(self, e: ev.SrcConsumerDone) -> None:
         handoff = self._handoffs.get(e.transfer)
@@ -477,15 +542,28 @@ class Instrumentation:
         if req is None:
             req = self._requests[e.request] = _Request(now, e.at, 0)
         req.transfer = e.transfer
-        attrs: dict[str, Any] = {**self._base, "kv.request_id": e.request, "kv.transfer_id": e.transfer,
-                                 "kv.generation": e.generation, "kv.peer": e.peer, "kv.peer_epoch": e.peer_epoch,
-                                 "kv.parts": e.parts, "kv.blocks": req.blocks}
+        attrs: dict[str, Any] = {
+            **self._base,
+            "kv.request_id": e.request,
+            "kv.transfer_id": e.transfer,
+            "kv.generation": e.generation,
+            "kv.peer": e.peer,
+            "kv.peer_epoch": e.peer_epoch,
+            "kv.parts": e.parts,
+            "kv.blocks": req.blocks,
+        }
         treq = getattr(self.ledger, "requests", {}).get(e.request)
         if treq is not None:
             attrs.update(_epoch_attributes(treq.epochs))
         parent, links = self._parent(e.transfer)
-        root = self.tracer.start_span("kv.target.load", context=parent, kind=SpanKind.CONSUMER,
-                                      attributes=attrs, links=links, start_time=req.start_ns)
+        root = self.tracer.start_span(
+            "kv.target.load",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attrs,
+            links=links,
+            start_time=req.start_ns,
+        )
         handoff = _Handoff(e.request, root, None, req.at, now, parts=e.parts, attributes=attrs)
         self._child(handoff, "kv.reserved", req.start_ns, {"kv.request_id": e.request}).end(end_time=now)
         handoff.phase = self._child(handoff, "kv.load", now, {"kv.transfer_id": e.transfer, "kv.parts": e.parts})
@@ -531,8 +609,9 @@ class Instrumentation:
             self._requests.pop(e.request, None)
             return
         req.cancel_pending = True
-        handoff.phase.add_event("cancel.pending", {"kv.why": "load in flight: blocks free when it settles"},
-                                timestamp=_now_ns())
+        handoff.phase.add_event(
+            "cancel.pending", {"kv.why": "load in flight: blocks free when it settles"}, timestamp=_now_ns()
+        )
 
     def _on_tgt_local_filled(self, e: ev.TgtLocalFilled) -> None:
         self._requests.pop(e.request, None)
@@ -568,10 +647,15 @@ def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instr
     metrics_file = open(out / f"{ledger.worker}.metrics.jsonl", "a", buffering=1)  # noqa: SIM115
     resource = Resource.create({"service.name": f"kvlifecycle-{ledger.side}", "service.instance.id": ledger.worker})
     tracer_provider = TracerProvider(resource=resource)
-    tracer_provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(
-        out=spans_file, formatter=lambda span: span.to_json(indent=None) + "\n")))
-    reader = PeriodicExportingMetricReader(ConsoleMetricExporter(
-        out=metrics_file, formatter=lambda data: data.to_json(indent=None) + "\n"), export_interval_millis=3_600_000)
+    tracer_provider.add_span_processor(
+        SimpleSpanProcessor(
+            ConsoleSpanExporter(out=spans_file, formatter=lambda span: span.to_json(indent=None) + "\n")
+        )
+    )
+    reader = PeriodicExportingMetricReader(
+        ConsoleMetricExporter(out=metrics_file, formatter=lambda data: data.to_json(indent=None) + "\n"),
+        export_interval_millis=3_600_000,
+    )
     meter_provider = MeterProvider(metric_readers=[reader], resource=resource)
     subscription = instrument(ledger, tracer_provider, meter_provider)
     done = False
@@ -637,8 +721,15 @@ def _lifecycle_loop(source: Any, target: Any, count: int, blocks: int, start: in
         target.reserve(request, ids)
         target.start_load(request, grant.transfer, generation=grant.generation, peer=source.worker)
         source.heartbeat(grant.transfer, grant.generation)
-        target.observe_transfer(grant.transfer, t_post_s=1e-4, t_xfer_s=1e-3, nbytes=blocks << 14,
-                                descriptors=blocks, backend="loopback", ok=True)
+        target.observe_transfer(
+            grant.transfer,
+            t_post_s=1e-4,
+            t_xfer_s=1e-3,
+            nbytes=blocks << 14,
+            descriptors=blocks,
+            backend="loopback",
+            ok=True,
+        )
         target.part_done(grant.transfer, 0)
         source.consumer_done(grant.transfer, grant.generation)
         source.take_released()
@@ -657,8 +748,9 @@ def measure_tracing_overhead(handoffs: int = 2000, blocks: int = 16, rounds: int
     from kvlifecycle.ledger import SourceLedger, TargetLedger
 
     # "no SDK configured": the API's global defaults, unless this process installed real ones (then explicit no-ops)
-    globals_unset = (_is_noop_tracer_provider(trace.get_tracer_provider())
-                     and _is_noop_meter_provider(metrics.get_meter_provider()))
+    globals_unset = _is_noop_tracer_provider(trace.get_tracer_provider()) and _is_noop_meter_provider(
+        metrics.get_meter_provider()
+    )
     no_sdk = (None, None) if globals_unset else (NoOpTracerProvider(), NoOpMeterProvider())
     variants: dict[str, Callable[[Any, Any], list[Instrumentation]]] = {
         "untraced": lambda s, t: [],
@@ -708,3 +800,61 @@ def measure_tracing_overhead(handoffs: int = 2000, blocks: int = 16, rounds: int
                 subscription.detach()
     done = batches * batch
     return TracingOverhead(done, best["untraced"], best["noop"], best.get("sdk"))
+
+
+# --- data-path selection -----------------------------------------------------------------------------------------
+
+_path_instruments: dict[int, tuple[Any, Any]] = {}
+
+
+def record_path_selection(
+    *,
+    peer: str,
+    transport: str,
+    backend: str | None,
+    reason: str,
+    gbps: float | None,
+    probe_bytes: int = 0,
+    floor_gbps: float = 0.0,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+) -> bool:
+    """Make a data-path choice visible: a ``kv.path.select`` span (with a ``kv.path.slow`` event when the measured
+    bandwidth is below ``floor_gbps``), a ``kv.path.bandwidth`` histogram and a ``kv.path.slow`` counter.
+    Returns whether the path is slow. Costs nothing measurable without an SDK (global no-op providers)."""
+    slow = gbps is not None and gbps < floor_gbps
+    attributes: dict[str, Any] = {
+        "kv.peer": peer,
+        "kv.path.transport": transport,
+        "kv.path.backend": backend or "",
+        "kv.path.reason": reason,
+        "kv.path.floor_gbps": floor_gbps,
+    }
+    if gbps is not None:
+        attributes.update({"kv.path.gbps": gbps, "kv.path.probe_bytes": probe_bytes})
+    tracer = trace.get_tracer(
+        INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, tracer_provider=tracer_provider or trace.get_tracer_provider()
+    )
+    with tracer.start_as_current_span("kv.path.select", attributes=attributes) as span:
+        if gbps is None:
+            span.add_event("kv.path.unmeasured", {"kv.peer": peer})
+        elif slow:
+            span.add_event("kv.path.slow", {"kv.path.gbps": gbps, "kv.path.floor_gbps": floor_gbps})
+            span.set_status(Status(StatusCode.ERROR, f"{gbps:.3f} GB/s is below the floor of {floor_gbps:.3f}"))
+    provider = meter_provider or metrics.get_meter_provider()
+    instruments = _path_instruments.get(id(provider))
+    if instruments is None:
+        meter = metrics.get_meter(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION, meter_provider=provider)
+        instruments = (
+            meter.create_histogram(
+                "kv.path.bandwidth", unit="GB/s", description="connect-time test transfer bandwidth of a chosen path"
+            ),
+            meter.create_counter("kv.path.slow", description="paths chosen below their bandwidth floor"),
+        )
+        _path_instruments[id(provider)] = instruments
+    metric_attributes = {"kv.path.transport": transport, "kv.path.backend": backend or ""}
+    if gbps is not None:
+        instruments[0].record(gbps, metric_attributes)
+    if slow:
+        instruments[1].add(1, metric_attributes)
+    return slow

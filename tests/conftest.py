@@ -19,6 +19,21 @@ def skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
+# The only part this machine (and CI) cannot run: a GPU. Every other skip is a missing install step.
+ALLOWED_SKIP_MARKERS = ("CUDA", "cuda", "GPU")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    outcome = yield
+    report = outcome.get_result()
+    if require_all() and report.skipped:
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not any(marker in reason for marker in ALLOWED_SKIP_MARKERS):
+            report.outcome = "failed"
+            report.longrepr = f"skipped in CI (KVL_REQUIRE_ALL=1), but only GPU tests may skip here: {reason}"
+
+
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(1000.0)

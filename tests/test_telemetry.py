@@ -88,8 +88,9 @@ def test_one_trace_spans_both_sides_with_structure_and_attributes(otel: Otel) ->
     clock.advance(0.25)
     target.start_load("req-1", grant.transfer, parts=2, generation=grant.generation, peer="p0")
     assert source.heartbeat(grant.transfer, grant.generation)
-    target.observe_transfer(grant.transfer, t_post_s=0.01, t_xfer_s=0.1, nbytes=4 << 20, descriptors=4,
-                            backend="UCX", ok=True)
+    target.observe_transfer(
+        grant.transfer, t_post_s=0.01, t_xfer_s=0.1, nbytes=4 << 20, descriptors=4, backend="UCX", ok=True
+    )
     assert target.part_done(grant.transfer, 0)
     clock.advance(0.25)
     assert target.part_done(grant.transfer, 1)
@@ -107,8 +108,13 @@ def test_one_trace_spans_both_sides_with_structure_and_attributes(otel: Otel) ->
         if span.parent is not None and span.parent.span_id in (p_root.context.span_id, d_root.context.span_id):
             children.setdefault(span.parent.span_id, []).append(span.name)
     assert sorted(children[p_root.context.span_id]) == ["kv.lease", "kv.prefill"]
-    assert sorted(children[d_root.context.span_id]) == ["kv.load", "kv.part_wait", "kv.part_wait", "kv.reserved",
-                                                        "kv.transfer"]
+    assert sorted(children[d_root.context.span_id]) == [
+        "kv.load",
+        "kv.part_wait",
+        "kv.part_wait",
+        "kv.reserved",
+        "kv.transfer",
+    ]
     assert p_root.attributes["kv.request_id"] == "req-1"
     assert p_root.attributes["kv.transfer_id"] == grant.transfer
     assert p_root.attributes["kv.generation"] == grant.generation
@@ -312,15 +318,17 @@ def test_real_handoff_over_loopback_traces_both_sides(otel: Otel) -> None:
     from kvlifecycle.handshake import CompatInfo
     from kvlifecycle.transport import KVLayout, MemoryKind
 
-    compat = CompatInfo(model_id="tiny", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64,
-                        block_size=16, kv_layout="NHD")
+    compat = CompatInfo(
+        model_id="tiny", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=64, block_size=16, kv_layout="NHD"
+    )
     blocks, block_bytes = 16, 2048
     src = [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8) for _ in range(4)]
     dst = [torch.zeros((blocks, block_bytes), dtype=torch.uint8) for _ in range(4)]
 
     def layout(tensors):
-        return KVLayout(MemoryKind.DRAM, 0, blocks, tuple(t.data_ptr() for t in tensors),
-                        tuple(block_bytes for _ in tensors))
+        return KVLayout(
+            MemoryKind.DRAM, 0, blocks, tuple(t.data_ptr() for t in tensors), tuple(block_bytes for _ in tensors)
+        )
 
     p_transport, d_transport = LoopbackTransport("p-otel"), LoopbackTransport("d-otel")
     p_transport.register(layout(src))
@@ -354,8 +362,15 @@ def test_real_handoff_over_loopback_traces_both_sides(otel: Otel) -> None:
     for transfer in transfers:
         trace_id = handoff_ids(transfer)[0]
         names = {s.name for s in otel.spans() if s.context.trace_id == trace_id}
-        assert {"kv.source.handoff", "kv.lease", "kv.prefill", "kv.target.load", "kv.load", "kv.part_wait",
-                "kv.transfer"} <= names
+        assert {
+            "kv.source.handoff",
+            "kv.lease",
+            "kv.prefill",
+            "kv.target.load",
+            "kv.load",
+            "kv.part_wait",
+            "kv.transfer",
+        } <= names
         (p_root,) = [s for s in otel.spans("kv.source.handoff") if s.attributes["kv.transfer_id"] == transfer]
         assert p_root.attributes["kv.outcome"] == "completed"
     m = otel.metrics()
@@ -384,8 +399,13 @@ def test_instrument_to_files_writes_spans_and_metrics(tmp_path, monkeypatch: pyt
     assert {s["name"] for s in spans} == {"kv.source.handoff", "kv.prefill", "kv.lease"}
     assert {s["context"]["trace_id"] for s in spans} == {f"0x{handoff_ids(grant.transfer)[0]:032x}"}
     metrics = [json.loads(line) for line in (tmp_path / "p-file.metrics.jsonl").read_text().splitlines()]
-    names = {m["name"] for batch in metrics for rm in batch["resource_metrics"] for sm in rm["scope_metrics"]
-             for m in sm["metrics"]}
+    names = {
+        m["name"]
+        for batch in metrics
+        for rm in batch["resource_metrics"]
+        for sm in rm["scope_metrics"]
+        for m in sm["metrics"]
+    }
     assert {"kv.transfers", "kv.lease.renewals", "kv.source.pinned_blocks"} <= names
     assert not subscription.subscribed
 
@@ -417,3 +437,25 @@ def test_dormant_until_a_global_sdk_appears_then_traces() -> None:
     before, after, names = json.loads(out.stdout.strip().splitlines()[-1])
     assert before is False and after is True
     assert names == ["kv.lease", "kv.prefill", "kv.source.handoff"]
+
+
+def test_a_slow_path_choice_is_a_span_event_and_a_counter(otel: Otel) -> None:
+    from kvlifecycle.telemetry import record_path_selection
+
+    common = {
+        "peer": "d0",
+        "transport": "nixl",
+        "backend": "UCX",
+        "reason": "DRAM->DRAM one node",
+        "tracer_provider": otel.tracer_provider,
+        "meter_provider": otel.meter_provider,
+    }
+    assert record_path_selection(gbps=0.05, probe_bytes=1 << 20, floor_gbps=1.0, **common) is True
+    assert record_path_selection(gbps=3.5, probe_bytes=1 << 20, floor_gbps=1.0, **common) is False
+    spans = otel.spans("kv.path.select")
+    assert [s.attributes["kv.path.gbps"] for s in spans] == [0.05, 3.5]
+    assert [e.name for e in spans[0].events] == ["kv.path.slow"] and not spans[1].events
+    assert spans[0].status.status_code.name == "ERROR"
+    metrics = otel.metrics()
+    assert total(metrics["kv.path.slow"], **{"kv.path.backend": "UCX"}) == 1
+    assert total(metrics["kv.path.bandwidth"]) == pytest.approx(3.55)

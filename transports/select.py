@@ -49,7 +49,25 @@ def remove_listener(fn: Listener) -> None:
         _listeners.remove(fn)
 
 
-def on_selected(selection: Selection, probe: ProbeResult | None) -> None:
+def on_selected(
+    selection: Selection, probe: ProbeResult | None, *, peer: str = "", floor_gbps: float = DEFAULT_FLOOR_GBPS
+) -> None:
+    """Report a choice: an OpenTelemetry span/metrics (see ``kvlifecycle.telemetry.record_path_selection``), then
+    every registered listener."""
+    from kvlifecycle.telemetry import record_path_selection
+
+    try:
+        record_path_selection(
+            peer=peer or (probe.peer if probe is not None else ""),
+            transport=selection.transport,
+            backend=probe.backend if probe is not None else selection.backend,
+            reason=selection.reason,
+            gbps=probe.gbps if probe is not None else None,
+            probe_bytes=probe.bytes if probe is not None else 0,
+            floor_gbps=floor_gbps,
+        )
+    except Exception:  # observability must never break a connection
+        log.exception("recording the path selection failed")
     for fn in list(_listeners):
         try:
             fn(selection, probe)
@@ -79,12 +97,19 @@ def choose(
     if locality is Locality.SAME_PROCESS:
         return Selection("loopback", None, local, remote, locality, "same process: in-process torch copies")
     if cuda_ipc and locality is Locality.SAME_NODE and local is MemoryKind.VRAM and remote is MemoryKind.VRAM:
-        return Selection("cuda_ipc", "triton", local, remote, locality,
-                         "VRAM->VRAM on one node through CUDA IPC (NIXL if the connect-time self-test fails)")
+        return Selection(
+            "cuda_ipc",
+            "triton",
+            local,
+            remote,
+            locality,
+            "VRAM->VRAM on one node through CUDA IPC (NIXL if the connect-time self-test fails)",
+        )
     candidates = [b for b in prefer if available is None or b in available]
     if not candidates:
-        raise BackendUnavailableError(f"none of the preferred NIXL backends {list(prefer)} is available "
-                                      f"(plugins: {list(available or [])})")
+        raise BackendUnavailableError(
+            f"none of the preferred NIXL backends {list(prefer)} is available (plugins: {list(available or [])})"
+        )
     backend = candidates[0]
     kinds = f"{local.value}->{remote.value}"
     where = "one node" if locality is Locality.SAME_NODE else "across nodes"
@@ -119,14 +144,21 @@ def probe_and_report(
         result = transport.probe(peer, timeout_s=timeout_s)
     except TransportError as exc:
         log.warning("connect-time probe of %s failed: %s", peer, exc)
-        on_selected(selection, None)
+        on_selected(selection, None, peer=peer, floor_gbps=floor_gbps)
         return None
     if selection.backend and result.backend not in (selection.backend, "?"):
         log.warning("NIXL chose backend %s for %s, selection said %s", result.backend, peer, selection.backend)
     if result.gbps < floor_gbps:
-        log.warning("slow path to %s: %.3f GB/s over %s (%d bytes) is below the floor of %.3f GB/s (%s)",
-                    peer, result.gbps, result.backend, result.bytes, floor_gbps, selection.reason)
+        log.warning(
+            "slow path to %s: %.3f GB/s over %s (%d bytes) is below the floor of %.3f GB/s (%s)",
+            peer,
+            result.gbps,
+            result.backend,
+            result.bytes,
+            floor_gbps,
+            selection.reason,
+        )
     else:
         log.info("path to %s: %.3f GB/s over %s", peer, result.gbps, result.backend)
-    on_selected(selection, result)
+    on_selected(selection, result, peer=peer, floor_gbps=floor_gbps)
     return result
