@@ -51,6 +51,24 @@ def block_descs(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.ndarray:
     return np.stack([addr, length, device], axis=1)
 
 
+def block_descs_strided(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.ndarray | None:
+    """The same descriptor list as :func:`block_descs`, compressed to one Nx5 ``(address, length, device, stride,
+    count)`` row per region (NIXL >= 1.5 expands it to ``count`` descriptors), or ``None`` when a view splits a
+    block into several pieces (that order, block-major within a region, has no strided form). One row instead of
+    ``num_blocks`` per region keeps descriptor preparation off the first request's path (vLLM #55434, #55157)."""
+    if view.split != 1:
+        return None
+    sub_len = view_block_bytes(layout, view)
+    rows = len(layout.base_addrs)
+    out = np.empty((rows, 5), dtype=np.uint64)
+    out[:, 0] = np.asarray(layout.base_addrs, dtype=np.uint64) + np.uint64(view.offset)
+    out[:, 1] = sub_len
+    out[:, 2] = layout.device_id
+    out[:, 3] = np.asarray(layout.block_bytes, dtype=np.uint64)
+    out[:, 4] = layout.num_blocks
+    return out
+
+
 def desc_ids(block_ids: np.ndarray | Sequence[int], blocks_per_region: int,
              regions: np.ndarray | Sequence[int] | int) -> np.ndarray:
     """``region * blocks_per_region + block`` for every region (outer) and block (inner), as int32."""

@@ -112,6 +112,7 @@ class NixlTransport:
         call_timeout_s: float = 30.0,
         num_threads: int = 0,
         probe_bytes: int = 1 << 20,
+        strided_descriptors: bool = True,
     ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -142,6 +143,7 @@ class NixlTransport:
         self.layout: KVLayout | None = None
         self._reg_descs: Any = None
         self._local_dlists: dict[BlockView, Any] = {}
+        self._strided_ok = strided_descriptors  # compressed (Nx5) descriptor lists, where NIXL takes them
         self._peers: dict[str, _Peer] = {}
         self._plans: dict[int, _Plan] = {}
         self._plan_keys = itertools.count(1)
@@ -339,13 +341,24 @@ class NixlTransport:
         dl = self._local_dlists.get(view)
         if dl is None:
             assert self.layout is not None
-            descs = L.block_descs(self.layout, view)
-            try:
-                dl = self._nixl.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self.layout.kind.value)
-            except Exception as exc:
-                raise map_nixl_error(exc, "prep_xfer_dlist (local)") from exc
+            dl = self._prep_dlist("NIXL_INIT_AGENT", self.layout, view, "prep_xfer_dlist (local)")
             self._local_dlists[view] = dl
         return dl
+
+    def _prep_dlist(self, agent: str, layout: KVLayout, view: BlockView, what: str) -> Any:
+        """Prepare the (region x block) descriptor list: one strided row per region where this NIXL takes Nx5
+        arrays, else one row per (region, block). Descriptor ids are the same either way."""
+        strided = L.block_descs_strided(layout, view) if self._strided_ok else None
+        if strided is not None:
+            try:
+                return self._nixl.prep_xfer_dlist(agent, strided, layout.kind.value)
+            except Exception as exc:  # this NIXL cannot take strided lists: use the long form from now on
+                log.info("strided descriptor lists unavailable (%s): using one descriptor per block", exc)
+                self._strided_ok = False
+        try:
+            return self._nixl.prep_xfer_dlist(agent, L.block_descs(layout, view), layout.kind.value)
+        except Exception as exc:
+            raise map_nixl_error(exc, what) from exc
 
     def local_metadata(self) -> PeerMetadata:
         if self.layout is None:
@@ -487,11 +500,7 @@ class NixlTransport:
             local = self._local_dlist(local_view)
             remote = p.remote_dlists.get(remote_view)
             if remote is None:
-                try:
-                    remote = self._nixl.prep_xfer_dlist(p.name, L.block_descs(p.layout, remote_view),
-                                                        p.layout.kind.value)
-                except Exception as exc:
-                    raise map_nixl_error(exc, f"prep_xfer_dlist ({p.name})") from exc
+                remote = self._prep_dlist(p.name, p.layout, remote_view, f"prep_xfer_dlist ({p.name})")
                 p.remote_dlists[remote_view] = remote
             plan = PreparedPlan(next(self._plan_keys), p.name, p.epoch, local_view, remote_view, nl, nr,
                                 self.layout.num_regions)
