@@ -41,6 +41,20 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
+def check_supported_parallelism(vllm_config: VllmConfig) -> None:
+    """Refuse, at start-up and in words, what this connector does not wire yet: it publishes and reads one grant
+    per request (P rank 0 -> D rank 0). Heterogeneous TP exists in the core (``kvlifecycle.handshake``) but is not
+    driven from vLLM's ranks here, and a silent partial handoff is worse than a clear refusal."""
+    parallel = vllm_config.parallel_config
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size != 1:
+            raise ValueError(
+                f"KVLifecycleConnector supports {name}=1 in this release (got {size}); "
+                "use vLLM's NixlConnector for multi-rank P/D until kvlifecycle drives its TP plans from vLLM ranks"
+            )
+
+
 class KVLifecycleConnector(KVConnectorBase_V1):
     """Load with ``--kv-transfer-config '{"kv_connector": "KVLifecycleConnector",
     "kv_connector_module_path": "kvlifecycle.adapters.vllm", "kv_role": "kv_producer" | "kv_consumer",
@@ -52,6 +66,7 @@ class KVLifecycleConnector(KVConnectorBase_V1):
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None
         self.adapter_config = AdapterConfig.from_extra(kv_config.kv_connector_extra_config)
+        check_supported_parallelism(vllm_config)
         engine_id = kv_config.engine_id or "engine"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
