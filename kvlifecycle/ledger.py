@@ -4,9 +4,15 @@ Each command validates against the compiled machine (:mod:`kvlifecycle.machines`
 the change itself, or a :class:`~kvlifecycle.events.Refused` saying why nothing changed. State is a fold over the
 events (:meth:`SourceLedger.fold`), so a log replays to the very state the live ledger had.
 
-Tokens: every (re)allocation of a block bumps its epoch; a lease (transfer) records the epochs of the blocks it pins
-and a ledger-wide ``generation``. Completions, heartbeats and failures name ``(transfer, generation)``; anything stale
-— an unknown or released transfer, an old generation, a block whose epoch moved on — is refused, never applied.
+Tokens: every (re)allocation of a block gives it a new, larger epoch; a lease (transfer) records the epoch of the
+blocks it pins and a ledger-wide ``generation``. Completions, heartbeats and failures name ``(transfer,
+generation)``; anything stale — an unknown or released transfer, an old generation — is refused, never applied.
+A lease lives only while its blocks are pinned, and a pinned block cannot be reallocated, so a token that names a
+live lease names the blocks' current epochs too (``invariants.check_source`` verifies exactly that).
+
+Hot path: while a request holds its blocks exclusively its state is one scalar checked against the compiled table;
+the block array records ownership at allocation and the final state at release, and :attr:`state` derives the exact
+per-block view. Blocks shared by several requests (prefix hits) take the vectorised per-block path.
 """
 
 from __future__ import annotations
