@@ -26,6 +26,7 @@ class Violation:
 
 
 def check_source(ledger) -> list[Violation]:
+    state, pins = ledger.state, getattr(ledger, "pins", None)  # derived views: build each once
     out: list[Violation] = []
     n = ledger.num_blocks
     expected_pins = np.zeros(n, dtype=np.int64)
@@ -52,47 +53,48 @@ def check_source(ledger) -> list[Violation]:
                 )
             )
         pinned_epoch[lease.blocks] = lease.epochs
-        not_pinned = ledger.state[lease.blocks] != SourceState.PINNED_FOR_TRANSFER
+        not_pinned = state[lease.blocks] != SourceState.PINNED_FOR_TRANSFER
         if not_pinned.any():
             block = int(lease.blocks[int(np.argmax(not_pinned))])
             out.append(
                 Violation(
                     "left-pinned-while-leased",
-                    f"block {block} is {SourceState(int(ledger.state[block])).name} "
+                    f"block {block} is {SourceState(int(state[block])).name} "
                     f"while lease {lease.transfer} is live",
                 )
             )
-    if not np.array_equal(expected_pins, ledger.pins):
-        block = int(np.argmax(expected_pins != ledger.pins))
+    if not np.array_equal(expected_pins, pins):
+        block = int(np.argmax(expected_pins != pins))
         out.append(
             Violation(
                 "pin-count",
-                f"block {block}: {int(ledger.pins[block])} pins recorded, {int(expected_pins[block])} live leases",
+                f"block {block}: {int(pins[block])} pins recorded, {int(expected_pins[block])} live leases",
             )
         )
-    pinned = ledger.state == SourceState.PINNED_FOR_TRANSFER
+    pinned = state == SourceState.PINNED_FOR_TRANSFER
     orphan = pinned & (expected_pins == 0)
     if orphan.any():
         out.append(Violation("pinned-without-lease", f"{int(orphan.sum())} block(s), first {int(np.argmax(orphan))}"))
     refs = np.zeros(n, dtype=np.int64)
     for req in ledger.requests.values():
         refs[req.blocks] += 1
-    held = (ledger.state == SourceState.ALLOCATED) | (ledger.state == SourceState.READY)
+    held = (state == SourceState.ALLOCATED) | (state == SourceState.READY)
     unowned = held & (refs == 0)
     if unowned.any():
         out.append(Violation("held-without-owner", f"{int(unowned.sum())} ALLOCATED/READY block(s) no request holds"))
-    free_but_held = (ledger.state == SourceState.FREE) & (refs > 0)
+    free_but_held = (state == SourceState.FREE) & (refs > 0)
     if free_but_held.any():
         out.append(Violation("free-but-owned", f"block {int(np.argmax(free_but_held))} is FREE but a request holds it"))
     return out
 
 
 def check_target(ledger) -> list[Violation]:
+    state = ledger.state  # a derived view: build it once
     out: list[Violation] = []
     owner = np.zeros(ledger.num_blocks, dtype=np.int64)
     for name, req in ledger.requests.items():
         owner[req.blocks] += 1
-        states = ledger.state[req.blocks]
+        states = state[req.blocks]
         loading = states == TargetState.LOADING
         if loading.any() and req.transfer is None:
             out.append(Violation("loading-without-transfer", f"request {name} has LOADING blocks and no live load"))
@@ -100,7 +102,7 @@ def check_target(ledger) -> list[Violation]:
             out.append(Violation("load-state", f"request {name} has a live load but blocks not all LOADING"))
     if (owner > 1).any():
         out.append(Violation("block-two-owners", f"block {int(np.argmax(owner > 1))} held by two requests"))
-    stray = (ledger.state != TargetState.FREE) & (owner == 0)
+    stray = (state != TargetState.FREE) & (owner == 0)
     if stray.any():
         out.append(
             Violation("held-without-owner", f"block {int(np.argmax(stray))} is not FREE and no request holds it")
@@ -110,21 +112,22 @@ def check_target(ledger) -> list[Violation]:
 
 def check_quiescent(ledger) -> list[Violation]:
     """At quiescence: no pins, no leases, no in-flight transfers."""
+    state, pins = ledger.state, getattr(ledger, "pins", None)  # derived views: build each once
     out: list[Violation] = []
     if ledger.side == "source":
         if ledger.leases:
             out.append(
                 Violation("quiescent-leases", f"{len(ledger.leases)} lease(s) left: {sorted(ledger.leases)[:5]}")
             )
-        pinned = int((ledger.state == SourceState.PINNED_FOR_TRANSFER).sum())
-        if pinned or int(ledger.pins.sum()):
-            out.append(Violation("quiescent-pins", f"{pinned} PINNED block(s), {int(ledger.pins.sum())} pins"))
+        pinned = int((state == SourceState.PINNED_FOR_TRANSFER).sum())
+        if pinned or int(pins.sum()):
+            out.append(Violation("quiescent-pins", f"{pinned} PINNED block(s), {int(pins.sum())} pins"))
     else:
         if ledger.loads:
             out.append(
                 Violation("quiescent-loads", f"{len(ledger.loads)} load(s) in flight: {sorted(ledger.loads)[:5]}")
             )
-        loading = int((ledger.state == TargetState.LOADING).sum())
+        loading = int((state == TargetState.LOADING).sum())
         if loading:
             out.append(Violation("quiescent-loading", f"{loading} LOADING block(s)"))
     return out
