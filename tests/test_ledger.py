@@ -231,3 +231,15 @@ def test_replay_until_time_and_request_filter(tmp_path: Path) -> None:
     assert set(r.ledger.requests) == {"a", "b"} and states(r.ledger, [1]) == ["ALLOCATED"]
     r = replay(tmp_path / "p", request="a")
     assert [type(e).__name__ for e in r.events] == ["SrcAllocated", "SrcPrefillDone"]
+
+
+def test_block_states_equals_the_full_view_for_any_blocks(source: SourceLedger) -> None:
+    source.allocate("a", [1, 2, 3])
+    source.prefill_done("a")
+    source.grant("a")
+    source.allocate("b", [4, 5])
+    source.share("c", [2, 4])  # mixed: per-block path
+    ids = np.array([0, 1, 2, 3, 4, 5, 6], dtype=np.int32)
+    assert np.array_equal(source.block_states(ids), source.state[ids])
+    assert source.block_states([1]).tolist() == [SourceState.PINNED_FOR_TRANSFER]
+    assert source.block_states([5]).tolist() == [SourceState.ALLOCATED]

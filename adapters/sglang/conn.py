@@ -511,7 +511,7 @@ class KVLifecycleKVManager(CommonKVManager):
         """allocate the pages the ledger sees free (or cached); share the ones another live room holds."""
         ledger = self.ledger
         assert isinstance(ledger, SourceLedger)
-        states = ledger.state[pages] if pages.size else np.zeros(0, np.uint8)
+        states = ledger.block_states(pages)
         fresh = (states == SourceState.FREE) | (states == SourceState.PREFIX_CACHED)
         if fresh.all():
             ledger.allocate(request, pages)
@@ -854,8 +854,7 @@ class KVLifecycleKVManager(CommonKVManager):
         key = str(room)
         req = self.ledger.requests.get(key)
         try:
-            if req is not None and req.blocks.size and self.ledger.state[req.blocks[0]] == \
-                    TargetState.READY_FOR_ATTENTION:
+            if req is not None and req.state == TargetState.READY_FOR_ATTENTION:
                 self.ledger.finish(key)
             elif req is not None and not req.cancel_pending:
                 self.ledger.cancel(key)

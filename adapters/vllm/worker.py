@@ -237,7 +237,7 @@ class WorkerSide:
         The ledger takes one or the other per request, so the newly allocated part is held by a companion
         request ``<id>#own`` that is freed together with the request."""
         assert self.source is not None
-        states = self.source.state[block_ids]
+        states = self.source.block_states(block_ids)
         fresh = ((states == FREE) | (states == PREFIX_CACHED)) & (self.source.refs[block_ids] == 0)
         if fresh.all():
             self.source.allocate(request, block_ids)
@@ -499,7 +499,7 @@ class WorkerSide:
         if req is None:
             return  # a failed load already freed it
         try:
-            if req.transfer is None and req.blocks.size and int(self.target.state[req.blocks[0]]) == RESERVED:
+            if req.transfer is None and req.state == RESERVED:  # the request's own state: no full-array view
                 self.target.local_fill(request)  # RESERVED after a failed load: vLLM recomputed it
             self.target.finish(request)
         except (InvalidTransitionError, LedgerError) as exc:
