@@ -17,7 +17,7 @@ python3 -c "import torch, triton, nixl._api, zmq, msgspec; print('torch', torch.
 for step in "$@"; do
   case $step in
     tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -c "$R/pyproject.toml" -p no:cacheprovider -q -rs --timeout 120 \
-             "$R/tests/transports/test_cuda_ipc.py" 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
+             "$R/tests/transports/test_cuda_ipc.py" "$R/tests/transports/test_native_post.py" ${EXTRA_TESTS} 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
     bench) timeout "${BENCH_TIMEOUT:-240}" python3 -m kvlifecycle bench gpu ${BENCH_ARGS} --out "$OUT/bench.json" 2>&1 \
              | tee "$OUT/bench.txt" ;;
     *) echo "unknown step $step" ;;

@@ -758,6 +758,10 @@ class Consumer:
                 if status is XferStatus.FAILED:
                     self._fail(load, f"read failed: {data.error(handle)}")
                     break
+                # The blocks become visible first; metrics and the handle's release (which may send the copy's
+                # notification to P) change no block state and follow, off the request's latency path.
+                del load.handles[part]
+                self._part_done(load, part)
                 stats = data.stats(handle)
                 if stats is not None:
                     self.ledger.observe_transfer(
@@ -770,8 +774,6 @@ class Consumer:
                         ok=True,
                     )
                 data.release(handle)
-                del load.handles[part]
-                self._part_done(load, part)
             if load.transfer in self._loads and now - load.started > self.options.load_timeout_s:
                 self._fail(load, f"load timed out after {self.options.load_timeout_s}s")
             elif load.transfer in self._loads and load.live:

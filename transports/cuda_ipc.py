@@ -66,6 +66,7 @@ from kvlifecycle.transport import (
     encode_notification,
 )
 
+from . import native_post
 from ._common import HandleTable, XferRecord, check_pairing, new_epoch
 
 log = logging.getLogger("kvlifecycle.transports.cuda_ipc")
@@ -239,7 +240,7 @@ class _IdRing:
             return None
         start = self.head if self.head + count <= self.capacity else 0
         end = start + count
-        if any(s < end and start < e for s, e in self.busy.items()):
+        if self.busy and any(s < end and start < e for s, e in self.busy.items()):
             return None  # still in use: the caller stages this post on its own
         self.busy[start] = end
         self.head = end
@@ -348,6 +349,8 @@ class _Launch:
     bytes_per_block: int  # bytes moved per block id over every region
     regions: int  # regions (descriptors per block id)
     backend: str
+    native_read: Any = None  # native_post.KernelList of ``read`` once every copier is warm (the compiled post)
+    native_write: Any = None
 
 
 def _launch_of(groups: list[_Group]) -> _Launch:
@@ -374,6 +377,10 @@ class _Inflight:
     t_launched: float = 0.0  # host clock right after the last kernel launch call returned
 
 
+_OPS = {op.value: op for op in XferOp}
+SETTLE_AFTER_S = 0.0005  # a completed copy's notification waits at most this long for the caller's next call
+
+
 class CudaIpcTransport:
     """The CUDA IPC transport. See the module docstring; implements :class:`kvlifecycle.transport.Transport`."""
 
@@ -391,6 +398,7 @@ class CudaIpcTransport:
         use_triton: bool | None = None,
         host_ids: bool | None = None,
         region_group: int | None = None,
+        compiled_post: bool = True,
     ) -> None:
         try:
             import torch
@@ -441,12 +449,27 @@ class CudaIpcTransport:
         self._cu_copy = 0
         self._event_pool: list[tuple[_Event, _Event]] = []
         self._ring: _IdRing | None = None
+        # The compiled post (native_post): its library, this transport's streams/events/staging as one C struct,
+        # and the pageable int64 array numpy widens the caller's ids into.
+        self._native: Any = None
+        # True: the compiled post wherever it builds and loads (KVL_NATIVE_POST=0 turns it off); False: Python.
+        self._want_native = bool(compiled_post)
+        self._poster: native_post.PosterDesc | None = None
+        self._poster_addr = 0
+        self._staging: np.ndarray | None = None
+        # Copies seen complete whose stats and notification are still to be done (see _complete, _settle); a
+        # small thread settles what no call of the caller's settled within SETTLE_AFTER_S.
+        self._settling: list[tuple[XferRecord, _Inflight]] = []
+        self._settle_kick = threading.Event()
+        self._settler: threading.Thread | None = None
+        self._settle_watching = False  # the settler is watching (copies in flight or settling); under _lock
         self._probe_seed = 0
         self._trace = os.environ.get("KVL_CUDA_IPC_TRACE") == "1"  # per-stage post timings in rec.extra
         # Threads seen with this transport's context current: their later calls skip the check (a thread that
         # switches context afterwards gets a loud driver error, never a silent wrong copy).
         self._ctx_ok = threading.local()
         self._stage_marks: dict[str, float] = {}
+        self._t_post0 = 0.0
         self._inbox: collections.deque[tuple[str, Notification]] = collections.deque()
         self._lock = threading.RLock()
         self.malformed_notifications = 0
@@ -501,11 +524,33 @@ class CudaIpcTransport:
                 self._ring = _IdRing(torch, device, ID_RING_INTS, self._driver)
             self._cu_stream = self._stream.cuda_stream
             self._cu_copy = self._copy_stream.cuda_stream
+            self._bind_native()
             self.device = device
             self._dev_index = device.index
             self._probe = probe
             self._exports = list(allocations.values())
             self.layout = layout
+
+    def _bind_native(self) -> None:
+        """Load the compiled post (built once per machine) and describe this transport to it."""
+        lib = None if self.host_ids or not self._want_native else native_post.load()
+        ring = self._ring
+        if lib is None or ring is None:
+            return
+        self._staging = np.zeros(ring.capacity, dtype=np.int64)
+        poster = native_post.PosterDesc()
+        poster.stream, poster.copy_stream = self._cu_stream, self._cu_copy
+        poster.order_event, poster.ids_event = self._order_event, self._ids_event
+        poster.staging = self._staging.ctypes.data
+        poster.ring_host, poster.ring_dev = ring.host_ptr, ring.dev_ptr
+        poster.trace = 1 if self._trace else 0
+        self._native, self._poster = lib, poster
+        self._poster_addr = ctypes.addressof(poster)
+
+    @property
+    def compiled_post(self) -> bool:
+        """Whether posts go through the compiled path (``native_post``) once the kernels are warm."""
+        return self._native is not None
 
     def registered_regions(self) -> int:
         return 0 if self.layout is None else self.layout.num_regions
@@ -779,39 +824,56 @@ class CudaIpcTransport:
 
         Host time before the kernel launch adds to every request's latency; host time after it overlaps the copy.
         So everything that can wait (the handle record, byte counts, trace marks) comes after the launch."""
-        t0 = time.perf_counter()
+        t0 = self._t_post0 = time.perf_counter()
         if op.__class__ is not XferOp:
-            op = XferOp(op)
+            op = _OPS.get(op) or XferOp(op)  # type: ignore[call-overload]  # a dict hit is cheaper than Enum()
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
             prepared = self._plans.get(plan.key)
             if prepared is None or (prepared.plan is not plan and prepared.plan != plan):
                 raise PeerEpochError(f"plan {plan.key} for {plan.peer} is void (peer removed or restarted)")
-            local = _block_ids(local_blocks, plan.local_blocks, "local")
-            remote = _block_ids(remote_blocks, plan.remote_blocks, "remote")
-            n = local.size
-            if n != remote.size:
-                raise RemoteMismatchError(f"{n} local blocks vs {remote.size} remote blocks")
             if regions is None and prepared.whole is not None:
                 launch = prepared.whole
             else:
                 launch = _launch_of(self._plan_groups(prepared, regions))
             notify = (plan.peer, notification) if notification is not None else None
-            copiers = launch.read if op is XferOp.READ else launch.write
+            flight = None
+            kernels = (launch.native_read if op is XferOp.READ else launch.native_write) or (
+                self._native_kernels(launch, op) if self._native is not None else None)
+            if kernels is not None:
+                # The compiled post checks the ids itself: here only what makes them a pair of integer vectors.
+                local = local_blocks if local_blocks.__class__ is np.ndarray else np.asarray(local_blocks)
+                remote = remote_blocks if remote_blocks.__class__ is np.ndarray else np.asarray(remote_blocks)
+                n = local.size
+                if (n and n == remote.size and local.ndim == 1 and remote.ndim == 1
+                        and local.dtype.kind in "iu" and remote.dtype.kind in "iu"):
+                    if op is XferOp.READ:
+                        flight = self._post_native(kernels, remote, local, n, plan.remote_blocks, plan.local_blocks,
+                                                   notify)
+                    else:
+                        flight = self._post_native(kernels, local, remote, n, plan.local_blocks, plan.remote_blocks,
+                                                   notify)
             t_checked = time.perf_counter()
-            if n == 0 or not copiers:
-                flight = _Inflight(None, None, None, [], notify)
-            else:
-                src, dst = (remote, local) if op is XferOp.READ else (local, remote)
-                pushed = self._need_context()  # a service thread may have no context current
-                if pushed:
-                    self._driver.push_context(self._cu_ctx)
-                try:
-                    flight = self._launch(copiers, src, dst, n, notify)
-                finally:
+            if flight is None:  # the Python path: also where a bad id list gets its precise error
+                local = _block_ids(local_blocks, plan.local_blocks, "local")
+                remote = _block_ids(remote_blocks, plan.remote_blocks, "remote")
+                n = local.size
+                if n != remote.size:
+                    raise RemoteMismatchError(f"{n} local blocks vs {remote.size} remote blocks")
+                copiers = launch.read if op is XferOp.READ else launch.write
+                if n == 0 or not copiers:
+                    flight = _Inflight(None, None, None, [], notify)
+                else:
+                    src, dst = (remote, local) if op is XferOp.READ else (local, remote)
+                    pushed = self._need_context()  # a service thread may have no context current
                     if pushed:
-                        self._driver.pop_context()
+                        self._driver.push_context(self._cu_ctx)
+                    try:
+                        flight = self._launch(copiers, src, dst, n, notify)
+                    finally:
+                        if pushed:
+                            self._driver.pop_context()
             # -- the copy is running (or there is nothing to copy): bookkeeping overlaps it --
             rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
             rec.t_post_start = t0
@@ -820,14 +882,74 @@ class CudaIpcTransport:
             rec.native = launch.backend
             self._inflight[rec.handle.id] = flight
             rec.t_post_end = time.perf_counter()
+            if self._settling:
+                self._settle()  # earlier copies' stats and notifications, while this one runs
+            self._watch()
             if flight.end is None:
                 self._complete(rec)
+                self._settle()
             elif self._trace:
                 rec.extra["stages_us"] = {"checks": (t_checked - t0) * 1e6,
                                           "to_launch": (flight.t_launched - t0) * 1e6,
                                           "after_launch": (rec.t_post_end - flight.t_launched) * 1e6,
                                           **self._stage_marks}
             return rec.handle
+
+    def _native_kernels(self, launch: _Launch, op: XferOp) -> Any:
+        """The launch's kernels for the compiled post, once every copier is warm and bound (else None)."""
+        copiers = launch.read if op is XferOp.READ else launch.write
+        if not copiers or len(copiers) > native_post.MAX_KERNELS or any(c.native is None for c in copiers):
+            return None
+        kernels = native_post.KernelList([c.native for c in copiers])
+        if op is XferOp.READ:
+            launch.native_read = kernels
+        else:
+            launch.native_write = kernels
+        return kernels
+
+    def _post_native(self, kernels: Any, src: np.ndarray, dst: np.ndarray, n: int, src_limit: int, dst_limit: int,
+                     notify: tuple[str, Notification] | None) -> _Inflight | None:
+        """One call into the compiled post: ids checked and staged, streams ordered, kernels launched, events
+        recorded. None (nothing enqueued) when the id ring has no room, or an id is out of range: the Python path
+        then stages the post on its own, or raises the precise error."""
+        ring, staging = self._ring, self._staging
+        assert ring is not None and staging is not None
+        pad = -(-n // 4) * 4  # both id lists 16-byte aligned: one kernel specialisation whatever n is
+        slot = ring.reserve(2 * pad)
+        if slot is None:
+            return None
+        staging[:n] = src  # numpy widens any integer dtype to int64; the C side checks and narrows
+        staging[pad:pad + n] = dst
+        drv = self._driver
+        start, end = self._event_pool.pop() if self._event_pool else (
+            _Event(drv, drv.event_create(timing=True)), _Event(drv, drv.event_create(timing=True)))
+        pushed = self._need_context()  # a service thread may have no context current
+        if pushed:
+            drv.push_context(self._cu_ctx)
+        t_call = time.perf_counter()
+        try:
+            rc = self._native.kvl_post(self._poster_addr, ctypes.addressof(kernels.array), kernels.count, slot, n,
+                                       pad, src_limit, dst_limit,
+                                       self._torch._C._cuda_getCurrentRawStream(self._dev_index), start.handle,
+                                       end.handle, 1 if self._inflight or self._draining else 0)
+        finally:
+            if pushed:
+                drv.pop_context()
+        t_launched = time.perf_counter()
+        if rc:
+            ring.free(slot)
+            self._event_pool.append((start, end))
+            if rc in (native_post.ERR_SRC_RANGE, native_post.ERR_DST_RANGE):
+                return None
+            if rc < 0:
+                raise TransportError(f"compiled post refused its arguments ({rc})")
+            assert self._poster is not None
+            drv._check(rc, native_post.STEPS.get(self._poster.error_step, "compiled post"))
+        if self._trace:  # the C side's own stamps, plus the Python work before the call
+            assert self._poster is not None
+            self._poster.trace = 1
+            self._stage_marks = {"py_before_call": (t_call - self._t_post0) * 1e6, **self._poster.stages_us()}
+        return _Inflight(start, end, slot, [], notify, t_launched)
 
     def _launch(self, copiers: list[Any], src: np.ndarray, dst: np.ndarray, n: int,
                 notify: tuple[str, Notification] | None) -> _Inflight:
@@ -954,24 +1076,77 @@ class CudaIpcTransport:
         flight.keep.clear()
 
     def _complete(self, rec: XferRecord) -> None:
-        """The copy's event completed: stats, then the notification (never before the bytes landed)."""
+        """The copy's event completed: DONE now; stats and the notification in :meth:`_settle`.
+
+        The caller waits for DONE to make the blocks visible; the stats (an event-time query) and above all the
+        notification (a ZMQ send: ~20 us when its I/O thread was idle) are not needed for that, so they run on the
+        transport's next call (stats, release, post, notifications, flush), or ``SETTLE_AFTER_S`` later on the
+        settler thread if no call came: after the caller saw DONE, never before the bytes landed."""
         flight = self._inflight.pop(rec.handle.id)
         rec.t_done = time.perf_counter()
         rec.status = XferStatus.DONE
-        try:
-            t_xfer = self._driver.elapsed_ms(flight.start.handle, flight.end.handle) / 1e3
-        except Exception:  # no device work (empty post) or an event that cannot time: wall clock instead
-            t_xfer = rec.t_done - rec.t_post_start
-        self._retire(flight)
-        rec.stats = XferStats(rec.t_post_end - rec.t_post_start, t_xfer, rec.nbytes, rec.ndesc,
-                              f"cuda_ipc/{rec.native}")
-        if flight.notify is not None:
-            peer, note = flight.notify
-            try:
-                self._send(peer, note)
-            except TransportError as exc:
-                self.failed_notifications += 1
-                log.warning("cuda_ipc: notification for %s to %s failed: %s", rec.handle.transfer, peer, exc)
+        self._settling.append((rec, flight))
+
+    def _watch(self) -> None:
+        """Wake the settler (called by ``post`` after its launch, under the lock: off the latency path)."""
+        if self._settle_watching:
+            return
+        self._settle_watching = True
+        if self._settler is None:
+            self._settler = threading.Thread(target=self._settle_later, name=f"kvl-cuda-ipc-settle-{self.agent}",
+                                             daemon=True)
+            self._settler.start()
+        self._settle_kick.set()
+
+    def _settle_later(self) -> None:
+        """The settler thread. While copies are in flight or settling it looks every ``SETTLE_AFTER_S`` and settles
+        what has waited that long since the caller saw it DONE; otherwise it sleeps until the next post."""
+        kick = self._settle_kick
+        while not self._closed:
+            if not kick.wait(1.0):  # bounded: re-checks ``_closed`` every second
+                continue
+            kick.clear()
+            while not self._closed:  # ends when nothing is in flight or settling, or at close
+                time.sleep(SETTLE_AFTER_S)
+                with self._lock:
+                    if self._closed:
+                        return
+                    settling = self._settling
+                    if settling and time.perf_counter() - settling[0][0].t_done >= SETTLE_AFTER_S:
+                        with self._context():
+                            self._settle()
+                    if not self._inflight and not self._settling:
+                        self._settle_watching = False
+                        break
+
+    def _settle(self) -> None:
+        """Stats, id slot and events back, then the notification, for every copy seen complete."""
+        settling, self._settling = self._settling, []
+        for rec, flight in settling:
+            if flight.start is not None:
+                try:
+                    t_xfer = self._driver.elapsed_ms(flight.start.handle, flight.end.handle) / 1e3
+                except Exception:  # an event that cannot time (a test's stand-in): wall clock instead
+                    t_xfer = rec.t_done - rec.t_post_start
+            else:  # nothing was copied (empty post)
+                t_xfer = rec.t_done - rec.t_post_start
+            self._retire(flight)
+            rec.stats = XferStats(rec.t_post_end - rec.t_post_start, t_xfer, rec.nbytes, rec.ndesc,
+                                  f"cuda_ipc/{rec.native}")
+            if flight.notify is not None:
+                peer, note = flight.notify
+                try:
+                    self._send(peer, note)
+                except TransportError as exc:
+                    self.failed_notifications += 1
+                    log.warning("cuda_ipc: notification for %s to %s failed: %s", rec.handle.transfer, peer, exc)
+
+    def flush(self) -> None:
+        """Send the notifications (and fill the stats) of copies already seen complete."""
+        with self._lock:
+            if self._settling:
+                with self._context():
+                    self._settle()
 
     def _progress(self) -> None:
         """Complete every in-flight copy whose event has fired (non-blocking)."""
@@ -1009,9 +1184,17 @@ class CudaIpcTransport:
                                 drv._check(rc, "cuEventQuery")
                         elif end.query():  # any other completion object (tests hold an event back this way)
                             self._complete(rec)
+                            return rec.status
+                        settling = self._settling
+                        if settling and (rec.status is XferStatus.PENDING
+                                         and time.perf_counter() - settling[0][0].t_done > SETTLE_AFTER_S):
+                            self._settle()  # a caller busy waiting for another copy: do not hold P's lease back
                     finally:
                         if pushed:
                             drv.pop_context()
+            elif self._settling:  # polled again after DONE: past the latency path
+                with self._context():
+                    self._settle()
             return rec.status
 
     def error(self, handle: TransferHandle) -> TransportError | None:
@@ -1020,12 +1203,19 @@ class CudaIpcTransport:
 
     def stats(self, handle: TransferHandle) -> XferStats | None:
         with self._lock:
-            return self._handles.get(handle).stats
+            rec = self._handles.get(handle)
+            if self._settling:
+                with self._context():
+                    self._settle()
+            return rec.stats
 
     def release(self, handle: TransferHandle) -> None:
         """Forget a handle. A copy still running cannot be cancelled: it keeps its peer mapped until it ends, and
         its notification is not sent (the caller gave it up)."""
         with self._lock:
+            if self._settling:
+                with self._context():
+                    self._settle()
             rec = self._handles.pop(handle)
             flight = self._inflight.pop(rec.handle.id, None)
             if flight is not None:
@@ -1058,9 +1248,10 @@ class CudaIpcTransport:
         with self._lock:
             if self._closed:
                 return []
-            if self._inflight or self._draining:
+            if self._inflight or self._draining or self._settling:
                 with self._context():
                     self._progress()
+                    self._settle()
             for _ in range(100_000):  # bounded drain
                 try:
                     frames = self._router.recv_multipart(flags=zmq.NOBLOCK)
@@ -1089,6 +1280,10 @@ class CudaIpcTransport:
         with self._lock:
             if self._closed:
                 return
+            if self._settling:
+                with self._context():
+                    self._settle()
+            settler, self._settler = self._settler, None
             for peer in list(self._peers.values()):
                 self._drop_peer(peer, "transport closed")
             for rec in self._handles.live.values():
@@ -1118,6 +1313,9 @@ class CudaIpcTransport:
             self.layout = None
             self._probe = None
             self._closed = True
+            self._settle_kick.set()
+        if settler is not None and settler is not threading.current_thread():
+            settler.join(5.0)  # it sees _closed at once (outside our lock: it may be waiting for it)
 
     def __enter__(self) -> CudaIpcTransport:
         return self

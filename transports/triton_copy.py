@@ -251,6 +251,7 @@ class BlockCopier:
         self._raw_launch: Any = None
         self._raw_flags: tuple[Any, ...] = ()
         self._bound: tuple[Any, tuple[Any, ...], tuple[Any, ...]] | None = None
+        self.native: Any = None  # native_post.KernelDesc once warm, where the compiled post can launch it
         self._anchor_ptr = self._anchor_typed.data_ptr()
         self._src_base_ptr, self._dst_base_ptr = self._src_base.data_ptr(), self._dst_base.data_ptr()
 
@@ -335,13 +336,21 @@ class BlockCopier:
         """Pre-bind the warm kernel's launch: (launcher, arguments before the id pointers, arguments after)."""
         compiled = self._compiled
         if compiled is None:
-            self._bound = None
+            self._bound = self.native = None
             return
         bases = (self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr)
         tail = (*self._scalars, *self._constexprs)
         if self._raw_launch is not None:
             head = (compiled.function, *self._raw_flags, compiled.packed_metadata, None, None, None, *bases)
             self._bound = (self._raw_launch, head, tail)
+            # The compiled post (transports/_native_post.c) launches this kernel itself with the same parameters.
+            from . import native_post
+
+            lib = native_post.load()
+            if lib is not None:
+                self.native = native_post.bind_kernel(
+                    compiled, (*bases, 0, 0, *tail), src_ids_arg=3, dst_ids_arg=4, chunks=self.chunks,
+                    grid_y=self.region_programs, lib=lib)
         else:
             head = (compiled.function, compiled.packed_metadata, None, None, None, *bases)
             self._bound = (compiled.run, head, tail)

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nixl-reps", type=int, default=3)
     parser.add_argument("--no-nixl", action="store_true")
     parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--no-ab", action="store_true",
+                        help="skip the second e2e run with the Python post (the compiled post's A/B, same run)")
     parser.add_argument("--sweep", action="store_true", help="also time kernel variants (chunk bytes, warps)")
     parser.add_argument("--device", type=int, default=0, help="D's device (this process)")
     parser.add_argument("--peer-device", type=int, default=None, help="P's device (default: the same)")
@@ -374,7 +376,7 @@ def _p_main(conn: Any, cfg: dict[str, Any]) -> None:
 
 
 def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pipeline: int, peer_device: int,
-              log_dir: str) -> dict[str, Any]:
+              log_dir: str, *, compiled_post: bool = True) -> dict[str, Any]:
     import multiprocessing as mp
 
     import msgspec
@@ -391,8 +393,16 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
     proc = ctx.Process(target=_p_main, args=(child, cfg), daemon=True)
     proc.start()
 
-    def recv(timeout: float = 120.0) -> Any:
-        if not parent.poll(timeout):
+    def recv(timeout: float = 120.0, spin: bool = False) -> Any:
+        if spin:
+            # D busy-waits for P's grant, as a decode worker's busy scheduler loop would: a core that slept in a
+            # blocking read starts the timed request cold (caches, clocks), while the ceiling it is compared with
+            # is timed in a hot loop. Bounded like the blocking wait.
+            deadline = time.perf_counter() + timeout
+            while not parent.poll(0):
+                if time.perf_counter() > deadline:
+                    raise TimeoutError("P process did not answer")
+        elif not parent.poll(timeout):
             raise TimeoutError("P process did not answer")
         msg = parent.recv()
         if msg[0] == "error":
@@ -405,7 +415,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         layout = KVLayout(MemoryKind.VRAM, ip.device.index, ip.pool,
                           tuple(ip.dst[r].data_ptr() for r in range(ip.regions)),
                           tuple(ip.block_bytes for _ in range(ip.regions)))
-        transport = CudaIpcTransport(f"bench-d-{os.getpid()}")
+        transport = CudaIpcTransport(f"bench-d-{os.getpid()}", compiled_post=compiled_post)
         transport._trace = True  # per-stage post times (recorded after the launch, so off the latency path)
         transport.register(layout)
         ledger = open_ledger("target", ip.pool, log_dir + "/d", worker="d0")
@@ -430,7 +440,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
 
         def round_(count: int, n: int, verify: bool) -> tuple[float, float, list[float], bool, dict[str, Any]]:
             parent.send(("grant", count, n))
-            _, grants = recv()
+            _, grants = recv(spin=True)
             dst_sets = rng.permutation(ip.pool)[: count * n].astype(np.int32).reshape(count, n)
             names = []
             for i in range(count):
@@ -514,6 +524,9 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         for label, shape in shapes.items():
             n = shape.blocks
             round_(1, n, False)  # warm-up (kernel compile for this shape)
+            round_(1, n, False)  # the first warm launch binds the compiled post
+            whole = transport._plans[plan.key].whole
+            out[f"{label}_compiled_post"] = whole is not None and whole.native_read is not None
             steps.clear()
             stages.clear()
             walls, kernels, trips, exact = [], [], [], True
@@ -619,11 +632,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_e2e:
         log_dir = args.dir or tempfile.mkdtemp(prefix="kvl-bench-gpu-")
         peer = args.device if args.peer_device is None else args.peer_device
-        try:
-            e2e = bench_e2e(torch, ip, shapes, args.reps, args.pipeline, peer, log_dir)
-        except Exception as exc:
-            e2e = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-        res["e2e"] = e2e
+        # A/B in one run: the same e2e with the compiled post (the default) and with the Python post.
+        for key, compiled in (("e2e", True), ("e2e_python_post", False)):
+            if key != "e2e" and args.no_ab:
+                continue
+            try:
+                e2e = bench_e2e(torch, ip, shapes, args.reps, args.pipeline, peer, f"{log_dir}/{key}",
+                                compiled_post=compiled)
+            except Exception as exc:
+                e2e = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+            res[key] = e2e
         res["log_dir"] = log_dir
     if not args.no_nixl:  # last: NIXL's UCX progress threads spin cores while its agents live
         for label, shape in shapes.items():
@@ -673,23 +691,18 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
     res["gbps_kvl_small_pipelined"] = small["gbps_kvl_pipelined"]
     res["ratio_pipelined"] = large["gbps_kvl_pipelined"] / large["gbps_ceiling_pipelined"]
     res["ratio_small_pipelined"] = small["gbps_kvl_pipelined"] / small["gbps_ceiling_pipelined"]
-    # The honest split of one request on D (median µs): host work before the kernel starts and after its event
-    # completes adds to latency; the copy's device time and the host work that overlaps it do not add twice.
-    host: dict[str, Any] = {}
-    for label in shapes:
-        steps, stages = e2e.get(f"{label}_steps_us"), e2e.get(f"{label}_post_stages_us", {})
-        if not steps:
-            continue
-        h = {"start_load": steps["start_load"], "post_to_launch": stages.get("to_launch", float("nan")),
-             "post_after_launch": stages.get("after_launch", float("nan")), "post_total": steps["post"],
-             "complete_in_poll": steps["complete"], "part_done": steps["part_done"],
-             "after_ready_observe_release": steps["after_ready"]}
-        h["on_latency_path"] = round(h["start_load"] + h["post_to_launch"] + h["complete_in_poll"] + h["part_done"], 1)
-        h["wall_us"] = round(e2e.get(f"{label}_wall_s", float("nan")) * 1e6, 1)
-        h["transfer_device_us"] = round(e2e.get(f"{label}_kernel_s", float("nan")) * 1e6, 1)
-        h["ceiling_wall_us"] = round(res[label]["ceiling_wall_s"] * 1e6, 1)
-        host[label] = h
-    res["host_us"] = host
+    res["host_us"] = _host_split(res, e2e, shapes)
+    ab = res.get("e2e_python_post", {})
+    if ab and "error" not in ab:  # the same e2e with the Python post, same run: the compiled post's A/B
+        for label, shape in shapes.items():
+            r = res[label]
+            r["gbps_kvl_wall_python_post"] = _gbps(shape.nbytes, ab.get(f"{label}_wall_s", float("nan")))
+            r["ratio_kvl_python_post"] = r["gbps_kvl_wall_python_post"] / r["gbps_ceiling_wall"]
+            r["gbps_kvl_pipelined_python_post"] = _gbps(shape.nbytes * pipeline,
+                                                        ab.get(f"{label}_pipelined_wall_s", float("nan")))
+        res["ratio_to_ceiling_python_post"] = large["ratio_kvl_python_post"]
+        res["ratio_small_python_post"] = small["ratio_kvl_python_post"]
+        res["host_us_python_post"] = _host_split(res, ab, shapes)
     res["split"] = {
         "single_wall": {"large": res["ratio_to_ceiling"], "small": res["ratio_small"]},
         "transfer_device_time": {"large": res["ratio_kernel_to_ceiling"], "small": res["ratio_small_kernel"]},
@@ -701,8 +714,29 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
     res["goal_small_met"] = bool(res["ratio_small"] >= 0.6)
     res["byte_exact"] = bool(all(
         res[lbl].get(k, True) for lbl in shapes for k in ("ceiling_exact", "torch_exact", "kernel_exact", "nixl_exact"))
-        and all(e2e.get(f"{lbl}_exact", True) for lbl in shapes))
+        and all(res.get(key, {}).get(f"{lbl}_exact", True) for lbl in shapes for key in ("e2e", "e2e_python_post")))
     return res
+
+
+def _host_split(res: dict[str, Any], e2e: dict[str, Any], shapes: dict[str, Shape]) -> dict[str, Any]:
+    """The honest split of one request on D (median µs): host work before the kernel starts and after its event
+    completes adds to latency; the copy's device time and the host work that overlaps it do not add twice."""
+    host: dict[str, Any] = {}
+    for label in shapes:
+        steps, stages = e2e.get(f"{label}_steps_us"), e2e.get(f"{label}_post_stages_us", {})
+        if not steps:
+            continue
+        h = {"start_load": steps["start_load"], "post_to_launch": stages.get("to_launch", float("nan")),
+             "post_after_launch": stages.get("after_launch", float("nan")), "post_total": steps["post"],
+             "complete_in_poll": steps["complete"], "part_done": steps["part_done"],
+             "after_ready_observe_release": steps["after_ready"],
+             "compiled_post": e2e.get(f"{label}_compiled_post")}
+        h["on_latency_path"] = round(h["start_load"] + h["post_to_launch"] + h["complete_in_poll"] + h["part_done"], 1)
+        h["wall_us"] = round(e2e.get(f"{label}_wall_s", float("nan")) * 1e6, 1)
+        h["transfer_device_us"] = round(e2e.get(f"{label}_kernel_s", float("nan")) * 1e6, 1)
+        h["ceiling_wall_us"] = round(res[label]["ceiling_wall_s"] * 1e6, 1)
+        host[label] = h
+    return host
 
 
 def _fmt(x: Any, digits: int = 1) -> str:
@@ -722,6 +756,8 @@ def print_table(res: dict[str, Any]) -> None:
             ("(d) contiguous copy, wall (ceiling)", r["gbps_ceiling_wall"], 1.0),
             ("(d) contiguous copy, CUDA events", r["gbps_ceiling_event"], 1.0),
             ("(a) kvl cuda_ipc e2e, 2 procs, wall", r["gbps_kvl_wall"], r["ratio_kvl_to_ceiling_wall"]),
+            ("    same, Python post (A/B, same run)", r.get("gbps_kvl_wall_python_post"),
+             r.get("ratio_kvl_python_post")),
             ("(a) kvl cuda_ipc device time post->done (events)", r["gbps_kvl_kernel"],
              r["ratio_kvl_kernel_to_ceiling_event"]),
             ("(d) contiguous copies back to back, wall", r["gbps_ceiling_pipelined"], 1.0),
@@ -755,7 +791,8 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"P round trip (grant -> lease released), median: large {_fmt(e2e['large_roundtrip_s'] * 1e6)} us, "
               f"small {_fmt(e2e['small_roundtrip_s'] * 1e6)} us")
         print(f"D single request, median us: large {e2e['large_steps_us']}, small {e2e['small_steps_us']}")
-        for label, h in res.get("host_us", {}).items():
+        for label, h in [*res.get("host_us", {}).items(),
+                         *((f"{k} (Python post)", v) for k, v in res.get("host_us_python_post", {}).items())]:
             print(f"{label}: wall {h['wall_us']} us = host on the latency path {h['on_latency_path']} us (start_load "
                   f"{h['start_load']}, post up to the launch {h['post_to_launch']}, completion in poll "
                   f"{h['complete_in_poll']}, part_done {h['part_done']}) + device/poll; transfer device time "
@@ -780,7 +817,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res, default=str))
     else:
         print_table(res)
-    ok = res["byte_exact"] and not res.get("e2e", {}).get("error") and not res.get("e2e", {}).get("replay_violations")
+    ok = res["byte_exact"] and not any(res.get(key, {}).get("error") or res.get(key, {}).get("replay_violations")
+                                       for key in ("e2e", "e2e_python_post"))
     return 0 if ok else 1
 
 

@@ -1,0 +1,203 @@
+"""The CUDA IPC transport's compiled post (``transports/_native_post.c`` + ``native_post.py``).
+
+Without a GPU: the C file builds with the system compiler, its id check refuses what the Python check refuses and
+narrows the ids correctly, and the kernel binding builds exactly the parameter array Triton's launcher builds (or
+refuses the kernel). On a GPU: the transport posts through it once warm, byte-exact, and the Python post passes
+the same conformance suite (both paths stay covered).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from kvlifecycle.transports import cuda_ipc, native_post
+from test_cuda_ipc import NO_CUDA, VramPair, vram_layout, vram_tensors
+from transport_conformance import BLOCKS, REGIONS, TransportConformance, wait_notes, wait_status
+
+from kvlifecycle.transport import Notification, RemoteMismatchError, XferStatus
+
+HAVE_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAVE_CUDA, reason=NO_CUDA)
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    return native_post.load_library(init_cuda=False)  # builds with cc; the id check needs no driver
+
+
+def _check(lib: ctypes.CDLL, src: list[int], dst: list[int], src_limit: int, dst_limit: int) -> tuple[int, Any]:
+    n = len(src)
+    pad = -(-n // 4) * 4
+    staging = np.zeros(2 * pad, dtype=np.int64)
+    staging[:n], staging[pad:pad + n] = src, dst
+    ring = np.full(2 * pad, -7, dtype=np.int32)
+    rc = lib.kvl_check_and_narrow(staging.ctypes.data, ring.ctypes.data, n, pad, src_limit, dst_limit)
+    return rc, (ring[:n].tolist(), ring[pad:pad + n].tolist())
+
+
+def test_build_is_cached_by_content(tmp_path: Any) -> None:
+    first = native_post.build(out_dir=tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native_post.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime
+    edited = tmp_path / "edited.c"
+    edited.write_text(native_post.SOURCE.read_text() + "\n/* edited */\n")
+    assert native_post.build(edited, out_dir=tmp_path) != first
+
+
+def test_a_broken_source_fails_to_build_with_the_compiler_message(tmp_path: Any) -> None:
+    bad = tmp_path / "bad.c"
+    bad.write_text("int kvl_init(void) { return }\n")
+    with pytest.raises(OSError, match="failed"):
+        native_post.build(bad, out_dir=tmp_path)
+    assert not list(tmp_path.glob("*.so"))  # nothing half-written is left to load
+
+
+def test_id_check_accepts_in_range_ids_and_narrows_them(lib: ctypes.CDLL) -> None:
+    rc, (src, dst) = _check(lib, [0, 5, 9], [3, 2, 1], 10, 4)
+    assert rc == 0 and src == [0, 5, 9] and dst == [3, 2, 1]
+
+
+@pytest.mark.parametrize(("src", "dst", "want"), [
+    ([0, 10, 1], [0, 1, 2], native_post.ERR_SRC_RANGE),  # source id == limit
+    ([0, 1, 2], [0, 4, 1], native_post.ERR_DST_RANGE),  # destination id == limit
+    ([-1, 1, 2], [0, 1, 2], native_post.ERR_SRC_RANGE),  # negative: huge when viewed unsigned
+    ([0, 1, 2], [0, 1, -5], native_post.ERR_DST_RANGE),
+    ([1 << 32, 1, 2], [0, 1, 2], native_post.ERR_SRC_RANGE),  # would wrap to 0 if narrowed before the check
+])
+def test_id_check_refuses_what_the_python_check_refuses(lib: ctypes.CDLL, src: list[int], dst: list[int],
+                                                         want: int) -> None:
+    rc, _ = _check(lib, src, dst, 10, 4)
+    assert rc == want
+    with pytest.raises(RemoteMismatchError):  # the Python path agrees (it raises the message users see)
+        cuda_ipc._block_ids(np.asarray(src), 10, "source")
+        cuda_ipc._block_ids(np.asarray(dst), 4, "destination")
+
+
+def _fake_compiled(signature: dict[str, str], **meta: Any) -> Any:
+    base = {"num_ctas": 1, "launch_pdl": False, "launch_cooperative_grid": False, "global_scratch_size": 0,
+            "profile_scratch_size": 0, "tensordesc_meta": None, "num_warps": 4, "shared": 128}
+    return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=SimpleNamespace(**{**base, **meta}),
+                           function=0xF00D)
+
+
+SIG = {"anchor": "*i64", "src_base": "*i64", "dst_base": "*i64", "src_ids": "*i32", "dst_ids": "*i32",
+       "stride": "i64", "split": "constexpr", "count": "i32", "CHUNK": "constexpr"}
+ARGS = (0x1000, 0x2000, 0x3000, 0, 0, 1 << 40, 1, -3, 512)
+
+
+def test_kernel_binding_builds_tritons_parameter_array(lib: ctypes.CDLL) -> None:
+    desc = native_post.bind_kernel(_fake_compiled(SIG), ARGS, src_ids_arg=3, dst_ids_arg=4, chunks=8, grid_y=64,
+                                   lib=lib)
+    assert desc is not None
+    # non-constexpr arguments in order, then the global and profile scratch pointers
+    assert desc.nparams == 7 + 2
+    assert list(desc.slots[:3]) == [0x1000, 0x2000, 0x3000]
+    assert (desc.src_ids_param, desc.dst_ids_param) == (3, 4)
+    assert desc.slots[5] == 1 << 40
+    assert ctypes.c_int32.from_address(ctypes.addressof(desc.slots) + 6 * 8).value == -3  # read as the int32 it is
+    assert list(desc.slots[7:9]) == [0, 0]
+    assert all(desc.params[i] == ctypes.addressof(desc.slots) + 8 * i for i in range(desc.nparams))
+    assert (desc.function, desc.chunks, desc.grid_y, desc.block_x, desc.shared) == (0xF00D, 8, 64, 128, 128)
+
+
+@pytest.mark.parametrize("change", [
+    {"num_ctas": 2}, {"launch_pdl": True}, {"launch_cooperative_grid": True}, {"global_scratch_size": 64},
+    {"profile_scratch_size": 8}, {"tensordesc_meta": [{}]},
+])
+def test_kernel_binding_refuses_launches_tritons_launcher_does_differently(lib: ctypes.CDLL,
+                                                                          change: dict[str, Any]) -> None:
+    assert native_post.bind_kernel(_fake_compiled(SIG, **change), ARGS, src_ids_arg=3, dst_ids_arg=4, chunks=1,
+                                   grid_y=1, lib=lib) is None
+
+
+@pytest.mark.parametrize("signature", [
+    {**SIG, "stride": "fp32"},  # float arguments are packed differently
+    {**SIG, "src_ids": "constexpr"},  # nothing to fill per post
+    dict(list(SIG.items())[:-1]),  # argument count differs from the signature
+])
+def test_kernel_binding_refuses_signatures_it_does_not_understand(lib: ctypes.CDLL, signature: dict[str, str]) -> None:
+    assert native_post.bind_kernel(_fake_compiled(signature), ARGS, src_ids_arg=3, dst_ids_arg=4, chunks=1,
+                                   grid_y=1, lib=lib) is None
+
+
+def test_without_a_driver_the_transport_says_why_and_keeps_the_python_post(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_post, "_loaded", None)
+    monkeypatch.setattr(native_post, "_why_not", None)
+    monkeypatch.setenv("KVL_NATIVE_POST", "0")
+    assert native_post.load() is None
+    assert native_post.why_not() == "KVL_NATIVE_POST=0"
+
+
+# --- on a GPU ---------------------------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.gpu
+class TestCudaIpcPythonPostConformance(VramPair, TransportConformance):
+    """The conformance suite with the compiled post off: the Python path stays correct (and is the fallback)."""
+
+    def make_transport(self, name: str) -> cuda_ipc.CudaIpcTransport:
+        t = cuda_ipc.CudaIpcTransport(name, compiled_post=False)
+        assert not t.compiled_post
+        return t
+
+
+@gpu
+@pytest.mark.gpu
+def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_nothing() -> None:
+    suffix = time.monotonic_ns()
+    a, b = cuda_ipc.CudaIpcTransport(f"cp-a-{suffix}"), cuda_ipc.CudaIpcTransport(f"cp-b-{suffix}")
+    ta, tb = vram_tensors("random", 9), vram_tensors("zeros")
+    try:
+        a.register(vram_layout(tb))
+        b.register(vram_layout(ta))
+        assert a.compiled_post, native_post.why_not()
+        peer = a.add_peer(b.local_metadata())
+        b.add_peer(a.local_metadata())
+        plan = a.prepare(peer)
+        rng = np.random.default_rng(4)
+        first = a.post("READ", plan, np.array([0], np.int32), np.array([0], np.int32))  # JIT, binds the kernel
+        assert wait_status(a, first) is XferStatus.DONE
+        a.release(first)
+        launch = a._plans[plan.key].whole
+        moved = []
+        for i, dtype in enumerate((np.int32, np.int64, np.uint16)):  # the C side widens/narrows any integer dtype
+            dst = rng.permutation(np.arange(1, BLOCKS))[:5].astype(dtype)
+            src = rng.permutation(BLOCKS)[:5].astype(dtype)
+            note = Notification(f"r{i}", f"t{i}", 1, a.epoch, "done", 0)
+            h = a.post("READ", plan, dst, src, notification=note)
+            assert launch.native_read is not None  # warm: this post went through the compiled path
+            assert wait_status(a, h) is XferStatus.DONE
+            assert [n.transfer for _, n in wait_notes(b, 1)] == [f"t{i}"]  # sent without a further call
+            st = a.stats(h)
+            assert st is not None and st.bytes == 5 * launch.bytes_per_block and st.t_xfer_s > 0
+            a.release(h)
+            moved.append((dst, src))
+            torch.cuda.synchronize()
+            for r in range(REGIONS):
+                d_ids, s_ids = torch.from_numpy(dst.astype(np.int64)).cuda(), torch.from_numpy(src.astype(np.int64)).cuda()
+                assert torch.equal(tb[r][d_ids], ta[r][s_ids])
+        for bad_dst, bad_src in (([0, BLOCKS], [0, 1]), ([0, 1], [-1, 2])):
+            with pytest.raises(RemoteMismatchError, match="block ids must be in"):
+                a.post("READ", plan, np.array(bad_dst), np.array(bad_src))
+        # a push through the compiled path (local -> peer), once the write kernel is warm
+        warm = a.post("WRITE", plan, np.array([1]), np.array([9]))
+        assert wait_status(a, warm) is XferStatus.DONE
+        a.release(warm)
+        h = a.post("WRITE", plan, np.array([2, 3]), np.array([7, 8]))
+        assert launch.native_write is not None
+        assert wait_status(a, h) is XferStatus.DONE
+        a.release(h)
+        torch.cuda.synchronize()
+        for r in range(REGIONS):
+            assert torch.equal(ta[r][[7, 8]], tb[r][[2, 3]])
+        assert a._ring is not None and not a._ring.busy and not a._settling
+    finally:
+        a.close()
+        b.close()
