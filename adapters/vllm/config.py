@@ -26,6 +26,9 @@ class AdapterConfig:
     handshake_timeout_s: float = 5.0
     load_timeout_s: float = 60.0
     secret: str | None = None  # optional side-channel HMAC secret, shared by P and D
+    # "auto": KV in VRAM also registers a CUDA IPC transport, which D picks per P at connect when both are on one
+    # node (NIXL stays the fallback); "off": NIXL only
+    fast_path: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> AdapterConfig:
@@ -48,6 +51,8 @@ class AdapterConfig:
             raise ValueError(f"mode must be 'pull' or 'push', got {config.mode!r}")
         if config.transport != "nixl":
             raise ValueError(f"transport {config.transport!r} is not supported by the vLLM adapter (nixl only)")
+        if config.fast_path not in ("auto", "off"):
+            raise ValueError(f"fast_path must be 'auto' or 'off', got {config.fast_path!r}")
         if config.lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
         return config

@@ -7,6 +7,8 @@
 - D (``kv_consumer`` / ``kv_both``): a :class:`~kvlifecycle.ledger.TargetLedger` and a
   :class:`~kvlifecycle.handoff.Consumer`. Everything that may block (fetching the grant, the handshake, the claim)
   runs on one adapter thread, never on the forward thread; completions come back through a ledger listener.
+- KV caches in VRAM (``fast_path: "auto"``) also get a CUDA IPC transport over the same regions, handed to both
+  as ``fast_transport``: D picks it per P at the handshake when both are on one node; NIXL stays the fallback.
 
 Neither side calls ``os.sched_setaffinity`` (vLLM's CPU NIXL worker pins the forward thread to one core) and the
 NIXL agent runs without UCX's progress thread (it spins a core); the transport's service thread drives progress.
@@ -52,20 +54,93 @@ OWN_SUFFIX = "#own"  # the companion request that holds a request's newly alloca
 
 
 class LayoutError(ValueError):
-    """vLLM's KV tensors are not laid out block-major and block-contiguous: refused at registration."""
+    """vLLM's KV tensors are not in a layout the handoff can move block by block: refused at registration."""
 
 
 def _layer_key(name: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def kv_layout_from_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
-    """One region per distinct KV tensor (sorted by layer name, the same on P and D): block ``b`` of a region is
-    ``block_bytes`` bytes at ``base + b * block_bytes``."""
+@dataclass(frozen=True, slots=True)
+class KVCaches:
+    """vLLM's per-layer KV tensors as the handoff sees them (the same on P and D for the same backend)."""
+
+    layout: KVLayout
+    num_layers: int  # distinct KV tensors: layers that share one cache count once
+    kv_layout: str  # within a region's block: "HND" (heads outside tokens) or "NHD" (tokens outside heads)
+    kv_outer: bool  # [2, blocks, ...] per layer: K and V are two regions; else one region per layer
+
+
+def _block_major_bytes(cache: torch.Tensor, num_blocks: int) -> tuple[int, str] | None:
+    """(bytes per block, "HND" | "NHD") when block ``b`` is ``cache[b]``, one dense span; None otherwise. vLLM
+    hands each layer as a logical [blocks, heads, block_size, 2 x head_size] view (K and V fused per token):
+    identity memory order is LBHNC (the CPU backend; "HND"), and a block stored token-major under that same view
+    is LBNHC (vLLM 0.32's default on GPU with FlashAttention; "NHD")."""
+    if cache.dim() < 2 or cache.shape[0] != num_blocks:
+        return None
+    block = cache[0]
+    per_block = block.numel() * cache.element_size()
+    if cache.stride(0) * cache.element_size() != per_block:
+        return None
+    if block.is_contiguous():
+        return int(per_block), "HND"
+    if block.dim() == 3 and block.permute(1, 0, 2).is_contiguous():
+        return int(per_block), "NHD"
+    return None
+
+
+def _kv_outer_bytes(cache: torch.Tensor, num_blocks: int) -> tuple[int, str] | None:
+    """(bytes per block, "NHD" | "HND") when the tensor is K/V-outer, [2, blocks, block_size, heads, head_size]
+    (FlashAttention's per-layer cache in vLLM releases that allocate K and V outermost), with every K and V block
+    dense: in token order (NHD, the default) or head-major (an HND stride order: the same logical shape over
+    [2, blocks, heads, block_size, head_size] memory); None otherwise."""
+    if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[1] != num_blocks:
+        return None
+    block = cache[0, 0]  # [block_size, heads, head_size]; V's blocks have the same strides
+    per_block = block.numel() * cache.element_size()
+    if cache.stride(1) * cache.element_size() != per_block:
+        return None
+    if block.is_contiguous():
+        return int(per_block), "NHD"
+    if block.permute(1, 0, 2).is_contiguous():
+        return int(per_block), "HND"
+    return None
+
+
+def _classify(name: str, cache: torch.Tensor, num_blocks: int) -> tuple[bool, int, str]:
+    """(K/V-outer, bytes per block and region, "NHD" | "HND") of one layer's cache, or LayoutError in words."""
+    major = _block_major_bytes(cache, num_blocks)
+    outer = _kv_outer_bytes(cache, num_blocks)
+    shape, stride = tuple(cache.shape), cache.stride()
+    if major is not None and outer is not None:
+        # only possible with 2 blocks: [2, 2, ...] dense reads both ways and moving the wrong one corrupts K/V
+        raise LayoutError(f"{name}: KV cache shape {shape} with {num_blocks} blocks is ambiguous (block-major "
+                          "[blocks, ...] or K/V-outer [2, blocks, ...]); give vLLM more than 2 KV blocks")
+    if outer is not None:
+        return True, *outer
+    if major is not None:
+        return False, *major
+    if cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
+        raise LayoutError(f"{name}: K/V-outer KV cache {shape} is not block-contiguous (stride {stride}): each K "
+                          "and V block must be one dense [block_size, heads, head_size] or [heads, block_size, "
+                          "head_size] span")
+    if cache.dim() >= 2 and cache.shape[0] == num_blocks:
+        raise LayoutError(f"{name}: blocks are not contiguous (shape {shape}, stride {stride}): each block must be "
+                          "one dense span (LBHNC or LBNHC; cross-layer and head-outer layouts are not supported)")
+    raise LayoutError(f"{name}: KV cache shape {shape} is neither block-major over {num_blocks} blocks "
+                      f"([{num_blocks}, heads, block_size, 2 x head_size]) nor K/V-outer ([2, {num_blocks}, "
+                      "block_size, heads, head_size]); cross-layer layouts are not supported")
+
+
+def describe_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVCaches:
+    """Regions in one order on P and D: layers sorted by name; a block-major layer is one region, a K/V-outer
+    layer two (K then V). Block ``b`` of a region is ``block_bytes`` bytes at ``base + b * block_bytes``."""
     bases: list[int] = []
     block_bytes: list[int] = []
     seen: set[int] = set()
     kind: MemoryKind | None = None
+    device = -1
+    form: tuple[bool, str] | None = None  # (K/V-outer, NHD | HND): one for every layer
     for name in sorted(kv_caches, key=_layer_key):
         cache = kv_caches[name]
         if cache.data_ptr() in seen:
@@ -74,31 +149,41 @@ def kv_layout_from_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -
         this_kind = MemoryKind.DRAM if cache.device.type == "cpu" else MemoryKind.VRAM
         if kind is not None and this_kind != kind:
             raise LayoutError("KV caches live on different memory kinds")
-        kind = this_kind
-        if cache.dim() < 2 or cache.shape[0] != num_blocks:
-            raise LayoutError(f"{name}: KV cache shape {tuple(cache.shape)} is not block-major over "
-                              f"{num_blocks} blocks (cross-layer or K/V-outer layouts are not supported)")
-        per_block = cache[0].numel() * cache.element_size()
-        if cache.stride(0) * cache.element_size() != per_block or not cache[0].is_contiguous():
-            raise LayoutError(f"{name}: blocks are not contiguous (stride {cache.stride()})")
-        bases.append(int(cache.data_ptr()))
-        block_bytes.append(int(per_block))
-    if kind is None:
+        if kind is MemoryKind.VRAM and cache.get_device() != device:
+            raise LayoutError(f"{name}: KV caches live on different devices ({device} and {cache.get_device()})")
+        kind, device = this_kind, cache.get_device()
+        outer, per_block, order = _classify(name, cache, num_blocks)
+        if form is not None and form != (outer, order):
+            raise LayoutError(f"{name}: layers mix KV layouts ({'K/V-outer' if outer else 'block-major'} {order} "
+                              f"after {'K/V-outer' if form[0] else 'block-major'} {form[1]})")
+        form = (outer, order)
+        halves = (cache[0], cache[1]) if outer else (cache,)
+        bases += [int(half.data_ptr()) for half in halves]
+        block_bytes += [per_block] * len(halves)
+    if kind is None or form is None:
         raise LayoutError("no KV caches to register")
-    device = 0 if kind is MemoryKind.DRAM else max(next(iter(kv_caches.values())).get_device(), 0)
-    return KVLayout(kind, device, num_blocks, tuple(bases), tuple(block_bytes))
+    layout = KVLayout(kind, 0 if kind is MemoryKind.DRAM else max(device, 0), num_blocks, tuple(bases),
+                      tuple(block_bytes))
+    return KVCaches(layout, len(seen), form[1], form[0])
 
 
-def compat_info(vllm_config: VllmConfig, layout: KVLayout, dtype: str) -> CompatInfo:
+def kv_layout_from_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVLayout:
+    """The regions of :func:`describe_kv_caches`."""
+    return describe_kv_caches(kv_caches, num_blocks).layout
+
+
+def compat_info(vllm_config: VllmConfig, caches: KVCaches, dtype: str) -> CompatInfo:
     model = vllm_config.model_config
     return CompatInfo(
         model_id=str(model.model),
         dtype=dtype,
-        num_layers=layout.num_regions,
+        # model layers with their own KV cache, not regions: a K/V-outer layer is two regions, and P and D must
+        # agree on the model, whatever layout each one's backend chose
+        num_layers=caches.num_layers,
         num_kv_heads=int(model.get_total_num_kv_heads()),
         head_size=int(model.get_head_size()),
         block_size=int(vllm_config.cache_config.block_size),
-        kv_layout="HND",  # vLLM's CPU backend (LBHNC): heads outside tokens within a block
+        kv_layout=caches.kv_layout,
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
     )
 
@@ -134,6 +219,7 @@ class WorkerSide:
             load_timeout_s=config.load_timeout_s,
         )
         self.transport: Any = None
+        self.fast_transport: Any = None  # CUDA IPC over the same regions (same-node GPUs); None: NIXL only
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self.source = None
@@ -157,20 +243,25 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from kvlifecycle.transports.nixl import NixlTransport
 
-        layout = kv_layout_from_caches(kv_caches, self.num_blocks)
-        dtype = str(next(iter(kv_caches.values())).dtype).removeprefix("torch.")
-        compat = compat_info(self.vllm_config, layout, dtype)
+        caches = describe_kv_caches(kv_caches, self.num_blocks)
+        layout = caches.layout
+        first = next(iter(kv_caches.values()))
+        dtype = str(first.dtype).removeprefix("torch.")
+        compat = compat_info(self.vllm_config, caches, dtype)
         agent = f"kvl-{self.engine_id[:12]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
         self.transport = NixlTransport(agent, backends=self.config.backends)
         self.transport.register(layout)
-        log.info("KVLifecycleConnector: registered %d regions x %d blocks (%s bytes/block), agent %s, mode %s",
-                 layout.num_regions, layout.num_blocks, layout.block_bytes[0], agent, self.config.mode)
+        self.fast_transport = self._build_fast_path(layout, f"{agent}-ipc")
+        log.info("KVLifecycleConnector: registered %d regions x %d blocks (%s bytes/block, %s %s, %s), agent %s, "
+                 "mode %s, fast path %s", layout.num_regions, layout.num_blocks, layout.block_bytes[0],
+                 "K/V-outer" if caches.kv_outer else "block-major", caches.kv_layout, layout.kind.value, agent,
+                 self.config.mode, "cuda_ipc offered" if self.fast_transport is not None else "none")
         if self.is_producer:
             self.source = open_ledger("source", self.num_blocks, self._log_dir("source"), fsync=self.config.fsync,
                                       worker=f"p-{self.engine_id[:12]}-tp{self.tp_rank}",
                                       default_ttl_s=self.config.lease_ttl_s)
             self.producer = Producer(self.source, self.transport, compat, tp_rank=self.tp_rank,
-                                     options=self.options)
+                                     options=self.options, fast_transport=self.fast_transport)
             log.info("KVLifecycleConnector: producer side channel %s", self.producer.address)
         if self.is_consumer:
             self.target = open_ledger("target", self.num_blocks, self._log_dir("target"), fsync=self.config.fsync,
@@ -181,13 +272,37 @@ class WorkerSide:
                 secret=self.options.secret, host=self.options.host, port=0,
                 request_timeout_s=self.options.request_timeout_s, load_timeout_s=self.options.load_timeout_s,
                 on_abandoned=self._on_abandoned,
-                # heterogeneous TP views are in (head x token) units; on vLLM's CPU layout one unit is a token's
-                # fused K and V of one head: 2 x head_size elements
-                unit_bytes=2 * compat.head_size * next(iter(kv_caches.values())).element_size())
+                # heterogeneous TP views are in (head x token) units: on vLLM's CPU layout one unit is a token's
+                # fused K and V of one head (2 x head_size elements); a K/V-outer region holds K or V alone
+                unit_bytes=(1 if caches.kv_outer else 2) * compat.head_size * first.element_size())
+            # the Consumer picks the fast path per P at connect (select_same_node: same node, VRAM on both sides,
+            # self-test passed) and logs the choice; NIXL stays the fallback and carries pushes
             self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
-                                     options=consumer_options)
+                                     options=consumer_options, fast_transport=self.fast_transport)
             self._thread = threading.Thread(target=self._serve, name="kvl-vllm-consumer", daemon=True)
             self._thread.start()
+
+    def _build_fast_path(self, layout: KVLayout, agent: str) -> Any:
+        """A CUDA IPC transport over the same regions when the KV lives in VRAM (``fast_path: "auto"``), else
+        None. Any reason it cannot be built is logged and leaves NIXL alone: a missing fast path must never stop
+        the connector, nor go unnoticed."""
+        if self.config.fast_path == "off" or layout.kind is not MemoryKind.VRAM:
+            return None
+        try:
+            from kvlifecycle.transports.cuda_ipc import CudaIpcTransport  # lazily: it needs torch and CUDA
+
+            fast = CudaIpcTransport(agent)
+        except (ImportError, RuntimeError, TransportError) as exc:
+            log.warning("KVLifecycleConnector: no CUDA IPC fast path, NIXL only: %s", exc)
+            return None
+        try:
+            fast.register(layout)
+        except (RuntimeError, TransportError) as exc:  # e.g. memory that cannot be exported for IPC
+            log.warning("KVLifecycleConnector: no CUDA IPC fast path, NIXL only: %s", exc)
+            with contextlib.suppress(RuntimeError, TransportError):  # the failure that matters is logged above
+                fast.close()
+            return None
+        return fast
 
     def _log_dir(self, side: str) -> str | None:
         if not self.config.log_dir:
@@ -521,5 +636,9 @@ class WorkerSide:
         for ledger in (self.source, self.target):
             if ledger is not None and ledger.log is not None:
                 ledger.log.close()
-        if self.transport is not None:
-            self.transport.close()
+        for transport in (self.transport, self.fast_transport):
+            if transport is not None:
+                try:
+                    transport.close()
+                except Exception as exc:  # shutdown must finish
+                    log.warning("closing %s: %s", type(transport).__name__, exc)

@@ -1,5 +1,6 @@
 """The CUDA IPC transport: the conformance suite with VRAM regions (also for NIXL), two-process IPC pull/push,
-lifecycle on GPU, the batched kernel's edge cases, the vLLM KV layout, and backend selection.
+lifecycle on GPU, the batched kernel's edge cases, and backend selection (the vLLM KV layout and the vLLM
+connector's worker side: test_cuda_ipc_vllm.py).
 
 Everything that needs a GPU is skipped with the reason printed (``pytest -rs``) when CUDA is absent; the selection
 checks that need no GPU always run.
@@ -24,7 +25,6 @@ from kvlifecycle.clock import ManualClock
 from kvlifecycle.handshake import CompatInfo, MetaReply
 from kvlifecycle.ledger import BlockBusyError, SourceLedger
 from kvlifecycle.transport import (
-    BlockView,
     KVLayout,
     LayoutWire,
     MemoryKind,
@@ -525,185 +525,6 @@ def test_register_refuses_dram_and_memory_it_cannot_export() -> None:
         assert t.registered_regions() == 0
     finally:
         t.close()
-
-
-# --- the vLLM layout ------------------------------------------------------------------------------------------------
-
-
-def vllm_kv_caches(layers: int, num_blocks: int, block_size: int, kv_heads: int, head_size: int, *,
-                   dtype: torch.dtype, seed: int | None) -> list[torch.Tensor]:
-    """One tensor per layer, shaped as vLLM's FlashAttention backend allocates it: [2, blocks, block_size, heads,
-    head_size] (K then V)."""
-    shape = (2, num_blocks, block_size, kv_heads, head_size)
-    if seed is None:
-        return [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(layers)]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(shape, dtype=torch.float32, device="cuda", generator=gen).to(dtype) for _ in range(layers)]
-
-
-def vllm_layout(caches: list[torch.Tensor]) -> KVLayout:
-    """Regions = K and V of every layer (``cache[0]``, ``cache[1]``), each [blocks, block_size, heads, head_size]."""
-    halves = [half for cache in caches for half in (cache[0], cache[1])]
-    return vram_layout(halves)
-
-
-@gpu
-@pytest.mark.gpu
-def test_vllm_shaped_kv_moves_byte_exact_with_sliced_heads() -> None:
-    """vLLM-shaped bf16 caches: a whole-request pull, then heterogeneous TP (D reads half of P's heads: HND view
-    per block is [heads, block_size, head_size] here, so one rank's heads are one contiguous slice)."""
-    layers, nb, bs, heads, hd = 4, 48, 16, 8, 128
-    p = cuda_ipc.CudaIpcTransport(f"vllm-p-{time.monotonic_ns()}")
-    d = cuda_ipc.CudaIpcTransport(f"vllm-d-{time.monotonic_ns()}")
-    src = vllm_kv_caches(layers, nb, bs, heads, hd, dtype=torch.bfloat16, seed=3)
-    dst = vllm_kv_caches(layers, nb, bs, heads, hd, dtype=torch.bfloat16, seed=None)
-    p.register(vllm_layout(src))
-    d.register(vllm_layout(dst))
-    try:
-        peer = d.add_peer(p.local_metadata())
-        p_blocks = np.array([40, 2, 17, 33, 5], dtype=np.int32)
-        d_blocks = np.array([0, 1, 2, 3, 4], dtype=np.int32)
-        h = d.post("READ", d.prepare(peer), d_blocks, p_blocks)
-        assert wait_status(d, h) is XferStatus.DONE
-        pi, di = torch.from_numpy(p_blocks).long(), torch.from_numpy(d_blocks).long()
-        for s, t in zip(src, dst, strict=True):
-            assert torch.equal(t[:, di].view(torch.int16), s[:, pi].view(torch.int16))  # bit-exact, not allclose
-        # heterogeneous TP on an HND-permuted view: rank 1 of 2 reads heads 4..7 of each P block
-        block_bytes = bs * heads * hd * 2
-        half = block_bytes // 2
-        src_hnd = [x.permute(0, 1, 3, 2, 4).contiguous() for x in src]  # [2, blocks, heads, bs, hd]
-        dst_half = vllm_kv_caches(layers, nb, bs, heads // 2, hd, dtype=torch.bfloat16, seed=None)
-        p2 = cuda_ipc.CudaIpcTransport(f"vllm-p2-{time.monotonic_ns()}")
-        d2 = cuda_ipc.CudaIpcTransport(f"vllm-d2-{time.monotonic_ns()}")
-        p2.register(vllm_layout(src_hnd))
-        d2.register(vllm_layout(dst_half))
-        try:
-            plan = d2.prepare(d2.add_peer(p2.local_metadata()), remote_view=BlockView(half, half))
-            h2 = d2.post("READ", plan, d_blocks, p_blocks)
-            assert wait_status(d2, h2) is XferStatus.DONE
-            for s, t in zip(src_hnd, dst_half, strict=True):
-                got = t[:, di].view(2, len(d_blocks), heads // 2, bs, hd)  # the D cache read as HND
-                assert torch.equal(got.view(torch.int16), s[:, pi, heads // 2:].view(torch.int16))
-        finally:
-            d2.close()
-            p2.close()
-    finally:
-        d.close()
-        p.close()
-
-
-def _vllm_or_stubs(monkeypatch: pytest.MonkeyPatch) -> str:
-    """The real vLLM when installed; otherwise the handful of vLLM names the adapter imports, as stubs (the GPU
-    machine has no package registry, so vLLM cannot be installed there). Only import-time names are stubbed: the
-    worker side's data path (layout, ledgers, Producer / Consumer, the transport) is the adapter's own code."""
-    import sys
-    import types
-
-    try:
-        import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
-        return "vllm"
-    except ImportError:
-        pass
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, name)  # a partial or unrelated "vllm" found on the path
-    base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
-    for name in ("KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorTransferResults"):
-        setattr(base, name, type(name, (), {}))
-    base.KVConnectorRole = type("KVConnectorRole", (), {"SCHEDULER": 0, "WORKER": 1})
-    parallel = types.ModuleType("vllm.distributed.parallel_state")
-    parallel.get_tensor_model_parallel_rank = lambda: 0
-    names = ["vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
-             "vllm.distributed.kv_transfer.kv_connector.v1"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, base.__name__, base)
-    monkeypatch.setitem(sys.modules, parallel.__name__, parallel)
-    for name in [m for m in sys.modules if m.startswith("kvlifecycle.adapters.vllm")]:
-        monkeypatch.delitem(sys.modules, name)
-    return "stubs"
-
-
-def _fake_vllm_config(role: str, block_size: int, heads: int, head_size: int) -> Any:
-    from types import SimpleNamespace
-
-    model = SimpleNamespace(model="tiny-random-llama", get_total_num_kv_heads=lambda: heads,
-                            get_head_size=lambda: head_size)
-    return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_role=role, kv_load_failure_policy="fail"),
-        cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=False),
-        parallel_config=SimpleNamespace(data_parallel_index=0, tensor_parallel_size=1),
-        model_config=model,
-    )
-
-
-@gpu
-@pytest.mark.gpu
-def test_vllm_worker_side_moves_gpu_kv_through_cuda_ipc(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """The vLLM connector's worker side (P and D ``WorkerSide``), driven with vLLM-shaped bf16 CUDA caches, with
-    the CUDA IPC transport in place of NIXL: grant on P, recv on D, bytes checked bit for bit, both sides settled."""
-    import socket
-    import sys
-
-    _vllm_or_stubs(monkeypatch)
-    import kvlifecycle.transports.nixl as nixl_module
-    from kvlifecycle.adapters.vllm.config import AdapterConfig
-    from kvlifecycle.adapters.vllm.metadata import GrantCmd, KVLifecycleMetadata, PeerRef, RecvCmd
-    from kvlifecycle.adapters.vllm.worker import LayoutError, WorkerSide, kv_layout_from_caches
-
-    # The worker side builds its transport as NixlTransport(agent, backends=...): hand it this transport instead.
-    monkeypatch.setattr(nixl_module, "NixlTransport", lambda agent, **_: cuda_ipc.CudaIpcTransport(agent))
-    layers, nb, bs, heads, hd = 4, 64, 16, 8, 128
-    with pytest.raises(LayoutError):  # FlashAttention's K/V-outer [2, blocks, ...] layout: refused, not misread
-        kv_layout_from_caches({"model.layers.0.self_attn.attn": torch.zeros(2, nb, bs, heads, hd, device="cuda")}, nb)
-    gen = torch.Generator(device="cuda").manual_seed(17)
-    # block-major layout (FlashInfer's): [blocks, 2 (K, V), block_size, heads, head_size] per layer
-    p_caches = {f"model.layers.{i}.self_attn.attn": torch.randn(nb, 2, bs, heads, hd, device="cuda",
-                                                                generator=gen).to(torch.bfloat16)
-                for i in range(layers)}
-    d_caches = {k: torch.zeros_like(v) for k, v in p_caches.items()}
-    layout = kv_layout_from_caches(p_caches, nb)
-    assert layout.kind is MemoryKind.VRAM and layout.num_regions == layers
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = AdapterConfig(side_channel_port=port, log_dir=str(tmp_path), load_timeout_s=30.0)
-    kv_cache_config = type("KVCacheConfig", (), {"num_blocks": nb})()
-    p = WorkerSide(_fake_vllm_config("kv_producer", bs, heads, hd), config, "engine-p", kv_cache_config)
-    d = WorkerSide(_fake_vllm_config("kv_consumer", bs, heads, hd), config, "engine-d", kv_cache_config)
-    try:
-        p.register_kv_caches(p_caches)
-        d.register_kv_caches(d_caches)
-        assert isinstance(p.transport, cuda_ipc.CudaIpcTransport)
-        p_blocks, d_blocks = (40, 2, 17, 33, 5, 61), (0, 1, 2, 3, 4, 5)
-        p.on_metadata(KVLifecycleMetadata(grants=[GrantCmd("req-p", p_blocks)]))
-        d.on_metadata(KVLifecycleMetadata(recvs=[RecvCmd(PeerRef("req-d", f"tcp://127.0.0.1:{port}", "req-p"),
-                                                         d_blocks)]))
-        received: set[str] = set()
-        sent: set[str] = set()
-        deadline = time.monotonic() + WAIT_S
-        while (not received or not sent) and time.monotonic() < deadline:
-            _, recving, failed = d.get_transfer_results()
-            assert not failed, f"D reported a failed load: {failed}"
-            received |= recving
-            sent |= p.get_transfer_results()[0]
-            time.sleep(0.002)
-        assert received == {"req-d"} and sent == {"req-p"}
-        pi, di = torch.tensor(p_blocks).long(), torch.tensor(d_blocks).long()
-        for name, cache in p_caches.items():
-            assert torch.equal(d_caches[name][di].view(torch.int16), cache[pi].view(torch.int16))
-            others = torch.tensor(sorted(set(range(nb)) - set(d_blocks))).long()
-            assert int(d_caches[name][others].view(torch.int16).abs().sum()) == 0
-        d.on_metadata(KVLifecycleMetadata(finishes=["req-d"]))
-        deadline = time.monotonic() + WAIT_S
-        while "req-d" in d.target.requests and time.monotonic() < deadline:
-            time.sleep(0.002)
-        assert "req-d" not in d.target.requests and "req-p" not in p.source.requests
-    finally:
-        d.shutdown()
-        p.shutdown()
-        for name in [m for m in sys.modules if m.startswith("kvlifecycle.adapters.vllm")]:
-            del sys.modules[name]
 
 
 # --- selection (no GPU needed for the refusals) ---------------------------------------------------------------------

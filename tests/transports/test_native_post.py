@@ -180,8 +180,9 @@ def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_no
             a.release(h)
             moved.append((dst, src))
             torch.cuda.synchronize()
+            d_ids = torch.from_numpy(dst.astype(np.int64)).cuda()
+            s_ids = torch.from_numpy(src.astype(np.int64)).cuda()
             for r in range(REGIONS):
-                d_ids, s_ids = torch.from_numpy(dst.astype(np.int64)).cuda(), torch.from_numpy(src.astype(np.int64)).cuda()
                 assert torch.equal(tb[r][d_ids], ta[r][s_ids])
         for bad_dst, bad_src in (([0, BLOCKS], [0, 1]), ([0, 1], [-1, 2])):
             with pytest.raises(RemoteMismatchError, match="block ids must be in"):
