@@ -948,7 +948,10 @@ class CudaIpcTransport:
         if self._trace:  # the C side's own stamps, plus the Python work before the call
             assert self._poster is not None
             self._poster.trace = 1
-            self._stage_marks = {"py_before_call": (t_call - self._t_post0) * 1e6, **self._poster.stages_us()}
+            entry_ns, exit_ns = self._poster.trace_ns[0], self._poster.trace_ns[6]  # CLOCK_MONOTONIC, as perf_counter
+            self._stage_marks = {"py_before_call": (t_call - self._t_post0) * 1e6,
+                                 "call_entry": entry_ns / 1e3 - t_call * 1e6, **self._poster.stages_us(),
+                                 "call_exit": t_launched * 1e6 - exit_ns / 1e3}
         return _Inflight(start, end, slot, [], notify, t_launched)
 
     def _launch(self, copiers: list[Any], src: np.ndarray, dst: np.ndarray, n: int,
