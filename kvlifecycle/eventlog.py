@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +41,6 @@ MAGIC = b"KVLLOG\x01\n"
 FRAME = struct.Struct("<II")
 FRAME_SIZE = FRAME.size
 _pack_frame = FRAME.pack
-_monotonic = time.monotonic
 CRC_SEED = 0x4B564C31  # a non-zero seed: a run of zero bytes is never a valid (empty) frame
 
 
@@ -301,6 +301,15 @@ def decode_payloads(scan: SegmentScan) -> list[Event]:
     return events
 
 
+def _sync_every_interval(ref: weakref.ref[EventLog], stop: threading.Event, interval_s: float) -> None:
+    """The syncer thread of an ``interval`` log: ends at close, or when the log was dropped."""
+    while not stop.wait(interval_s):
+        log = ref()
+        if log is None or not log._sync_once():
+            return
+        del log  # no strong reference while waiting
+
+
 def read_events(directory: str | os.PathLike[str]) -> list[Event]:
     return list(LogReader(directory))
 
@@ -308,8 +317,11 @@ def read_events(directory: str | os.PathLike[str]) -> list[Event]:
 class EventLog:
     """Appends events to segment files with group commit. One writer per directory.
 
-    ``append`` only encodes and frames into an in-memory batch (no I/O on the hot path); the batch is written when
-    it grows past ``batch_bytes``, when the fsync interval has passed, or on :meth:`commit` / :meth:`close`.
+    ``append`` only adds to an in-memory batch (no I/O on the hot path; a write only once the batch grows past
+    ``batch_bytes``, never an fsync except under ``always``). The batch is written on :meth:`commit` (once per
+    scheduler step) and :meth:`close`; under ``interval`` a background syncer writes and fsyncs it every interval,
+    so an appended event is durable within about one interval whether or not the caller commits, and the fsync
+    runs outside the lock appends take (a forward thread never waits for a disk flush).
     """
 
     def __init__(
@@ -336,9 +348,11 @@ class EventLog:
         self._last_sync = time.monotonic()
         self._unsynced = False
         self._sync_each = self.policy.mode == "always"
-        # interval mode: the first append after this moment writes and syncs the batch; otherwise only size does
         self._interval_s = self.policy.interval_ms / 1000.0 if self.policy.mode == "interval" else float("inf")
-        self._deadline = self._last_sync + self._interval_s
+        # Serialises an fsync with segment rotation and close (the syncer holds it, never together with _lock).
+        self._sync_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._syncer: threading.Thread | None = None
         self.appended = 0
         self._closed = False
         existing = segment_paths(self.directory)
@@ -346,6 +360,12 @@ class EventLog:
         if existing:
             self._recover(existing)
         self._open_segment()
+        if self.policy.mode == "interval":
+            # a weak reference: a log dropped without close() is collected, and its syncer ends with it
+            self._syncer = threading.Thread(target=_sync_every_interval, args=(weakref.ref(self), self._stop,
+                                                                                self._interval_s),
+                                            daemon=True, name=f"kvl-log-sync-{self.directory.name}")
+            self._syncer.start()
 
     # -- recovery -------------------------------------------------------------------------------------------------
     def _recover(self, existing: list[Path]) -> None:
@@ -403,15 +423,38 @@ class EventLog:
             if self._sync_each:
                 self._write_batch()
                 self._sync()
-            elif self._pending_bytes >= self.batch_bytes or _monotonic() >= self._deadline:
-                self._write_batch()
-                self._maybe_sync()
+            elif self._pending_bytes >= self.batch_bytes:
+                self._write_batch()  # bounds memory; the syncer (interval) or close makes it durable
 
     def commit(self) -> None:
-        """Write the batch and apply the fsync policy (``interval``: sync if the interval has passed)."""
+        """Write the batch (a group-commit boundary: once per scheduler step). ``always`` has synced every event
+        already; under ``interval`` the syncer fsyncs within the interval, off the caller's thread."""
         with self._lock:
             self._write_batch()
-            self._maybe_sync()
+
+    def _sync_once(self) -> bool:
+        """One round of the syncer (``interval``): write what is pending, then fsync outside ``_lock``. False once
+        the log is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._write_batch()
+            if not self._unsynced:
+                return True
+            self._unsynced = False
+            fh = self._fh
+        with self._sync_lock:
+            if fh.closed:  # rotated or closed meanwhile: that synced it
+                return True
+            try:
+                os.fsync(fh.fileno())
+            except OSError as exc:  # reported, and retried after the next interval
+                warnings.warn(f"event log {self.directory}: fsync failed: {exc}", RuntimeWarning, stacklevel=1)
+                with self._lock:
+                    self._unsynced = True
+                return True
+        self._last_sync = time.monotonic()
+        return True
 
     def flush(self) -> None:
         """Write and fsync now, whatever the policy (``never`` excepted)."""
@@ -434,35 +477,34 @@ class EventLog:
         payload = head + b"".join(pending)
         frame = _pack_frame(len(payload), _crc32(payload)) + payload
         if self._segment_size + len(frame) > self.segment_bytes and self._segment_size > 64:
-            self._sync()
-            self._fh.close()
-            self._open_segment()
+            with self._sync_lock:  # never close a segment under the syncer's fsync
+                self._sync()
+                self._fh.close()
+                self._open_segment()
         self._fh.write(frame)
         self._segment_size += len(frame)
         self._pending = []
         self._pending_bytes = 0
         self._unsynced = True
 
-    def _maybe_sync(self) -> None:
-        if self.policy.mode == "interval" and self._unsynced:
-            now = time.monotonic()
-            if (now - self._last_sync) * 1000.0 >= self.policy.interval_ms:
-                self._sync()
-
     def _sync(self) -> None:
         if self.policy.mode != "never":
             os.fsync(self._fh.fileno())
         self._last_sync = time.monotonic()
-        self._deadline = self._last_sync + self._interval_s
         self._unsynced = False
 
     def close(self) -> None:
+        self._stop.set()
+        syncer, self._syncer = self._syncer, None
+        if syncer is not None and syncer is not threading.current_thread():
+            syncer.join(10.0)  # bounded: it wakes at once (stop is set) and finishes at most one fsync
         with self._lock:
             if self._closed:
                 return
             self._write_batch()
-            self._sync()
-            self._fh.close()
+            with self._sync_lock:
+                self._sync()
+                self._fh.close()
             self._closed = True
 
     def __enter__(self) -> EventLog:

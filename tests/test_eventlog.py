@@ -198,3 +198,36 @@ def test_a_committed_batch_is_one_frame_and_survives_or_goes_whole(tmp_path: Pat
         warnings.simplefilter("ignore", TornTailWarning)
         EventLog(tmp_path / "log", header={"side": "source"}).close()
     assert read_events(tmp_path / "log") == first
+
+
+def test_append_does_no_io_until_commit_under_a_long_interval(tmp_path: Path) -> None:
+    """The hot path never writes or fsyncs: under ``interval`` only commit (or the syncer) writes the batch."""
+    log = EventLog(tmp_path / "log", header={"side": "source"}, fsync="3600000ms")
+    seg = segment_paths(tmp_path / "log")[0]
+    header_only = seg.stat().st_size
+    events = make_events(20)
+    for e in events:
+        log.append(e)
+    assert seg.stat().st_size == header_only  # nothing written by appends
+    log.commit()
+    assert seg.stat().st_size > header_only and read_events(tmp_path / "log") == events
+    log.close()
+
+
+def test_interval_syncer_writes_without_commit_and_ends_at_close(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    log = EventLog(tmp_path / "log", header={"side": "source"}, fsync="5ms")
+    events = make_events(7)
+    for e in events:
+        log.append(e)
+    deadline = time.monotonic() + 10.0  # bounded: the syncer runs every 5 ms
+    while time.monotonic() < deadline and read_events(tmp_path / "log") != events:
+        time.sleep(0.005)
+    assert read_events(tmp_path / "log") == events  # durable without a commit
+    syncer = log._syncer
+    assert syncer is not None and syncer.is_alive()
+    log.close()
+    assert not syncer.is_alive()
+    assert not any(t.name == syncer.name for t in threading.enumerate())
