@@ -17,9 +17,10 @@ per-block view. Blocks shared by several requests (prefix hits) take the vectori
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,6 +203,7 @@ class _Ledger:
         self.peer_epochs: dict[str, int] = {}
         self.listeners: list[Listener] = []
         self._lock = threading.RLock()
+        self._deferred: list[ev.Event] | None = None  # inside step(): events whose log record waits for its end
         self._replaying = False
         self._lazy = False
         self._final: dict[int, int] = {}  # lazy replay: allocation seq -> state its blocks were left in
@@ -258,7 +260,11 @@ class _Ledger:
     def _record(self, event: ev.Event) -> None:
         self._handlers[type(event)](event)
         if self.log is not None:
-            self.log.append_payload(_encode(event))
+            deferred = self._deferred
+            if deferred is None:
+                self.log.append_payload(_encode(event))
+            else:
+                deferred.append(event)
         if self.listeners:
             for listener in self.listeners:
                 listener(event)
@@ -412,6 +418,32 @@ class _Ledger:
         """Group-commit boundary: call once per scheduler step."""
         if self.log is not None:
             self.log.commit()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One scheduler step: the commands inside change state, refuse and tell listeners at once, but their log
+        records are encoded and appended together when the block ends (then committed).
+
+        Why: a command often gates work that should start right after it (``start_load`` → the copy's launch,
+        ``part_done`` → attention reading the blocks); the record's encoding and the log append need not sit in
+        that gap. The log's order is the commands' order, so replay is unchanged; events still in memory at a
+        crash are lost exactly as an unwritten group-commit batch would be. Nested or concurrent steps share the
+        outermost one's batch."""
+        with self._lock:
+            outer = self._deferred is None
+            if outer:
+                self._deferred = []
+        try:
+            yield
+        finally:
+            if outer:
+                with self._lock:
+                    events, self._deferred = self._deferred, None
+                    if self.log is not None:
+                        append = self.log.append_payload
+                        for event in events or ():
+                            append(_encode(event))
+                        self.log.commit()
 
     @classmethod
     def fold(cls, events: Iterable[ev.Event], num_blocks: int, **kwargs: Any) -> Any:

@@ -243,3 +243,30 @@ def test_block_states_equals_the_full_view_for_any_blocks(source: SourceLedger) 
     assert np.array_equal(source.block_states(ids), source.state[ids])
     assert source.block_states([1]).tolist() == [SourceState.PINNED_FOR_TRANSFER]
     assert source.block_states([5]).tolist() == [SourceState.ALLOCATED]
+
+
+def test_step_changes_state_at_once_and_appends_the_records_at_its_end(tmp_path: Path) -> None:
+    """Inside ``step()`` commands act immediately (state, refusals, listeners); the log gets their records, in
+    order, when the step ends, so a replay equals the live ledger exactly as without a step."""
+    target = open_ledger("target", 16, str(tmp_path / "d"), worker="d0")
+    seen: list[str] = []
+    target.listeners.append(lambda e: seen.append(type(e).__name__))
+    target.reserve("r", [3, 4])
+    appended = target.log.appended
+    with target.step():
+        target.start_load("r", "t1", generation=1, peer="p0", peer_epoch=1)
+        assert states(target, [3, 4]) == ["LOADING", "LOADING"]  # the gate acted now
+        assert seen[-1] == "TgtLoadStarted"  # listeners too
+        with pytest.raises(InvalidTransitionError):
+            target.start_load("r", "t1", generation=1, peer="p0", peer_epoch=1)  # refused now, recorded later
+        with target.step():  # nested: shares the outer batch
+            assert target.part_done("t1")
+        assert states(target, [3, 4]) == ["READY_FOR_ATTENTION"] * 2
+        assert target.log.appended == appended  # nothing appended inside the step
+    assert target.log.appended == appended + 3
+    target.finish("r")
+    target.log.close()
+    replayed = replay(tmp_path / "d")
+    kinds = [type(e).__name__ for e in replayed.events]
+    assert kinds[-4:] == ["TgtLoadStarted", "Refused", "TgtPartDone", "TgtFinished"]
+    assert np.array_equal(replayed.ledger.state, target.state)

@@ -153,7 +153,13 @@ class InProcess:
 def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], sweep: bool,
                      pipeline: int) -> dict[str, Any]:
     from kvlifecycle.transports.cuda_ipc import REGION_GROUP_HOST_IDS
-    from kvlifecycle.transports.triton_copy import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, BlockCopier, RegionSpec
+    from kvlifecycle.transports.triton_copy import (
+        DEFAULT_CHUNK_BYTES,
+        DEFAULT_LOOP,
+        DEFAULT_NUM_WARPS,
+        BlockCopier,
+        RegionSpec,
+    )
 
     out: dict[str, Any] = {}
     nbytes = shape.nbytes
@@ -200,6 +206,9 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         variants = list(dict.fromkeys(variants))
         for c, w in ((4096, 4), (2048, 2), (8192, 4)):  # cache hints: 0 none, 2 streaming stores only
             variants += [(c, w, 1, False, cache) for cache in (0, 2)]
+        # chunks per program (LOOP): fewer, longer-lived programs
+        variants += [(c, w, 1, False, 1, loop) for loop in (2, 4, 8) for c, w in ((4096, 4), (4096, 8), (2048, 4),
+                                                                                  (2048, 2), (8192, 8))]
     host_sets = []
     for s, d in sets:  # pinned host copies of the ids, 16-byte aligned halves, as the transport stages them
         pad = -(-len(s) // 4) * 4
@@ -211,8 +220,9 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
     for variant in variants:
         chunk, warps, group, host = variant[:4]
         cache = variant[4] if len(variant) > 4 else 1
+        loop = variant[5] if len(variant) > 5 else DEFAULT_LOOP
         copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps, region_group=group,
-                             cache=cache)
+                             cache=cache, loop=loop)
         copier.copy(*dev_sets[0])  # through Triton's JIT once: later launches are direct
         if host:
             def fn(h: Any, pad: int, copier: Any = copier) -> None:
@@ -226,7 +236,8 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         ip.poison(sets[-1][1])
         fn(*args[-1])
         exact = ip.check(*sets[-1])
-        key = f"{chunk}B/{warps}w/G{group}/{'host' if host else 'dev'}-ids" + (f"/cache{cache}" if cache != 1 else "")
+        key = (f"{chunk}B/{warps}w/G{group}/{'host' if host else 'dev'}-ids" + (f"/cache{cache}" if cache != 1 else "")
+               + (f"/L{copier.loop}" if copier.loop != 1 else ""))
         out["kernel_variants"][key] = {"event_s": ev, "gbps": _gbps(nbytes, ev), "exact": exact,
                                        "backend": copier.backend}
         if variant == variants[0]:
@@ -438,7 +449,10 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         stages: list[dict[str, float]] = []  # KVL_CUDA_IPC_TRACE=1: where post's time goes
         steps: list[list[float]] = []  # single requests: start_load, post, wait for the event, ledger completion
 
-        def round_(count: int, n: int, verify: bool) -> tuple[float, float, list[float], bool, dict[str, Any]]:
+        def round_(count: int, n: int, verify: bool, batched: bool = False
+                   ) -> tuple[float, float, list[float], bool, dict[str, Any]]:
+            """``count`` requests of ``n`` blocks: posted one by one, or (``batched``) as one ``post_batch`` (a
+            scheduler step's loads). Each ledger step's records are appended at its end, after the launch."""
             parent.send(("grant", count, n))
             _, grants = recv(spin=True)
             dst_sets = rng.permutation(ip.pool)[: count * n].astype(np.int32).reshape(count, n)
@@ -450,34 +464,52 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                 names.append(name)
                 if verify:
                     ip.poison(dst_sets[i])
+            ledger.commit()
             torch.cuda.synchronize(ip.device)
             handles = {}
             t_start = time.perf_counter()
             marks: list[float] = [t_start]
-            for i, (p_name, transfer, generation, src) in enumerate(grants):
-                ledger.start_load(names[i], transfer, generation=generation, peer=peer, peer_epoch=peer_epoch)
-                marks.append(time.perf_counter())
-                note = Notification(p_name, transfer, generation, transport.epoch, "done", 0)
-                handles[transfer] = (transport.post("READ", plan, dst_sets[i], src, notification=note,
-                                                    transfer=transfer), names[i])
-                marks.append(time.perf_counter())
+            with ledger.step():  # the gates act now; their log records are appended after the launch
+                batch = []
+                for i, (p_name, transfer, generation, src) in enumerate(grants):
+                    ledger.start_load(names[i], transfer, generation=generation, peer=peer, peer_epoch=peer_epoch)
+                    marks.append(time.perf_counter())
+                    note = Notification(p_name, transfer, generation, transport.epoch, "done", 0)
+                    if batched:
+                        batch.append((dst_sets[i], src, note, transfer))
+                        continue
+                    handles[transfer] = (transport.post("READ", plan, dst_sets[i], src, notification=note,
+                                                        transfer=transfer), names[i])
+                    marks.append(time.perf_counter())
+                if batched:
+                    posted = transport.post_batch("READ", plan, batch)
+                    handles = {b[3]: (h, names[i]) for i, (b, h) in enumerate(zip(batch, posted, strict=True))}
             kernel_s, stats0 = 0.0, {}
             t_ready = t_start
             deadline = time.perf_counter() + 60
             while handles:
-                for transfer in list(handles):
-                    handle, name = handles[transfer]
+                done = []
+                for transfer, (handle, _name) in handles.items():
                     status = transport.poll(handle)
-                    if status is XferStatus.PENDING:
-                        continue
-                    t_seen = time.perf_counter()
-                    marks.append(t_seen)
                     if status is XferStatus.FAILED:
                         raise RuntimeError(f"transfer failed: {transport.error(handle)}")
-                    # The blocks are READY_FOR_ATTENTION once part_done returns: that ends a request's latency.
-                    ledger.part_done(transfer)
+                    if status is XferStatus.DONE:
+                        done.append(transfer)
+                if not done:
+                    if time.perf_counter() > deadline:
+                        raise TimeoutError("e2e transfers did not complete in 60 s")
+                    continue
+                t_seen = time.perf_counter()
+                marks.append(t_seen)
+                # The blocks are READY_FOR_ATTENTION once part_done returns: that ends a request's latency (the
+                # step's log records follow, at its end).
+                with ledger.step():
+                    for transfer in done:
+                        ledger.part_done(transfer)
                     t_ready = time.perf_counter()
-                    marks.append(t_ready)
+                marks.append(t_ready)
+                for transfer in done:
+                    handle, _name = handles.pop(transfer)
                     # Metrics and the handle's release change no block state: they follow, off the latency path.
                     rec = transport._handles.live[handle.id]
                     st = transport.stats(handle)
@@ -485,7 +517,6 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                     ledger.observe_transfer(transfer, t_post_s=st.t_post_s, t_xfer_s=st.t_xfer_s, nbytes=st.bytes,
                                             descriptors=st.desc_count, backend=st.backend, ok=True)
                     transport.release(handle)
-                    del handles[transfer]
                     kernel_s += st.t_xfer_s
                     if count == 1:
                         marks.append(time.perf_counter())
@@ -497,10 +528,8 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                             stages.append(extra)
                     stats0 = {"t_post_us": st.t_post_s * 1e6, "t_xfer_us": st.t_xfer_s * 1e6, "backend": st.backend,
                               "descriptors_replaced": st.desc_count}
-                if time.perf_counter() > deadline:
-                    raise TimeoutError("e2e transfers did not complete in 60 s")
-            # one request: start_load -> blocks READY_FOR_ATTENTION; several: until the last is done and released
-            elapsed = (t_ready if count == 1 else time.perf_counter()) - t_start
+            # start_load of the first -> the last request's blocks READY_FOR_ATTENTION
+            elapsed = t_ready - t_start
             exact = True
             if verify:
                 for i, (_, _, _, src) in enumerate(grants):
@@ -558,6 +587,12 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                 piped.append(w)
                 exact = exact and ok
             out[f"{label}_pipelined_wall_s"] = _median(piped)
+            batched = []  # the same requests as one scheduler step: one post_batch, one ledger step each way
+            for i in range(max(1, reps // 4)):
+                w, _, _, ok, _ = round_(pipeline, n, verify=i == 0, batched=True)
+                batched.append(w)
+                exact = exact and ok
+            out[f"{label}_batched_wall_s"] = _median(batched)
             out[f"{label}_exact"] = exact
         if profile is not None:
             import io
@@ -667,6 +702,8 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
         r["gbps_kvl_kernel"] = _gbps(nb, e2e.get(f"{label}_kernel_s", float("nan")))
         r["gbps_kvl_pipelined"] = _gbps(nb * pipeline, e2e.get(f"{label}_pipelined_wall_s", float("nan")))
         r["gbps_ceiling_pipelined"] = _gbps(nb * pipeline, r["ceiling_pipelined_wall_s"])
+        r["gbps_kvl_batched"] = _gbps(nb * pipeline, e2e.get(f"{label}_batched_wall_s", float("nan")))
+        r["ratio_kvl_batched"] = r["gbps_kvl_batched"] / r["gbps_ceiling_pipelined"]
         r["ratio_kvl_to_ceiling_wall"] = r["gbps_kvl_wall"] / r["gbps_ceiling_wall"]
         r["ratio_kvl_kernel_to_ceiling_event"] = r["gbps_kvl_kernel"] / r["gbps_ceiling_event"]
         r["ratio_kernel_to_ceiling_event"] = r["gbps_kernel_event"] / r["gbps_ceiling_event"]
@@ -691,6 +728,8 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
     res["gbps_kvl_small_pipelined"] = small["gbps_kvl_pipelined"]
     res["ratio_pipelined"] = large["gbps_kvl_pipelined"] / large["gbps_ceiling_pipelined"]
     res["ratio_small_pipelined"] = small["gbps_kvl_pipelined"] / small["gbps_ceiling_pipelined"]
+    res["ratio_batched"] = large["ratio_kvl_batched"]
+    res["ratio_small_batched"] = small["ratio_kvl_batched"]
     res["host_us"] = _host_split(res, e2e, shapes)
     ab = res.get("e2e_python_post", {})
     if ab and "error" not in ab:  # the same e2e with the Python post, same run: the compiled post's A/B
@@ -707,6 +746,7 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
         "single_wall": {"large": res["ratio_to_ceiling"], "small": res["ratio_small"]},
         "transfer_device_time": {"large": res["ratio_kernel_to_ceiling"], "small": res["ratio_small_kernel"]},
         "pipelined_wall": {"large": res["ratio_pipelined"], "small": res["ratio_small_pipelined"]},
+        "step_batched_wall": {"large": res["ratio_batched"], "small": res["ratio_small_batched"]},
         "kernel_in_process": {"large": large["ratio_kernel_to_ceiling_event"],
                               "small": small["ratio_kernel_to_ceiling_event"]},
     }
@@ -763,6 +803,7 @@ def print_table(res: dict[str, Any]) -> None:
             ("(d) contiguous copies back to back, wall", r["gbps_ceiling_pipelined"], 1.0),
             ("(a) kvl e2e pipelined, wall (x back-to-back)", r["gbps_kvl_pipelined"],
              r["gbps_kvl_pipelined"] / r["gbps_ceiling_pipelined"]),
+            ("(a) kvl e2e, same requests as one step (post_batch)", r["gbps_kvl_batched"], r["ratio_kvl_batched"]),
             (f"    batched kernel in-process, events ({r.get('kernel_config')})", r["gbps_kernel_event"],
              r["ratio_kernel_to_ceiling_event"]),
             (f"    same, ids read from pinned host memory, G{REGION_GROUP_HOST_IDS}",

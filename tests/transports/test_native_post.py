@@ -202,3 +202,52 @@ def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_no
     finally:
         a.close()
         b.close()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [True, False])
+def test_post_batch_is_one_launch_with_a_handle_per_request(compiled: bool) -> None:
+    suffix = time.monotonic_ns()
+    a = cuda_ipc.CudaIpcTransport(f"batch-a-{suffix}", compiled_post=compiled)
+    b = cuda_ipc.CudaIpcTransport(f"batch-b-{suffix}")
+    ta, tb = vram_tensors("random", 11), vram_tensors("zeros")
+    try:
+        a.register(vram_layout(tb))
+        b.register(vram_layout(ta))
+        peer = a.add_peer(b.local_metadata())
+        b.add_peer(a.local_metadata())
+        plan = a.prepare(peer)
+        warm = a.post("READ", plan, [0], [0])  # JIT (and, compiled, binds the kernel)
+        assert wait_status(a, warm) is XferStatus.DONE
+        a.release(warm)
+        rng = np.random.default_rng(8)
+        dsts = np.setdiff1d(np.arange(BLOCKS), [0]).astype(np.int32)[:9]
+        requests = [(dsts[0:2], rng.permutation(BLOCKS)[:2], Notification("r0", "t0", 1, a.epoch, "done", 0), "t0"),
+                    (dsts[2:5], rng.permutation(BLOCKS)[:3].tolist(), None, "t1"),  # lists work too
+                    (dsts[5:9], rng.permutation(BLOCKS)[:4], Notification("r2", "t2", 1, a.epoch, "done", 0), "t2")]
+        slots_before = dict(a._ring.busy) if a._ring is not None else {}
+        handles = a.post_batch("READ", plan, requests)
+        assert len(handles) == 3 and len({h.id for h in handles}) == 3
+        flights = [a._inflight[h.id] for h in handles if h.id in a._inflight]
+        assert len({id(f.end) for f in flights}) <= 1  # one launch: one completion event for all
+        assert all(wait_status(a, h) is XferStatus.DONE for h in handles)
+        got = sorted(n.transfer for _, n in wait_notes(b, 2))
+        assert got == ["t0", "t2"]  # one notification per request that carried one
+        bpb = a._plans[plan.key].whole.bytes_per_block
+        assert [a.stats(h).bytes for h in handles] == [2 * bpb, 3 * bpb, 4 * bpb]
+        for h in handles:
+            a.release(h)
+        torch.cuda.synchronize()
+        for d_ids, s_ids, _, _ in requests:
+            d_t, s_t = torch.as_tensor(np.asarray(d_ids), dtype=torch.long), torch.as_tensor(np.asarray(s_ids),
+                                                                                            dtype=torch.long)
+            for r in range(REGIONS):
+                assert torch.equal(tb[r][d_t.cuda()], ta[r][s_t.cuda()])
+        assert a._ring is not None and a._ring.busy == slots_before  # the shared slot freed once, by the last
+        with pytest.raises(RemoteMismatchError, match="request 1: remote"):
+            a.post_batch("READ", plan, [([1], [1], None, "ok"), ([2], [BLOCKS], None, "bad")])
+        assert not a._inflight and a.post_batch("READ", plan, []) == []
+    finally:
+        a.close()
+        b.close()
