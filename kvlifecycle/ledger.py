@@ -17,10 +17,9 @@ per-block view. Blocks shared by several requests (prefix hits) take the vectori
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,27 @@ from kvlifecycle.machines import INVALID, SOURCE, TARGET, SourceState, TargetSta
 BLOCK_DTYPE = ev.BLOCK_DTYPE
 _encode = ev.ENCODER.encode
 DEFAULT_TTL_S = 30.0
+
+
+class _Step:
+    """``Ledger.step()``: a class, not a generator, because it sits on the launch path (enter/exit cost)."""
+
+    __slots__ = ("ledger", "outer")
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+        self.outer = False
+
+    def __enter__(self) -> None:
+        ledger = self.ledger
+        with ledger._lock:
+            self.outer = ledger._deferred is None
+            if self.outer:
+                ledger._deferred = []
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer:
+            self.ledger._end_step()
 
 
 class LedgerError(Exception):
@@ -419,31 +439,25 @@ class _Ledger:
         if self.log is not None:
             self.log.commit()
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> _Step:
         """One scheduler step: the commands inside change state, refuse and tell listeners at once, but their log
-        records are encoded and appended together when the block ends (then committed).
+        records are encoded and added to the log's batch together when the block ends (no I/O: :meth:`commit`, or
+        the log's syncer, writes it).
 
         Why: a command often gates work that should start right after it (``start_load`` → the copy's launch,
         ``part_done`` → attention reading the blocks); the record's encoding and the log append need not sit in
         that gap. The log's order is the commands' order, so replay is unchanged; events still in memory at a
         crash are lost exactly as an unwritten group-commit batch would be. Nested or concurrent steps share the
         outermost one's batch."""
+        return _Step(self)
+
+    def _end_step(self) -> None:
         with self._lock:
-            outer = self._deferred is None
-            if outer:
-                self._deferred = []
-        try:
-            yield
-        finally:
-            if outer:
-                with self._lock:
-                    events, self._deferred = self._deferred, None
-                    if self.log is not None:
-                        append = self.log.append_payload
-                        for event in events or ():
-                            append(_encode(event))
-                        self.log.commit()
+            events, self._deferred = self._deferred, None
+            if self.log is not None:
+                append = self.log.append_payload
+                for event in events or ():
+                    append(_encode(event))
 
     @classmethod
     def fold(cls, events: Iterable[ev.Event], num_blocks: int, **kwargs: Any) -> Any:
