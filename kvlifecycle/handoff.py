@@ -84,6 +84,28 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     hlc: int = 0  # the sender's hybrid logical clock (0: unknown): what P records next sorts after it
 
 
+class BlockMappingError(ValueError):
+    """D's blocks cannot all be filled from the grant: some would be marked ready without their bytes."""
+
+
+def map_blocks(target: np.ndarray, source: np.ndarray, target_split: int = 1,
+               source_split: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Pair D's (target) blocks with P's (source) blocks, unit for unit: with a block-size change the bigger side's
+    blocks are cut into sub-blocks in token order; when P granted more than D reserved (D already holds a prefix),
+    D's blocks take P's **tail**. Refuses (:class:`BlockMappingError`) when a D block would receive nothing: it
+    would become READY_FOR_ATTENTION without its bytes."""
+    blocks = target.size
+    if target_split > 1:  # D blocks are bigger: D sub-blocks in token order, one per P block
+        target = (target[:, None] * target_split + np.arange(target_split)[None, :]).reshape(-1)[: source.size]
+    if source_split > 1:  # P blocks are bigger: P sub-blocks in token order, one per D block
+        source = (source[:, None] * source_split + np.arange(source_split)[None, :]).reshape(-1)[: target.size]
+    n = min(target.size, source.size)
+    if blocks and n < (blocks - 1) * target_split + 1:
+        raise BlockMappingError(f"{blocks} target blocks but the grant fills only {n} unit(s) of "
+                                f"{target_split} per block: the rest would be marked ready without bytes")
+    return target[:n], source[-n:] if source.size > n else source
+
+
 class PushRequest(msgspec.Struct, frozen=True, tag=True):
     """D → P: write the granted blocks into mine (``blocks``), then notify ``target_request`` part ``part``."""
 
@@ -269,8 +291,10 @@ class Producer:
             return Ack(False, "no live lease" if lease is None else f"push unavailable: {why}")
         if not self.ledger.heartbeat(msg.transfer, msg.generation):  # claim before the write
             return Ack(False, "lease is gone (released, expired or stale)")
-        src = lease.blocks
-        dst = np.asarray(msg.blocks, dtype=np.int32)
+        try:  # D may hold a prefix already: it then gets P's tail; a D block left empty is refused
+            dst, src = map_blocks(np.asarray(msg.blocks, dtype=np.int32), lease.blocks)
+        except BlockMappingError as exc:  # D fails its load and answers LoadFailed, which releases the lease
+            return Ack(False, str(exc))
         note = Notification(
             msg.target_request,
             msg.transfer,
@@ -612,6 +636,13 @@ class Consumer:
             self._abandon(load, "request no longer reserved")
             return
         blocks = req.blocks
+        mapped = {}
+        for link, grant, part in load.parts:  # before any claim: a load that cannot fill every block never starts
+            try:
+                mapped[part] = self._map_blocks(blocks, np.asarray(grant.block_ids, dtype=np.int32), link)
+            except BlockMappingError as exc:
+                self._abandon(load, str(exc), hand_back_all=True)  # P's lease is of no use: release it now
+                return
         for link, grant, _ in load.parts:
             try:
                 # claim first: the claim binds the lease to this agent
@@ -663,7 +694,7 @@ class Consumer:
                 continue
             prepared = link.prepared
             data = link.data or self.transport
-            local, remote = self._map_blocks(blocks, np.asarray(grant.block_ids, dtype=np.int32), link)
+            local, remote = mapped[part]
             note = Notification(
                 grant.request,
                 grant.transfer,
@@ -685,17 +716,12 @@ class Consumer:
 
     @staticmethod
     def _map_blocks(local: np.ndarray, remote: np.ndarray, link: PeerLink) -> tuple[np.ndarray, np.ndarray]:
-        ls, rs = link.plan.local_split, link.plan.remote_split
-        if ls > 1:  # D blocks are bigger: D sub-blocks in token order, one per P block
-            local = (local[:, None] * ls + np.arange(ls)[None, :]).reshape(-1)[: remote.size]
-        if rs > 1:  # P blocks are bigger: P sub-blocks in token order, one per D block
-            remote = (remote[:, None] * rs + np.arange(rs)[None, :]).reshape(-1)[: local.size]
-        n = min(local.size, remote.size)
-        return local[:n], remote[-n:] if remote.size > n else remote  # partial prefix hit: P's tail
+        return map_blocks(local, remote, link.plan.local_split, link.plan.remote_split)
 
-    def _abandon(self, load: _Load, reason: str) -> None:
-        """The load could not start (a claim was refused or failed): the reservation goes back, per policy, and
-        the leases already claimed are handed back to P."""
+    def _abandon(self, load: _Load, reason: str, *, hand_back_all: bool = False) -> None:
+        """The load could not start (a claim was refused or failed, or the grant cannot fill D's blocks): the
+        reservation goes back, per policy, and the leases already claimed (``hand_back_all``: every lease) are
+        handed back to P."""
         log.warning("load %s of %s not started: %s", load.transfer, load.request, reason)
         load.failed = True
         with self._lock:
@@ -711,7 +737,7 @@ class Consumer:
                 self.options.on_abandoned(load.request, reason)
             except Exception:
                 log.exception("on_abandoned hook failed")
-        for link, grant, _ in load.parts[: load.claimed]:
+        for link, grant, _ in load.parts if hand_back_all else load.parts[: load.claimed]:
             try:
                 link.client.request(
                     LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick()), timeout_s=1.0

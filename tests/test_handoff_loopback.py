@@ -111,12 +111,55 @@ def test_cancelled_grant_refuses_the_claim_and_d_fails_cleanly(pd) -> None:
     assert any(type(e).__name__ == "Refused" and e.command == "heartbeat" for e in plog.events)
 
 
-def test_failed_push_reaches_d_and_then_releases_p(pd) -> None:
+def test_failed_push_reaches_d_and_then_releases_p(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlifecycle.transport import TransportError
+
     prod, cons, _, _, _, _ = pd
+
+    def refuse(*_args, **_kwargs):
+        raise TransportError("injected: the write cannot post")
+
+    monkeypatch.setattr(prod.transport, "post", refuse)  # P's write fails on its service thread
     g = grant(prod, "bad-push", [1, 2, 3])
-    cons.ledger.reserve("bad-push", [7, 8])  # 2 target blocks for 3 source blocks: the write cannot post
+    cons.ledger.reserve("bad-push", [7, 8, 9])
     cons.request_push("bad-push", g, address=prod.address)
     assert cons.wait_idle(10)
     assert cons.ledger.stats["failed"] == 1
     assert until(lambda: g.transfer not in prod.ledger.leases)
     assert [r.reason for r in prod.ledger.take_released()] == ["failed"]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_d_holding_a_prefix_gets_ps_tail(pd, mode: str) -> None:
+    """P granted 3 blocks; D already holds the first one (a prefix hit) and reserved 2: they get P's last 2."""
+    prod, cons, src, dst, _, _ = pd
+    g = grant(prod, mode, [1, 2, 3])
+    cons.ledger.reserve(mode, [10, 11])
+    if mode == "pull":
+        cons.pull(mode, g, address=prod.address)
+    else:
+        cons.request_push(mode, g, address=prod.address)
+    assert cons.wait_idle(10)
+    assert until(lambda: g.transfer not in prod.ledger.leases)
+    for r in range(REGIONS):
+        assert np.array_equal(dst[r][[10, 11]].numpy(), src[r][[2, 3]].numpy())
+    assert [r.reason for r in prod.ledger.take_released()] == ["completed"]
+    cons.ledger.finish(mode)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_d_reserving_more_blocks_than_granted_is_refused_before_any_is_ready(pd, mode: str) -> None:
+    """A D block the grant cannot fill would become READY_FOR_ATTENTION without its bytes: refused up front."""
+    prod, cons, _, dst, _, _ = pd
+    g = grant(prod, mode, [1, 2])
+    cons.ledger.reserve(mode, [12, 13, 14])
+    if mode == "pull":
+        cons.pull(mode, g, address=prod.address)
+    else:
+        cons.request_push(mode, g, address=prod.address)
+    assert cons.wait_idle(10)
+    assert "fills only 2 unit(s)" in cons.abandoned[mode]
+    assert cons.ledger.stats["loaded"] == 0 and mode not in cons.ledger.requests  # policy fail: blocks back
+    assert cons.ledger.counts()["READY_FOR_ATTENTION"] == 0
+    assert int(dst[0][[12, 13, 14]].sum()) == 0  # nothing was read or written
+    assert until(lambda: g.transfer not in prod.ledger.leases)  # P is told, and releases the lease
