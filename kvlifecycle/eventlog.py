@@ -443,16 +443,19 @@ class EventLog:
                 return True
             self._unsynced = False
             fh = self._fh
-        with self._sync_lock:
+        failed: OSError | None = None
+        with self._sync_lock:  # never take _lock while holding this (rotation takes them the other way round)
             if fh.closed:  # rotated or closed meanwhile: that synced it
                 return True
             try:
                 os.fsync(fh.fileno())
-            except OSError as exc:  # reported, and retried after the next interval
-                warnings.warn(f"event log {self.directory}: fsync failed: {exc}", RuntimeWarning, stacklevel=1)
-                with self._lock:
-                    self._unsynced = True
-                return True
+            except OSError as exc:
+                failed = exc
+        if failed is not None:  # reported, and retried after the next interval
+            warnings.warn(f"event log {self.directory}: fsync failed: {failed}", RuntimeWarning, stacklevel=1)
+            with self._lock:
+                self._unsynced = True
+            return True
         self._last_sync = time.monotonic()
         return True
 

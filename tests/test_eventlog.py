@@ -231,3 +231,33 @@ def test_interval_syncer_writes_without_commit_and_ends_at_close(tmp_path: Path)
     log.close()
     assert not syncer.is_alive()
     assert not any(t.name == syncer.name for t in threading.enumerate())
+
+
+def test_a_failing_fsync_in_the_syncer_is_reported_and_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import time
+
+    from kvlifecycle import eventlog
+
+    real_fsync, calls = os.fsync, []
+
+    def flaky(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(5, "injected I/O error")
+        real_fsync(fd)
+
+    log = EventLog(tmp_path / "log", header={"side": "source"}, fsync="5ms")
+    monkeypatch.setattr(eventlog.os, "fsync", flaky)
+    events = make_events(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for e in events:
+            log.append(e)
+        deadline = time.monotonic() + 10.0  # bounded: the syncer retries every 5 ms
+        while time.monotonic() < deadline and len(calls) < 2:
+            time.sleep(0.005)
+    assert len(calls) >= 2  # retried after the failure
+    assert any("fsync failed" in str(w.message) for w in caught)
+    log.close()  # no deadlock, nothing lost
+    assert read_events(tmp_path / "log") == events
