@@ -126,7 +126,7 @@ def test_kernel_binding_refuses_signatures_it_does_not_understand(lib: ctypes.CD
                                    grid_y=1, lib=lib) is None
 
 
-def test_without_a_driver_the_transport_says_why_and_keeps_the_python_post(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_turned_off_the_compiled_post_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native_post, "_loaded", None)
     monkeypatch.setattr(native_post, "_why_not", None)
     monkeypatch.setenv("KVL_NATIVE_POST", "0")
