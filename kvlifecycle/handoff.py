@@ -656,6 +656,12 @@ class Consumer:
                 self._abandon(load, f"lease refused: {beat.detail}")
                 return
             load.claimed += 1
+        # One ledger step: start_load gates the posts at once, and its record joins the log after the launch.
+        with self.ledger.step():
+            self._start_and_post(load, blocks, mapped)
+
+    def _start_and_post(self, load: _Load, blocks: np.ndarray,
+                        mapped: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
         first = load.parts[0]
         try:
             self.ledger.start_load(
