@@ -292,7 +292,12 @@ class Transport(Protocol):
         notification: Notification | None = None,
         transfer: str = "",
     ) -> TransferHandle:
-        """Post a READ/WRITE of the listed blocks (all regions, or ``regions``); returns at once."""
+        """Post a READ/WRITE of the listed blocks (all regions, or ``regions``); returns at once.
+
+        ``notification`` reaches the peer after the bytes landed, never before: once a ``poll`` has seen the
+        transfer DONE, at the latest shortly after (a transport may defer the send past the DONE it reports, so
+        the caller's next step is not delayed by it; the CUDA IPC transport sends it on its next call or 0.5 ms
+        later), and not at all for a handle released before it completed."""
 
     def poll(self, handle: TransferHandle) -> XferStatus:
         """Never blocks."""
