@@ -297,7 +297,7 @@ class Transport(Protocol):
         ``notification`` reaches the peer after the bytes landed, never before: once a ``poll`` has seen the
         transfer DONE, at the latest shortly after (a transport may defer the send past the DONE it reports, so
         the caller's next step is not delayed by it; the CUDA IPC transport sends it on its next call or 0.5 ms
-        later), and not at all for a handle released before it completed."""
+        later). A handle released before it completed may never send it."""
 
     def poll(self, handle: TransferHandle) -> XferStatus:
         """Never blocks."""
