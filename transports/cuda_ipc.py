@@ -400,7 +400,6 @@ class CudaIpcTransport:
         host_ids: bool | None = None,
         region_group: int | None = None,
         compiled_post: bool = True,
-        loop: int | None = None,
     ) -> None:
         try:
             import torch
@@ -422,9 +421,6 @@ class CudaIpcTransport:
             self._copier_kwargs["num_warps"] = num_warps
         if use_triton is not None:
             self._copier_kwargs["use_triton"] = use_triton
-        loop = loop if loop is not None else int(os.environ.get("KVL_CUDA_IPC_LOOP", "0")) or None
-        if loop is not None:
-            self._copier_kwargs["loop"] = loop  # chunks per kernel program (BlockCopier)
         # Block ids: copied to the device before the kernel (default, measured faster), or read by the kernel
         # straight from pinned host memory over PCIe. KVL_CUDA_IPC_HOST_IDS=0/1 overrides the default.
         env_ids = os.environ.get("KVL_CUDA_IPC_HOST_IDS")
@@ -1426,8 +1422,7 @@ def _subset(copier: Any, pick: np.ndarray) -> Any:
 
     return BlockCopier([copier.src[i] for i in pick.tolist()], [copier.dst[i] for i in pick.tolist()], copier.device,
                        chunk_bytes=copier.chunk * copier.word, num_warps=copier.num_warps,
-                       region_group=copier.region_group, use_triton=copier.use_triton, cache=copier.cache,
-                       loop=copier.loop)
+                       region_group=copier.region_group, use_triton=copier.use_triton, cache=copier.cache)
 
 
 # --- selection ------------------------------------------------------------------------------------------------------

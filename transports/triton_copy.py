@@ -38,7 +38,6 @@ DEFAULT_CHUNK_BYTES = 4096
 DEFAULT_NUM_WARPS = 4
 DEFAULT_REGION_GROUP = 1
 DEFAULT_CACHE = 1
-DEFAULT_LOOP = 1
 
 
 if HAVE_TRITON:
@@ -58,45 +57,40 @@ if HAVE_TRITON:
         dst_sub_stride,
         block_elems,  # elements copied per (sub-)block
         num_regions,
-        CHUNKS: tl.constexpr,  # chunks per block
+        CHUNKS: tl.constexpr,  # programs per block along axis 0
         CHUNK: tl.constexpr,  # elements per program (a power of two)
         ALIGN: tl.constexpr,  # every base, stride and chunk start is a multiple of ALIGN elements
         EVEN: tl.constexpr,  # block_elems == CHUNKS * CHUNK: no mask needed
         GROUP: tl.constexpr,  # regions per program: the block ids are read once for GROUP regions
         CACHE: tl.constexpr = 1,  # 0: default caching, 1: .cg loads / .cs stores (streaming), 2: .cs stores only
-        LOOP: tl.constexpr = 1,  # chunks per program (divides CHUNKS): fewer, longer-lived programs
     ):
         pid = tl.program_id(0)
         first = tl.program_id(1) * GROUP
-        pair = pid // (CHUNKS // LOOP)
-        first_chunk = (pid % (CHUNKS // LOOP)) * LOOP
+        pair = pid // CHUNKS
+        chunk = pid % CHUNKS
         src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
         dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
-        src_block_off = (src_block // src_split) * src_stride + (src_block % src_split) * src_sub_stride
-        dst_block_off = (dst_block // dst_split) * dst_stride + (dst_block % dst_split) * dst_sub_stride
+        src_off = (src_block // src_split) * src_stride + (src_block % src_split) * src_sub_stride + chunk * CHUNK
+        dst_off = (dst_block // dst_split) * dst_stride + (dst_block % dst_split) * dst_sub_stride + chunk * CHUNK
         offs = tl.arange(0, CHUNK)
         for i in tl.static_range(GROUP):
             region = first + i
             if region < num_regions:
-                src_base = tl.load(src_base_ptr + region) + src_block_off
-                dst_base = tl.load(dst_base_ptr + region) + dst_block_off
-                for j in tl.static_range(LOOP):
-                    chunk = first_chunk + j
-                    src_start = tl.multiple_of(src_base + chunk * CHUNK, ALIGN)
-                    dst_start = tl.multiple_of(dst_base + chunk * CHUNK, ALIGN)
-                    if EVEN:
-                        if CACHE == 1:
-                            data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
-                        else:
-                            data = tl.load(anchor_ptr + src_start + offs)
-                        if CACHE == 0:
-                            tl.store(anchor_ptr + dst_start + offs, data)
-                        else:
-                            tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
+                src_start = tl.multiple_of(tl.load(src_base_ptr + region) + src_off, ALIGN)
+                dst_start = tl.multiple_of(tl.load(dst_base_ptr + region) + dst_off, ALIGN)
+                if EVEN:
+                    if CACHE == 1:
+                        data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
                     else:
-                        mask = chunk * CHUNK + offs < block_elems
-                        data = tl.load(anchor_ptr + src_start + offs, mask=mask, cache_modifier=".cg")
-                        tl.store(anchor_ptr + dst_start + offs, data, mask=mask, cache_modifier=".cs")
+                        data = tl.load(anchor_ptr + src_start + offs)
+                    if CACHE == 0:
+                        tl.store(anchor_ptr + dst_start + offs, data)
+                    else:
+                        tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
+                else:
+                    mask = chunk * CHUNK + offs < block_elems
+                    data = tl.load(anchor_ptr + src_start + offs, mask=mask, cache_modifier=".cg")
+                    tl.store(anchor_ptr + dst_start + offs, data, mask=mask, cache_modifier=".cs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +195,6 @@ class BlockCopier:
         num_warps: int = DEFAULT_NUM_WARPS,
         region_group: int = DEFAULT_REGION_GROUP,
         cache: int = DEFAULT_CACHE,
-        loop: int = DEFAULT_LOOP,
         use_triton: bool | None = None,
         fast_launch: bool = True,
     ) -> None:
@@ -248,13 +241,8 @@ class BlockCopier:
         self.region_group = max(1, min(int(region_group), self.regions))
         self.region_programs = -(-self.regions // self.region_group)
         self.cache = int(cache)
-        # chunks per program: the largest power of two <= loop that divides the chunks of a block
-        self.loop = 1
-        while self.loop * 2 <= max(1, int(loop)) and self.chunks % (self.loop * 2) == 0:
-            self.loop *= 2
-        self.programs_per_block = self.chunks // self.loop
         self._constexprs = (self.chunks, self.chunk, self.align, self.unit_elems == self.chunks * self.chunk,
-                            self.region_group, self.cache, self.loop)
+                            self.region_group, self.cache)
         # After the first launch through Triton's JIT, launch the compiled kernel directly: the JIT's per-call
         # binding and cache lookup cost more than the copy for small requests. Only when the id pointers are
         # 16-byte aligned (the one argument property that could change the specialisation between calls).
@@ -289,7 +277,7 @@ class BlockCopier:
         if n == 0:
             return
         if self.use_triton:
-            grid = (n * self.programs_per_block, self.region_programs, 1)
+            grid = (n * self.chunks, self.region_programs, 1)
             aligned = src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0
             compiled = self._compiled
             if compiled is not None and aligned:
@@ -297,10 +285,10 @@ class BlockCopier:
 
                 self._direct(compiled, grid, torch.cuda.current_stream(self.device).cuda_stream, src_ids, dst_ids)
                 return
-            chunks, chunk, align, even, group, cache, loop = self._constexprs
+            chunks, chunk, align, even, group, cache = self._constexprs
             kernel = _block_copy_kernel[grid](
                 self._anchor_typed, self._src_base, self._dst_base, src_ids, dst_ids, *self._scalars,
-                CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, GROUP=group, CACHE=cache, LOOP=loop,
+                CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, GROUP=group, CACHE=cache,
                 num_warps=self.num_warps,
             )
             if self.fast_launch and aligned and compiled is None and _launch_hooks_unset():
@@ -319,8 +307,7 @@ class BlockCopier:
         compiled = self._compiled
         if (self.use_triton and compiled is not None and n == int(dst_ids.numel()) and n
                 and src_ids.data_ptr() % 16 == 0 and dst_ids.data_ptr() % 16 == 0):
-            self._direct(compiled, (n * self.programs_per_block, self.region_programs, 1), stream.cuda_stream,
-                         src_ids, dst_ids)
+            self._direct(compiled, (n * self.chunks, self.region_programs, 1), stream.cuda_stream, src_ids, dst_ids)
             return
         import torch
 
@@ -342,7 +329,7 @@ class BlockCopier:
         # Everything but the grid, the stream and the two id pointers was bound once (_bind): one call, no
         # per-launch tuple building beyond the argument list itself.
         fn, head, tail = bound
-        fn(n * self.programs_per_block, self.region_programs, 1, stream, *head, src_ids_ptr, dst_ids_ptr, *tail)
+        fn(n * self.chunks, self.region_programs, 1, stream, *head, src_ids_ptr, dst_ids_ptr, *tail)
         return True
 
     def _bind(self) -> None:
@@ -362,7 +349,7 @@ class BlockCopier:
             lib = native_post.load()
             if lib is not None:
                 self.native = native_post.bind_kernel(
-                    compiled, (*bases, 0, 0, *tail), src_ids_arg=3, dst_ids_arg=4, chunks=self.programs_per_block,
+                    compiled, (*bases, 0, 0, *tail), src_ids_arg=3, dst_ids_arg=4, chunks=self.chunks,
                     grid_y=self.region_programs, lib=lib)
         else:
             head = (compiled.function, compiled.packed_metadata, None, None, None, *bases)

@@ -153,13 +153,7 @@ class InProcess:
 def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], sweep: bool,
                      pipeline: int) -> dict[str, Any]:
     from kvlifecycle.transports.cuda_ipc import REGION_GROUP_HOST_IDS
-    from kvlifecycle.transports.triton_copy import (
-        DEFAULT_CHUNK_BYTES,
-        DEFAULT_LOOP,
-        DEFAULT_NUM_WARPS,
-        BlockCopier,
-        RegionSpec,
-    )
+    from kvlifecycle.transports.triton_copy import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, BlockCopier, RegionSpec
 
     out: dict[str, Any] = {}
     nbytes = shape.nbytes
@@ -206,9 +200,6 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         variants = list(dict.fromkeys(variants))
         for c, w in ((4096, 4), (2048, 2), (8192, 4)):  # cache hints: 0 none, 2 streaming stores only
             variants += [(c, w, 1, False, cache) for cache in (0, 2)]
-        # chunks per program (LOOP): fewer, longer-lived programs
-        variants += [(c, w, 1, False, 1, loop) for loop in (2, 4, 8) for c, w in ((4096, 4), (4096, 8), (2048, 4),
-                                                                                  (2048, 2), (8192, 8))]
     host_sets = []
     for s, d in sets:  # pinned host copies of the ids, 16-byte aligned halves, as the transport stages them
         pad = -(-len(s) // 4) * 4
@@ -220,9 +211,8 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
     for variant in variants:
         chunk, warps, group, host = variant[:4]
         cache = variant[4] if len(variant) > 4 else 1
-        loop = variant[5] if len(variant) > 5 else DEFAULT_LOOP
         copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps, region_group=group,
-                             cache=cache, loop=loop)
+                             cache=cache)
         copier.copy(*dev_sets[0])  # through Triton's JIT once: later launches are direct
         if host:
             def fn(h: Any, pad: int, copier: Any = copier) -> None:
@@ -236,8 +226,7 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         ip.poison(sets[-1][1])
         fn(*args[-1])
         exact = ip.check(*sets[-1])
-        key = (f"{chunk}B/{warps}w/G{group}/{'host' if host else 'dev'}-ids" + (f"/cache{cache}" if cache != 1 else "")
-               + (f"/L{copier.loop}" if copier.loop != 1 else ""))
+        key = f"{chunk}B/{warps}w/G{group}/{'host' if host else 'dev'}-ids" + (f"/cache{cache}" if cache != 1 else "")
         out["kernel_variants"][key] = {"event_s": ev, "gbps": _gbps(nbytes, ev), "exact": exact,
                                        "backend": copier.backend}
         if variant == variants[0]:
