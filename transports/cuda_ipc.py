@@ -832,8 +832,7 @@ class CudaIpcTransport:
             launch = self._launch_for(plan, regions)
             notify = (plan.peer, notification) if notification is not None else None
             flight = None
-            kernels = (launch.native_read if op is XferOp.READ else launch.native_write) or (
-                self._native_kernels(launch, op) if self._native is not None else None)
+            kernels = self._kernels_for(launch, op)
             if kernels is not None:
                 # The compiled post checks the ids itself: here only what makes them a pair of integer vectors.
                 local = local_blocks if local_blocks.__class__ is np.ndarray else np.asarray(local_blocks)
@@ -841,12 +840,7 @@ class CudaIpcTransport:
                 n = local.size
                 if (n and n == remote.size and local.ndim == 1 and remote.ndim == 1
                         and local.dtype.kind in "iu" and remote.dtype.kind in "iu"):
-                    if op is XferOp.READ:
-                        flight = self._post_native(kernels, remote, local, n, plan.remote_blocks, plan.local_blocks,
-                                                   notify)
-                    else:
-                        flight = self._post_native(kernels, local, remote, n, plan.local_blocks, plan.remote_blocks,
-                                                   notify)
+                    flight = self._post_native(kernels, op, plan, local, remote, n, notify)
             t_checked = time.perf_counter()
             if flight is None:  # the Python path: also where a bad id list gets its precise error
                 local = _block_ids(local_blocks, plan.local_blocks, "local")
@@ -910,13 +904,9 @@ class CudaIpcTransport:
             remote = np.concatenate([c[1] for c in checked]) if len(checked) > 1 else checked[0][1]
             n = local.size
             flight = None
-            kernels = (launch.native_read if op is XferOp.READ else launch.native_write) or (
-                self._native_kernels(launch, op) if self._native is not None else None)
+            kernels = self._kernels_for(launch, op)
             if kernels is not None and n:
-                src, dst = (remote, local) if op is XferOp.READ else (local, remote)
-                src_limit, dst_limit = ((plan.remote_blocks, plan.local_blocks) if op is XferOp.READ
-                                        else (plan.local_blocks, plan.remote_blocks))
-                flight = self._post_native(kernels, src, dst, n, src_limit, dst_limit, None)
+                flight = self._post_native(kernels, op, plan, local, remote, n, None)
             if flight is None:
                 flight = self._launch_python(op, launch, local, remote, n, None)
             # -- the copy is running: one record per request, sharing the launch's id slot and events --
@@ -969,8 +959,11 @@ class CudaIpcTransport:
             if pushed:
                 self._driver.pop_context()
 
-    def _native_kernels(self, launch: _Launch, op: XferOp) -> Any:
+    def _kernels_for(self, launch: _Launch, op: XferOp) -> Any:
         """The launch's kernels for the compiled post, once every copier is warm and bound (else None)."""
+        kernels = launch.native_read if op is XferOp.READ else launch.native_write
+        if kernels is not None or self._native is None:
+            return kernels
         copiers = launch.read if op is XferOp.READ else launch.write
         if not copiers or len(copiers) > native_post.MAX_KERNELS or any(c.native is None for c in copiers):
             return None
@@ -981,13 +974,17 @@ class CudaIpcTransport:
             launch.native_write = kernels
         return kernels
 
-    def _post_native(self, kernels: Any, src: np.ndarray, dst: np.ndarray, n: int, src_limit: int, dst_limit: int,
-                     notify: tuple[str, Notification] | None) -> _Inflight | None:
+    def _post_native(self, kernels: Any, op: XferOp, plan: PreparedPlan, local: np.ndarray, remote: np.ndarray,
+                     n: int, notify: tuple[str, Notification] | None) -> _Inflight | None:
         """One call into the compiled post: ids checked and staged, streams ordered, kernels launched, events
         recorded. None (nothing enqueued) when the id ring has no room, or an id is out of range: the Python path
         then stages the post on its own, or raises the precise error."""
         ring, staging = self._ring, self._staging
         assert ring is not None and staging is not None
+        if op is XferOp.READ:  # peer -> local
+            src, dst, src_limit, dst_limit = remote, local, plan.remote_blocks, plan.local_blocks
+        else:
+            src, dst, src_limit, dst_limit = local, remote, plan.local_blocks, plan.remote_blocks
         pad = -(-n // 4) * 4  # both id lists 16-byte aligned: one kernel specialisation whatever n is
         slot = ring.reserve(2 * pad)
         if slot is None:

@@ -74,9 +74,10 @@ def test_id_check_refuses_what_the_python_check_refuses(lib: ctypes.CDLL, src: l
                                                          want: int) -> None:
     rc, _ = _check(lib, src, dst, 10, 4)
     assert rc == want
-    with pytest.raises(RemoteMismatchError):  # the Python path agrees (it raises the message users see)
-        cuda_ipc._block_ids(np.asarray(src), 10, "source")
-        cuda_ipc._block_ids(np.asarray(dst), 4, "destination")
+    bad, good = ((src, 10), (dst, 4)) if want == native_post.ERR_SRC_RANGE else ((dst, 4), (src, 10))
+    cuda_ipc._block_ids(np.asarray(good[0]), good[1], "good")  # the Python path agrees on both sides
+    with pytest.raises(RemoteMismatchError):  # (and raises the message users see)
+        cuda_ipc._block_ids(np.asarray(bad[0]), bad[1], "bad")
 
 
 def _fake_compiled(signature: dict[str, str], **meta: Any) -> Any:
