@@ -2,6 +2,7 @@
 # Device-side driver for the GPU tests and benchmark (run on a CUDA machine with Python 3.12 and torch; no
 # registry needed there). Wheels it lacks travel in the git-ignored .whl/ (bench/fetch-gpu-wheels.sh fills it).
 #   bash bench/gpu_run.sh tests bench        # CUDA IPC + VRAM conformance tests, then `kvlifecycle bench gpu`
+#   bash bench/gpu_run.sh driver             # bench/driver_costs.py: one post's driver calls, and alternatives
 # Env: BENCH_ARGS (e.g. "--json --reps 30"), TEST_TIMEOUT, BENCH_TIMEOUT, OUT (where logs go; default /tmp/out).
 R=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -20,6 +21,7 @@ for step in "$@"; do
              "$R/tests/transports/test_cuda_ipc.py" "$R/tests/transports/test_native_post.py" ${EXTRA_TESTS} 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
     bench) timeout "${BENCH_TIMEOUT:-240}" python3 -m kvlifecycle bench gpu ${BENCH_ARGS} --out "$OUT/bench.json" 2>&1 \
              | tee "$OUT/bench.txt" ;;
+    driver) timeout "${DRIVER_TIMEOUT:-180}" python3 "$R/bench/driver_costs.py" ${DRIVER_ARGS} 2>&1 | tee "$OUT/driver.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -48,6 +48,7 @@ def _crc32(payload: Any) -> int:
     return zlib.crc32(payload, CRC_SEED)
 
 
+EVENT_SIZE_ESTIMATE = 96  # bytes per unencoded event, for the batch-size bound (a load event encodes to ~60-120)
 MAX_RECORD = 16 << 20  # a frame claiming more than this is corrupt, not big
 SEGMENT_GLOB = "seg-*.kvl"
 
@@ -341,7 +342,7 @@ class EventLog:
         self.header = {"schema": SCHEMA_VERSION, **(header or {})}
         self.recovered: TailRecovery | None = None
         self._lock = threading.Lock()
-        self._pending: list[bytes] = []  # encoded events of the batch being built
+        self._pending: list[bytes | Event] = []  # the batch being built: encoded events, or events (append_events)
         self._pending_bytes = 0
         self._fh: Any = None
         self._segment_size = 0
@@ -426,6 +427,21 @@ class EventLog:
             elif self._pending_bytes >= self.batch_bytes:
                 self._write_batch()  # bounds memory; the syncer (interval) or close makes it durable
 
+    def append_events(self, events: list[Event]) -> None:
+        """Add events to the batch as they are: they are encoded when the batch is written (commit, the syncer),
+        so a caller that appends at the end of a latency-critical step pays a list extend, not the encoding."""
+        with self._lock:
+            if self._closed:
+                raise LogError("append to a closed event log")
+            self._pending.extend(events)
+            self._pending_bytes += EVENT_SIZE_ESTIMATE * len(events)
+            self.appended += len(events)
+            if self._sync_each:
+                self._write_batch()
+                self._sync()
+            elif self._pending_bytes >= self.batch_bytes:
+                self._write_batch()
+
     def commit(self) -> None:
         """Write the batch (a group-commit boundary: once per scheduler step). ``always`` has synced every event
         already; under ``interval`` the syncer fsyncs within the interval, off the caller's thread."""
@@ -471,6 +487,7 @@ class EventLog:
         if not pending:
             return
         n = len(pending)
+        pending = [p if p.__class__ is bytes else encode(p) for p in pending]  # events appended unencoded
         # a msgpack array header followed by the encoded elements is the encoding of the list: no re-encoding
         head = (
             bytes((0x90 | n,))

@@ -441,8 +441,8 @@ class _Ledger:
 
     def step(self) -> _Step:
         """One scheduler step: the commands inside change state, refuse and tell listeners at once, but their log
-        records are encoded and added to the log's batch together when the block ends (no I/O: :meth:`commit`, or
-        the log's syncer, writes it).
+        records join the log's batch together when the block ends, and are encoded only when the batch is written
+        (no I/O, no encoding at the step's end: :meth:`commit`, or the log's syncer, does both).
 
         Why: a command often gates work that should start right after it (``start_load`` → the copy's launch,
         ``part_done`` → attention reading the blocks); the record's encoding and the log append need not sit in
@@ -454,10 +454,8 @@ class _Ledger:
     def _end_step(self) -> None:
         with self._lock:
             events, self._deferred = self._deferred, None
-            if self.log is not None:
-                append = self.log.append_payload
-                for event in events or ():
-                    append(_encode(event))
+            if self.log is not None and events:
+                self.log.append_events(events)  # encoded when the batch is written, not here
 
     @classmethod
     def fold(cls, events: Iterable[ev.Event], num_blocks: int, **kwargs: Any) -> Any:

@@ -214,6 +214,27 @@ def test_append_does_no_io_until_commit_under_a_long_interval(tmp_path: Path) ->
     log.close()
 
 
+@pytest.mark.parametrize("policy", ["always", "3600000ms"])
+def test_events_appended_unencoded_keep_their_place_among_encoded_ones(tmp_path: Path, policy: str) -> None:
+    """``append_events`` (a ledger step's end) defers the encoding to the write; order and bytes are unchanged."""
+    events = make_events(30)
+    log = EventLog(tmp_path / "log", header={"side": "source"}, fsync=policy)
+    seg = segment_paths(tmp_path / "log")[0]
+    header_only = seg.stat().st_size
+    log.append(events[0])
+    log.append_events(events[1:20])
+    log.append(events[20])
+    log.append_events(events[21:])
+    assert log.appended == 30
+    if policy != "always":
+        assert seg.stat().st_size == header_only  # neither kind of append wrote anything
+    log.commit()
+    assert read_events(tmp_path / "log") == events
+    log.close()
+    with pytest.raises(LogError, match="closed"):
+        log.append_events(events[:1])
+
+
 def test_interval_syncer_writes_without_commit_and_ends_at_close(tmp_path: Path) -> None:
     import threading
     import time

@@ -118,6 +118,15 @@ class CudaDriver:
         lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
         lib.cuPointerGetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_uint64]
+        # The same library again for the calls on a request's latency path (post, poll): PyDLL keeps the GIL
+        # across them. None of them blocks, and releasing the GIL there lets another Python thread (the settler,
+        # a log syncer) take it mid-request: a thread switch costs more than the call.
+        self.fast = ctypes.PyDLL("libcuda.so.1")
+        fast = self.fast
+        fast.cuEventRecord.argtypes = [vp, vp]
+        fast.cuEventQuery.argtypes = [vp]
+        fast.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
+        fast.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
 
     @classmethod
     def get(cls) -> CudaDriver:
@@ -182,7 +191,7 @@ class CudaDriver:
         self._check(self.lib.cuEventRecord(ev, stream), "cuEventRecord")
 
     def event_done(self, ev: int) -> bool:
-        rc = self.lib.cuEventQuery(ev)
+        rc = self.fast.cuEventQuery(ev)
         if rc == 600:  # CUDA_ERROR_NOT_READY
             return False
         self._check(rc, "cuEventQuery")
@@ -380,6 +389,9 @@ class _Inflight:
 
 _OPS = {op.value: op for op in XferOp}
 SETTLE_AFTER_S = 0.0005  # a completed copy's notification waits at most this long for the caller's next call
+# The settler keeps watching this long after the last copy settled before it sleeps until the next post: a
+# transport in use then never pays the wake-up (a futex syscall, and a thread asking for the GIL) inside a post.
+SETTLER_LINGER_S = 0.05
 
 
 class CudaIpcTransport:
@@ -457,6 +469,8 @@ class CudaIpcTransport:
         self._want_native = bool(compiled_post)
         self._poster: native_post.PosterDesc | None = None
         self._poster_addr = 0
+        self._post_args: np.ndarray | None = None
+        self._post_call: Any = None
         self._staging: np.ndarray | None = None
         # Copies seen complete whose stats and notification are still to be done (see _complete, _settle); a
         # small thread settles what no call of the caller's settled within SETTLE_AFTER_S.
@@ -469,8 +483,7 @@ class CudaIpcTransport:
         # Threads seen with this transport's context current: their later calls skip the check (a thread that
         # switches context afterwards gets a loud driver error, never a silent wrong copy).
         self._ctx_ok = threading.local()
-        self._stage_marks: dict[str, float] = {}
-        self._t_post0 = 0.0
+        self._stage_marks: tuple[Any, ...] = ()
         self._inbox: collections.deque[tuple[str, Notification]] = collections.deque()
         self._lock = threading.RLock()
         self.malformed_notifications = 0
@@ -547,6 +560,8 @@ class CudaIpcTransport:
         poster.trace = 1 if self._trace else 0
         self._native, self._poster = lib, poster
         self._poster_addr = ctypes.addressof(poster)
+        self._post_args = poster.call_args()
+        self._post_call = lib.kvl_post_call
 
     @property
     def compiled_post(self) -> bool:
@@ -825,7 +840,7 @@ class CudaIpcTransport:
 
         Host time before the kernel launch adds to every request's latency; host time after it overlaps the copy.
         So everything that can wait (the handle record, byte counts, trace marks) comes after the launch."""
-        t0 = self._t_post0 = time.perf_counter()
+        t0 = time.perf_counter()
         if op.__class__ is not XferOp:
             op = _OPS.get(op) or XferOp(op)  # type: ignore[call-overload]  # a dict hit is cheaper than Enum()
         with self._lock:
@@ -863,11 +878,8 @@ class CudaIpcTransport:
             if flight.end is None:
                 self._complete(rec)
                 self._settle()
-            elif self._trace:
-                rec.extra["stages_us"] = {"checks": (t_checked - t0) * 1e6,
-                                          "to_launch": (flight.t_launched - t0) * 1e6,
-                                          "after_launch": (rec.t_post_end - flight.t_launched) * 1e6,
-                                          **self._stage_marks}
+            elif self._trace:  # raw stamps only: the dict is built by stage_times(), off every latency path
+                rec.extra["stages_raw"] = (t0, t_checked, flight.t_launched, rec.t_post_end, self._stage_marks)
             return rec.handle
 
     def post_batch(
@@ -997,12 +1009,21 @@ class CudaIpcTransport:
         pushed = self._need_context()  # a service thread may have no context current
         if pushed:
             drv.push_context(self._cu_ctx)
+        args = self._post_args  # PosterDesc.CALL_FIELDS, written in place: the call itself takes one pointer
+        args[0] = kernels.address
+        args[1] = kernels.count
+        args[2] = slot
+        args[3] = n
+        args[4] = pad
+        args[5] = src_limit
+        args[6] = dst_limit
+        args[7] = self._torch._C._cuda_getCurrentRawStream(self._dev_index)
+        args[8] = start.handle
+        args[9] = end.handle
+        args[10] = 1 if self._inflight or self._draining else 0
         t_call = time.perf_counter()
         try:
-            rc = self._native.kvl_post(self._poster_addr, ctypes.addressof(kernels.array), kernels.count, slot, n,
-                                       pad, src_limit, dst_limit,
-                                       self._torch._C._cuda_getCurrentRawStream(self._dev_index), start.handle,
-                                       end.handle, 1 if self._inflight or self._draining else 0)
+            rc = self._post_call(self._poster_addr)
         finally:
             if pushed:
                 drv.pop_context()
@@ -1016,13 +1037,9 @@ class CudaIpcTransport:
                 raise TransportError(f"compiled post refused its arguments ({rc})")
             assert self._poster is not None
             drv._check(rc, native_post.STEPS.get(self._poster.error_step, "compiled post"))
-        if self._trace:  # the C side's own stamps, plus the Python work before the call
+        if self._trace:  # the C side's own stamps (copied: the next post overwrites them), for stage_times()
             assert self._poster is not None
-            self._poster.trace = 1
-            entry_ns, exit_ns = self._poster.trace_ns[0], self._poster.trace_ns[6]  # CLOCK_MONOTONIC, as perf_counter
-            self._stage_marks = {"py_before_call": (t_call - self._t_post0) * 1e6,
-                                 "call_entry": entry_ns / 1e3 - t_call * 1e6, **self._poster.stages_us(),
-                                 "call_exit": t_launched * 1e6 - exit_ns / 1e3}
+            self._stage_marks = ("native", t_call, t_launched, tuple(self._poster.trace_ns))
         return _Inflight(start, end, slot, [], notify, t_launched)
 
     def _launch(self, copiers: list[Any], src: np.ndarray, dst: np.ndarray, n: int,
@@ -1050,7 +1067,7 @@ class CudaIpcTransport:
                           notify: tuple[str, Notification] | None, start: _Event, end: _Event, pad: int,
                           slot: int | None, t_a: float) -> _Inflight:
         drv, stream = self._driver, self._cu_stream
-        lib = drv.lib
+        lib = drv.fast
         ring = self._ring
         assert ring is not None
         keep: list[Any] = []
@@ -1115,8 +1132,7 @@ class CudaIpcTransport:
         if rc:
             drv._check(rc, "cuEventRecord(end)")
         if self._trace:
-            self._stage_marks = {"stage_ids": (t_b - t_a) * 1e6, "order+start": (t_c - t_b) * 1e6,
-                                 "kernel_launch": (t_d - t_c) * 1e6, "end_record": (time.perf_counter() - t_d) * 1e6}
+            self._stage_marks = ("python", t_a, t_b, t_c, t_d, time.perf_counter())
         return _Inflight(start, end, slot, keep, notify, t_d)
 
     def _need_context(self) -> bool:
@@ -1177,23 +1193,30 @@ class CudaIpcTransport:
         self._settle_kick.set()
 
     def _settle_later(self) -> None:
-        """The settler thread. While copies are in flight or settling it looks every ``SETTLE_AFTER_S`` and settles
-        what has waited that long since the caller saw it DONE; otherwise it sleeps until the next post."""
+        """The settler thread. While copies are in flight or settling, and for ``SETTLER_LINGER_S`` after, it looks
+        every ``SETTLE_AFTER_S`` and settles what has waited that long since the caller saw it DONE; then it sleeps
+        until a post wakes it."""
         kick = self._settle_kick
         while not self._closed:
             if not kick.wait(1.0):  # bounded: re-checks ``_closed`` every second
                 continue
             kick.clear()
-            while not self._closed:  # ends when nothing is in flight or settling, or at close
+            idle_since = None
+            while not self._closed:  # ends after SETTLER_LINGER_S with nothing in flight or settling, or at close
                 time.sleep(SETTLE_AFTER_S)
                 with self._lock:
                     if self._closed:
                         return
                     settling = self._settling
-                    if settling and time.perf_counter() - settling[0][0].t_done >= SETTLE_AFTER_S:
+                    now = time.perf_counter()
+                    if settling and now - settling[0][0].t_done >= SETTLE_AFTER_S:
                         with self._context():
                             self._settle()
-                    if not self._inflight and not self._settling:
+                    if self._inflight or self._settling:
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = now
+                    elif now - idle_since >= SETTLER_LINGER_S:
                         self._settle_watching = False
                         break
 
@@ -1255,7 +1278,7 @@ class CudaIpcTransport:
                     try:
                         end = flight.end
                         if end.__class__ is _Event:
-                            rc = drv.lib.cuEventQuery(end.handle)  # never blocks; no wrapper frames
+                            rc = drv.fast.cuEventQuery(end.handle)  # never blocks; no wrapper frames
                             if rc == 0:
                                 self._complete(rec)
                             elif rc != 600:  # CUDA_ERROR_NOT_READY is the only "not yet"
@@ -1274,6 +1297,29 @@ class CudaIpcTransport:
                 with self._context():
                     self._settle()
             return rec.status
+
+    def stage_times(self, handle: TransferHandle) -> dict[str, float] | None:
+        """Where a traced post's host time went (``KVL_CUDA_IPC_TRACE=1``), in µs; ``None`` when not traced.
+        Built here from raw stamps, so tracing adds no work to the post itself."""
+        with self._lock:
+            raw = self._handles.get(handle).extra.get("stages_raw")
+        if raw is None:
+            return None
+        t0, t_checked, t_launched, t_end, marks = raw
+        out = {"checks": (t_checked - t0) * 1e6, "to_launch": (t_launched - t0) * 1e6,
+               "after_launch": (t_end - t_launched) * 1e6}
+        if marks and marks[0] == "native":  # the C side's stamps are CLOCK_MONOTONIC, as perf_counter
+            _, t_call, t_return, ns = marks
+            out["py_before_call"] = (t_call - t0) * 1e6
+            out["call_entry"] = ns[0] / 1e3 - t_call * 1e6
+            names = native_post.PosterDesc.TRACE_STAGES
+            out.update({name: (ns[i + 1] - ns[i]) / 1e3 for i, name in enumerate(names)})
+            out["call_exit"] = t_return * 1e6 - ns[len(names)] / 1e3
+        elif marks and marks[0] == "python":
+            _, t_a, t_b, t_c, t_d, t_e = marks
+            out.update({"stage_ids": (t_b - t_a) * 1e6, "order+start": (t_c - t_b) * 1e6,
+                        "kernel_launch": (t_d - t_c) * 1e6, "end_record": (t_e - t_d) * 1e6})
+        return out
 
     def error(self, handle: TransferHandle) -> TransportError | None:
         with self._lock:

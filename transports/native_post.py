@@ -68,20 +68,38 @@ class PosterDesc(ctypes.Structure):
         ("error_step", ctypes.c_int32),
         ("trace", ctypes.c_int32),
         ("trace_ns", ctypes.c_int64 * 8),
+        # one post's arguments (kvl_post_call): written through :meth:`call_args`, read by the C side
+        ("kernels", ctypes.c_void_p),
+        ("nkernels", ctypes.c_int64),
+        ("slot", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("pad", ctypes.c_int64),
+        ("src_limit", ctypes.c_int64),
+        ("dst_limit", ctypes.c_int64),
+        ("caller", ctypes.c_void_p),
+        ("start", ctypes.c_void_p),
+        ("end", ctypes.c_void_p),
+        ("on_copy_stream", ctypes.c_int64),
     ]
 
     TRACE_STAGES = ("check_ids", "copy_ids", "order_streams", "start_event", "launch", "end_event")
 
-    def stages_us(self) -> dict[str, float]:
-        """The last post's steps (``trace`` on), microseconds each."""
-        t = self.trace_ns
-        return {name: (t[i + 1] - t[i]) / 1e3 for i, name in enumerate(self.TRACE_STAGES)}
+    CALL_FIELDS = ("kernels", "nkernels", "slot", "n", "pad", "src_limit", "dst_limit", "caller", "start", "end",
+                   "on_copy_stream")
+
+    def call_args(self) -> Any:
+        """The post's argument fields as one int64 numpy array over this structure's memory (an item write costs
+        less than a ctypes field write or a converted call argument). Order: :attr:`CALL_FIELDS`."""
+        import numpy as np
+
+        first = getattr(PosterDesc, self.CALL_FIELDS[0]).offset
+        return np.frombuffer(self, dtype=np.int64, count=len(self.CALL_FIELDS), offset=first)
 
 
 class KernelList:
     """The kernels of one launch (one per region group), as the ``kvl_kernel **`` the C post takes."""
 
-    __slots__ = ("array", "count", "descs")
+    __slots__ = ("address", "array", "count", "descs")
 
     def __init__(self, descs: list[KernelDesc]) -> None:
         if not 0 < len(descs) <= MAX_KERNELS:
@@ -89,6 +107,7 @@ class KernelList:
         self.descs = descs  # keeps the structures alive
         self.array = (ctypes.c_void_p * len(descs))(*(ctypes.addressof(d) for d in descs))
         self.count = len(descs)
+        self.address = ctypes.addressof(self.array)
 
 
 _lock = threading.Lock()
@@ -141,12 +160,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     # post(poster, kernels, nkernels, slot, n, pad, src_limit, dst_limit, caller, start, end, on_copy_stream)
     lib.kvl_post.argtypes = [vp, vp, i32, i32, i32, i32, i64, i64, vp, vp, vp, i32]
     lib.kvl_post.restype = ctypes.c_int
+    lib.kvl_post_call.argtypes, lib.kvl_post_call.restype = [vp], ctypes.c_int
 
 
 def load_library(*, init_cuda: bool = True) -> ctypes.CDLL:
     """Build (if needed) and load the library; ``init_cuda`` resolves the driver functions (raises without
     libcuda). Without ``init_cuda`` only the pure helpers (:func:`check_and_narrow`) may be called."""
-    lib = ctypes.CDLL(str(build()))
+    # PyDLL: the calls keep the GIL. A post never blocks (short of a full launch queue), and a release around it
+    # would let any other Python thread (the settler, a log syncer) take the GIL in the middle of a request's
+    # latency path: a thread switch costs more than the whole post.
+    lib = ctypes.PyDLL(str(build()))
     _declare(lib)
     if init_cuda:
         rc = lib.kvl_init()

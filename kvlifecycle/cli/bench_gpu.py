@@ -22,6 +22,7 @@ CUDA-event figures time the device work alone. Every copy is checked byte for by
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import itertools
 import json
@@ -438,10 +439,35 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         stages: list[dict[str, float]] = []  # KVL_CUDA_IPC_TRACE=1: where post's time goes
         steps: list[list[float]] = []  # single requests: start_load, post, wait for the event, ledger completion
 
-        def round_(count: int, n: int, verify: bool, batched: bool = False
+        flat_src, flat_dst = ip.src.view(-1), ip.dst.view(-1)
+        ceiling_end = torch.cuda.Event()
+        drv = transport._driver
+        fast = drv.fast
+        fast.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        raw_end = drv.event_create(timing=False)
+        raw_src, raw_dst = flat_src.data_ptr(), flat_dst.data_ptr()
+
+        def raw_copy(nbytes: int) -> None:
+            """The least host work a contiguous copy can take: two driver calls and a spin on the event."""
+            stream = torch._C._cuda_getCurrentRawStream(ip.device.index)
+            rc = fast.cuMemcpyDtoDAsync_v2(raw_dst, raw_src, nbytes, stream)
+            rc = rc or fast.cuEventRecord(raw_end, stream)
+            if rc:
+                raise RuntimeError(f"raw ceiling copy failed ({rc})")
+            deadline = time.perf_counter() + 30
+            while fast.cuEventQuery(raw_end) == 600:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError("raw ceiling copy did not complete in 30 s")
+
+        def round_(count: int, n: int, verify: bool, batched: bool = False, ceiling: str = ""
                    ) -> tuple[float, float, list[float], bool, dict[str, Any]]:
             """``count`` requests of ``n`` blocks: posted one by one, or (``batched``) as one ``post_batch`` (a
-            scheduler step's loads). Each ledger step's records are appended at its end, after the launch."""
+            scheduler step's loads). Each ledger step's records are appended at its end, after the launch.
+
+            ``ceiling`` ("torch" or "driver"): at the moment the transfer would start, time a contiguous copy of
+            the same bytes first (D's own buffers; wall, launch to its event seen, as the ceiling is timed; torch's
+            ``copy_``, or the raw driver calls), then run the round as usual, untimed. The ceiling measured at the
+            same point of the same loop, side by side."""
             parent.send(("grant", count, n))
             _, grants = recv(spin=True)
             dst_sets = rng.permutation(ip.pool)[: count * n].astype(np.int32).reshape(count, n)
@@ -456,7 +482,19 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             ledger.commit()
             torch.cuda.synchronize(ip.device)
             handles = {}
+            ceiling_s = 0.0
             t_start = time.perf_counter()
+            if ceiling:
+                nbytes = count * n * ip.regions * ip.block_bytes
+                if ceiling == "driver":
+                    raw_copy(nbytes)
+                else:
+                    flat_dst[:nbytes].copy_(flat_src[:nbytes])
+                    ceiling_end.record()
+                    _spin(ceiling_end)
+                ceiling_s = time.perf_counter() - t_start
+                torch.cuda.synchronize(ip.device)
+                t_start = time.perf_counter()
             marks: list[float] = [t_start]
             with ledger.step():  # the gates act now; their log records are appended after the launch
                 batch = []
@@ -502,12 +540,12 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                     # Metrics and the handle's release change no block state: they follow, off the latency path.
                     rec = transport._handles.live[handle.id]
                     st = transport.stats(handle)
-                    extra = rec.extra.get("stages_us")
+                    extra = transport.stage_times(handle)
                     ledger.observe_transfer(transfer, t_post_s=st.t_post_s, t_xfer_s=st.t_xfer_s, nbytes=st.bytes,
                                             descriptors=st.desc_count, backend=st.backend, ok=True)
                     transport.release(handle)
                     kernel_s += st.t_xfer_s
-                    if count == 1:
+                    if count == 1 and not ceiling:
                         marks.append(time.perf_counter())
                         step = [b - a for a, b in itertools.pairwise(marks)]
                         # split of the wait: until the event was seen complete, then stats + notification to P
@@ -518,7 +556,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                     stats0 = {"t_post_us": st.t_post_s * 1e6, "t_xfer_us": st.t_xfer_s * 1e6, "backend": st.backend,
                               "descriptors_replaced": st.desc_count}
             # start_load of the first -> the last request's blocks READY_FOR_ATTENTION
-            elapsed = t_ready - t_start
+            elapsed = ceiling_s if ceiling else t_ready - t_start
             exact = True
             if verify:
                 for i, (_, _, _, src) in enumerate(grants):
@@ -547,18 +585,22 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             out[f"{label}_compiled_post"] = whole is not None and whole.native_read is not None
             steps.clear()
             stages.clear()
-            walls, kernels, trips, exact = [], [], [], True
+            walls, kernels, trips, exact, in_loop, in_loop_raw = [], [], [], True, [], []
             for i in range(reps):
                 if profile is not None and label == "small":
                     profile.enable()
                 w, k, rt, ok, stats0 = round_(1, n, verify=i in (0, reps - 1))
                 if profile is not None:
                     profile.disable()
+                in_loop.append(round_(1, n, False, ceiling="torch")[0])  # the ceiling, same loop, next round
+                in_loop_raw.append(round_(1, n, False, ceiling="driver")[0])
                 walls.append(w)
                 kernels.append(k)
                 trips += rt
                 exact = exact and ok
             out[f"{label}_wall_s"] = _median(walls)
+            out[f"{label}_ceiling_in_loop_wall_s"] = _median(in_loop)
+            out[f"{label}_ceiling_in_loop_driver_wall_s"] = _median(in_loop_raw)
             out[f"{label}_kernel_s"] = _median(kernels)
             out[f"{label}_roundtrip_s"] = _median(trips)
             out[f"{label}_exact"] = exact
@@ -694,6 +736,11 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
         r["gbps_kvl_batched"] = _gbps(nb * pipeline, e2e.get(f"{label}_batched_wall_s", float("nan")))
         r["ratio_kvl_batched"] = r["gbps_kvl_batched"] / r["gbps_ceiling_pipelined"]
         r["ratio_kvl_to_ceiling_wall"] = r["gbps_kvl_wall"] / r["gbps_ceiling_wall"]
+        # the same contiguous copy timed at the same point of D's loop as the request (side by side, alternating)
+        r["gbps_ceiling_in_loop"] = _gbps(nb, e2e.get(f"{label}_ceiling_in_loop_wall_s", float("nan")))
+        r["ratio_kvl_to_ceiling_in_loop"] = r["gbps_kvl_wall"] / r["gbps_ceiling_in_loop"]
+        r["gbps_ceiling_in_loop_driver"] = _gbps(nb, e2e.get(f"{label}_ceiling_in_loop_driver_wall_s", float("nan")))
+        r["ratio_kvl_to_ceiling_in_loop_driver"] = r["gbps_kvl_wall"] / r["gbps_ceiling_in_loop_driver"]
         r["ratio_kvl_kernel_to_ceiling_event"] = r["gbps_kvl_kernel"] / r["gbps_ceiling_event"]
         r["ratio_kernel_to_ceiling_event"] = r["gbps_kernel_event"] / r["gbps_ceiling_event"]
     large, small = res["large"], res["small"]
@@ -712,6 +759,10 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
     res["gbps_torch"] = large["gbps_torch_event"]
     res["gbps_kvl_small"] = small["gbps_kvl_wall"]
     res["ratio_small"] = small["ratio_kvl_to_ceiling_wall"]
+    res["ratio_to_ceiling_in_loop"] = large["ratio_kvl_to_ceiling_in_loop"]
+    res["ratio_small_to_ceiling_in_loop"] = small["ratio_kvl_to_ceiling_in_loop"]
+    res["ratio_to_ceiling_in_loop_driver"] = large["ratio_kvl_to_ceiling_in_loop_driver"]
+    res["ratio_small_to_ceiling_in_loop_driver"] = small["ratio_kvl_to_ceiling_in_loop_driver"]
     res["ratio_small_kernel"] = small["ratio_kvl_kernel_to_ceiling_event"]
     res["gbps_kvl_pipelined"] = large["gbps_kvl_pipelined"]
     res["gbps_kvl_small_pipelined"] = small["gbps_kvl_pipelined"]
@@ -733,6 +784,10 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
         res["host_us_python_post"] = _host_split(res, ab, shapes)
     res["split"] = {
         "single_wall": {"large": res["ratio_to_ceiling"], "small": res["ratio_small"]},
+        "single_wall_vs_ceiling_in_loop": {"large": res["ratio_to_ceiling_in_loop"],
+                                           "small": res["ratio_small_to_ceiling_in_loop"]},
+        "single_wall_vs_raw_copy_in_loop": {"large": res["ratio_to_ceiling_in_loop_driver"],
+                                            "small": res["ratio_small_to_ceiling_in_loop_driver"]},
         "transfer_device_time": {"large": res["ratio_kernel_to_ceiling"], "small": res["ratio_small_kernel"]},
         "pipelined_wall": {"large": res["ratio_pipelined"], "small": res["ratio_small_pipelined"]},
         "step_batched_wall": {"large": res["ratio_batched"], "small": res["ratio_small_batched"]},
@@ -764,6 +819,8 @@ def _host_split(res: dict[str, Any], e2e: dict[str, Any], shapes: dict[str, Shap
         h["wall_us"] = round(e2e.get(f"{label}_wall_s", float("nan")) * 1e6, 1)
         h["transfer_device_us"] = round(e2e.get(f"{label}_kernel_s", float("nan")) * 1e6, 1)
         h["ceiling_wall_us"] = round(res[label]["ceiling_wall_s"] * 1e6, 1)
+        h["ceiling_in_loop_wall_us"] = round(e2e.get(f"{label}_ceiling_in_loop_wall_s", float("nan")) * 1e6, 1)
+        h["raw_copy_in_loop_wall_us"] = round(e2e.get(f"{label}_ceiling_in_loop_driver_wall_s", float("nan")) * 1e6, 1)
         host[label] = h
     return host
 
@@ -787,6 +844,10 @@ def print_table(res: dict[str, Any]) -> None:
             ("(a) kvl cuda_ipc e2e, 2 procs, wall", r["gbps_kvl_wall"], r["ratio_kvl_to_ceiling_wall"]),
             ("    same, Python post (A/B, same run)", r.get("gbps_kvl_wall_python_post"),
              r.get("ratio_kvl_python_post")),
+            ("(d) contiguous copy_, wall, timed in D's loop", r.get("gbps_ceiling_in_loop"), 1.0),
+            ("(a) kvl e2e, x that copy_", r["gbps_kvl_wall"], r.get("ratio_kvl_to_ceiling_in_loop")),
+            ("(d) raw cuMemcpyDtoDAsync, wall, timed in D's loop", r.get("gbps_ceiling_in_loop_driver"), 1.0),
+            ("(a) kvl e2e, x that raw copy", r["gbps_kvl_wall"], r.get("ratio_kvl_to_ceiling_in_loop_driver")),
             ("(a) kvl cuda_ipc device time post->done (events)", r["gbps_kvl_kernel"],
              r["ratio_kvl_kernel_to_ceiling_event"]),
             ("(d) contiguous copies back to back, wall", r["gbps_ceiling_pipelined"], 1.0),

@@ -214,7 +214,8 @@ def test_lone_and_back_to_back_posts_stage_ids_correctly_and_free_the_ring() -> 
         lone_src, lone_dst = perm[:3], rng.permutation(BLOCKS)[:3].astype(np.int32)
         h = a.post("READ", plan, lone_dst, lone_src)
         assert wait_status(a, h) is XferStatus.DONE
-        stages = a._handles.live[h.id].extra["stages_us"]
+        stages = a.stage_times(h)
+        assert stages is not None
         assert {"to_launch", "after_launch", "kernel_launch"} <= stages.keys()
         a.release(h)
         with pytest.raises(RemoteMismatchError):

@@ -252,3 +252,18 @@ def test_post_batch_is_one_launch_with_a_handle_per_request(compiled: bool) -> N
     finally:
         a.close()
         b.close()
+
+
+def test_post_arguments_written_through_the_numpy_view_land_in_the_c_fields() -> None:
+    poster = native_post.PosterDesc()
+    args = poster.call_args()
+    values = [0x1000, 2, 16, 5, 8, 512, 256, 0x2000, 0x3000, 0x4000, 1]
+    for i, v in enumerate(values):
+        args[i] = v
+    assert [getattr(poster, f) or 0 for f in native_post.PosterDesc.CALL_FIELDS] == values
+    assert native_post.PosterDesc.on_copy_stream.offset + 8 == ctypes.sizeof(native_post.PosterDesc)
+
+
+def test_the_library_keeps_the_gil_across_calls(lib: ctypes.CDLL) -> None:
+    # PyDLL: no other Python thread can take the GIL in the middle of a request's post (see native_post.load)
+    assert isinstance(lib, ctypes.PyDLL)
