@@ -471,6 +471,9 @@ class CudaIpcTransport:
         self._poster_addr = 0
         self._post_args: np.ndarray | None = None
         self._post_call: Any = None
+        self._args_kernels: Any = None  # the kernels and id limits the argument fields were last written for
+        self._args_limits = (-1, -1)
+        self._current_stream = torch._C._cuda_getCurrentRawStream  # the caller's stream, as a raw handle
         self._staging: np.ndarray | None = None
         # Copies seen complete whose stats and notification are still to be done (see _complete, _settle); a
         # small thread settles what no call of the caller's settled within SETTLE_AFTER_S.
@@ -1010,14 +1013,16 @@ class CudaIpcTransport:
         if pushed:
             drv.push_context(self._cu_ctx)
         args = self._post_args  # PosterDesc.CALL_FIELDS, written in place: the call itself takes one pointer
-        args[0] = kernels.address
-        args[1] = kernels.count
+        if kernels is not self._args_kernels or src_limit != self._args_limits[0] or dst_limit != self._args_limits[1]:
+            args[0] = kernels.address  # what stays the same from one post of a plan to the next: written once
+            args[1] = kernels.count
+            args[5] = src_limit
+            args[6] = dst_limit
+            self._args_kernels, self._args_limits = kernels, (src_limit, dst_limit)
         args[2] = slot
         args[3] = n
         args[4] = pad
-        args[5] = src_limit
-        args[6] = dst_limit
-        args[7] = self._torch._C._cuda_getCurrentRawStream(self._dev_index)
+        args[7] = self._current_stream(self._dev_index)
         args[8] = start.handle
         args[9] = end.handle
         args[10] = 1 if self._inflight or self._draining else 0
