@@ -721,3 +721,37 @@ def test_handoff_picks_cuda_ipc_for_vram_on_one_node_and_releases_after_the_copy
         prod.close()
         for t in made:
             t.close()
+
+
+def _done_once(t: cuda_ipc.CudaIpcTransport, h: Any, timeout_s: float = 10.0) -> None:
+    """Poll until the first DONE and stop: no later call that would settle the copy itself."""
+    deadline = time.monotonic() + timeout_s
+    while t.poll(h) is not XferStatus.DONE:
+        assert time.monotonic() < deadline, "copy did not complete"
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_settler_notifies_without_another_call_while_watching_and_after_it_slept() -> None:
+    suffix = time.monotonic_ns()
+    a, b = cuda_ipc.CudaIpcTransport(f"sa-{suffix}"), cuda_ipc.CudaIpcTransport(f"sb-{suffix}")
+    ta, tb = vram_tensors("random", 9), vram_tensors("zeros")
+    try:
+        a.register(vram_layout(ta))
+        b.register(vram_layout(tb))
+        plan = b.prepare(b.add_peer(a.local_metadata()))
+        first = Notification("r1", "x1", 1, epoch=b.epoch, kind="done")
+        _done_once(b, b.post("READ", plan, [3], [4], notification=first))
+        assert wait_notes(a, 1) == [(b.agent, first)]  # sent by the settler: b was not called again
+        deadline = time.monotonic() + 5.0  # lingers SETTLER_LINGER_S with nothing in flight, then sleeps
+        while b._settle_watching:
+            assert time.monotonic() < deadline, "the settler never stopped watching"
+            time.sleep(0.01)
+        second = Notification("r2", "x2", 1, epoch=b.epoch, kind="done")
+        _done_once(b, b.post("READ", plan, [5], [6], notification=second))  # this post wakes it again
+        assert wait_notes(a, 1) == [(b.agent, second)]
+        torch.cuda.synchronize()
+        assert torch.equal(tb[0][3], ta[0][4]) and torch.equal(tb[0][5], ta[0][6])
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,57 @@
+"""``kvlifecycle bench gpu``'s arithmetic, without a GPU: the ratios and goals it prints come from the timings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvlifecycle.cli.bench_gpu import Shape, print_table, summarise
+
+MIB = 1 << 20
+SHAPES = {"large": Shape(64, 256, 32 * 1024), "small": Shape(64, 16, 32 * 1024)}
+
+
+def _in_process(ceiling_wall_s: float) -> dict[str, Any]:
+    return {"ceiling_event_s": ceiling_wall_s * 0.9, "ceiling_wall_s": ceiling_wall_s,
+            "ceiling_pipelined_wall_s": 8 * ceiling_wall_s, "torch_event_s": 10 * ceiling_wall_s,
+            "kernel_event_s": ceiling_wall_s, "kernel_variants": {}, "ceiling_exact": True, "torch_exact": True,
+            "kernel_exact": True}
+
+
+def _result() -> dict[str, Any]:
+    e2e: dict[str, Any] = {"connect_s": 0.01, "connect": {}, "replay_events": {"p": 10, "d": 8},
+                           "replay_violations": [], "large_roundtrip_s": 1e-3, "small_roundtrip_s": 5e-4}
+    for label, wall, in_loop, raw in (("large", 300e-6, 330e-6, 250e-6), ("small", 80e-6, 100e-6, 40e-6)):
+        e2e |= {f"{label}_wall_s": wall, f"{label}_kernel_s": wall * 0.8, f"{label}_pipelined_wall_s": 8 * wall,
+                f"{label}_batched_wall_s": 8 * wall, f"{label}_ceiling_in_loop_wall_s": in_loop,
+                f"{label}_ceiling_in_loop_driver_wall_s": raw, f"{label}_exact": True, f"{label}_post_us": 30.0,
+                f"{label}_steps_us": {"start_load": 10.0, "post": 40.0, "wait_event": 5.0, "part_done": 8.0,
+                                      "after_ready": 20.0, "event_seen": 4.0, "complete": 1.0}}
+    return {"device": "test", "torch": "x", "triton": "y", "pool_blocks": 2048,
+            "shape": {k: {"regions": s.regions, "blocks": s.blocks, "block_bytes": s.block_bytes, "bytes": s.nbytes}
+                      for k, s in SHAPES.items()},
+            "large": _in_process(270e-6), "small": _in_process(36e-6), "e2e": e2e}
+
+
+def test_ratios_compare_the_request_with_each_way_of_timing_the_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    res = summarise(_result(), SHAPES, pipeline=8)
+    assert res["ratio_to_ceiling"] == pytest.approx(270 / 300)
+    assert res["ratio_small"] == pytest.approx(36 / 80)
+    assert res["ratio_to_ceiling_in_loop"] == pytest.approx(330 / 300)
+    assert res["ratio_small_to_ceiling_in_loop_driver"] == pytest.approx(40 / 80)
+    assert res["goals"] == {"copy_hot_loop": {"large": True, "small": False},
+                            "copy_in_loop": {"large": True, "small": True},
+                            "raw_copy_in_loop": {"large": False, "small": False}}
+    assert res["goal_large_met"] and not res["goal_small_met"]  # the headline stays the hot-loop copy
+    assert res["host_us"]["small"]["raw_copy_in_loop_wall_us"] == pytest.approx(40.0)
+    assert res["byte_exact"]
+    print_table(res)
+    out = capsys.readouterr().out
+    assert "timed in D's loop" in out and "raw_copy_in_loop" in out
+
+
+def test_a_path_that_was_not_byte_exact_fails_the_run() -> None:
+    raw = _result()
+    raw["e2e"]["small_exact"] = False
+    assert summarise(raw, SHAPES, pipeline=8)["byte_exact"] is False
