@@ -55,3 +55,14 @@ def test_a_path_that_was_not_byte_exact_fails_the_run() -> None:
     raw = _result()
     raw["e2e"]["small_exact"] = False
     assert summarise(raw, SHAPES, pipeline=8)["byte_exact"] is False
+
+
+def test_two_gpu_runs_report_every_path_against_the_peer_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    raw = _result()
+    for label, peer_s, nixl_s in (("large", 250e-6, 1.0), ("small", 30e-6, 0.1)):
+        raw[label] |= {"peer_ceiling_event_s": peer_s, "nixl_wall_s": nixl_s, "nixl_exact": True}
+    res = summarise(raw, SHAPES, pipeline=8)
+    assert res["large"]["ratio_kvl_to_peer_ceiling"] == pytest.approx(250 / 300)
+    assert res["large"]["ratio_nixl_to_peer_ceiling"] == pytest.approx(250e-6 / 1.0)
+    print_table(res)
+    assert "two GPUs: torch peer copy" in capsys.readouterr().out

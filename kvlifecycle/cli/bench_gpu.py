@@ -252,7 +252,10 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
 # --- (b) raw NIXL ---------------------------------------------------------------------------------------------------
 
 
-def bench_nixl(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], reps: int) -> dict[str, Any]:
+def bench_nixl(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], reps: int,
+               peer_device: int | None = None) -> dict[str, Any]:
+    """Raw NIXL/UCX READ of the same blocks. With ``peer_device`` (two GPUs, issue 8) the owner's regions are a copy
+    of the source on that device, so the READ crosses GPUs as the CUDA IPC path does."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     out: dict[str, Any] = {}
@@ -261,19 +264,23 @@ def bench_nixl(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], reps: i
     stamp = f"{os.getpid()}-{time.monotonic_ns()}"
     reader, owner = nixl_agent(f"bench-d-{stamp}", cfg), nixl_agent(f"bench-p-{stamp}", cfg)
     dev = ip.device.index
+    owner_dev = dev if peer_device is None else peer_device
+    owner_src = ip.src if owner_dev == dev else ip.src.to(torch.device("cuda", owner_dev))
     region_bytes = ip.pool * ip.block_bytes
 
     def descs(t: Any) -> np.ndarray:
         base = np.array([t[r].data_ptr() for r in range(ip.regions)], dtype=np.uint64)
         addr = (base[:, None] + np.arange(ip.pool, dtype=np.uint64)[None, :] * np.uint64(ip.block_bytes)).reshape(-1)
-        return np.stack([addr, np.full_like(addr, ip.block_bytes), np.full_like(addr, dev)], axis=1)
+        return np.stack([addr, np.full_like(addr, ip.block_bytes), np.full_like(addr, t.device.index)], axis=1)
 
-    reg_rows = lambda t: [(t[r].data_ptr(), region_bytes, dev, "") for r in range(ip.regions)]  # noqa: E731
+    def reg_rows(t: Any) -> list[tuple[int, int, int, str]]:
+        return [(t[r].data_ptr(), region_bytes, t.device.index, "") for r in range(ip.regions)]
+
     reader.register_memory(reg_rows(ip.dst), "VRAM")
-    owner.register_memory(reg_rows(ip.src), "VRAM")
+    owner.register_memory(reg_rows(owner_src), "VRAM")
     reader.add_remote_agent(owner.get_agent_metadata())
     local = reader.prep_xfer_dlist("NIXL_INIT_AGENT", descs(ip.dst), "VRAM")
-    remote = reader.prep_xfer_dlist(owner.name, descs(ip.src), "VRAM")
+    remote = reader.prep_xfer_dlist(owner.name, descs(owner_src), "VRAM")
     regs = np.arange(ip.regions, dtype=np.int64)[:, None] * ip.pool
     times: list[float] = []
     exact = True
@@ -302,8 +309,9 @@ def bench_nixl(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], reps: i
     out["nixl_wall_s"] = _median(times)
     out["nixl_exact"] = exact
     out["nixl_backend"] = "UCX"
+    out["nixl_owner_device"] = owner_dev
     reader.remove_remote_agent(owner.name)
-    del local, remote, reader, owner  # destroying the agents stops their progress threads
+    del local, remote, reader, owner, owner_src  # destroying the agents stops their progress threads
     return out
 
 
@@ -713,7 +721,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for label, shape in shapes.items():
             try:
                 res[label].update(bench_nixl(torch, ip, shape, id_sets[label],
-                                             args.nixl_reps if label == "large" else 10))
+                                             args.nixl_reps if label == "large" else 10, args.peer_device))
             except Exception as exc:  # reported, not fatal: NIXL is a comparison here
                 res[label]["nixl_error"] = f"{type(exc).__name__}: {exc}"
             gc.collect()
@@ -749,6 +757,7 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
             r["gbps_peer_ceiling"] = _gbps(shape.nbytes, r["peer_ceiling_event_s"])
             r["ratio_kvl_to_peer_ceiling"] = r["gbps_kvl_wall"] / r["gbps_peer_ceiling"]
             r["ratio_kvl_kernel_to_peer_ceiling"] = r["gbps_kvl_kernel"] / r["gbps_peer_ceiling"]
+            r["ratio_nixl_to_peer_ceiling"] = r["gbps_nixl"] / r["gbps_peer_ceiling"]
     res["gbps_kvl"] = large["gbps_kvl_wall"]
     res["gbps_ceiling"] = large["gbps_ceiling_wall"]
     res["ratio_to_ceiling"] = large["ratio_kvl_to_ceiling_wall"]
@@ -876,7 +885,8 @@ def print_table(res: dict[str, Any]) -> None:
         if "gbps_peer_ceiling" in r:
             print(f"  two GPUs: torch peer copy (events) {_fmt(r['gbps_peer_ceiling'])} GB/s; kvl e2e "
                   f"{_fmt(r['ratio_kvl_to_peer_ceiling'], 3)}x, kvl device time "
-                  f"{_fmt(r['ratio_kvl_kernel_to_peer_ceiling'], 3)}x of it")
+                  f"{_fmt(r['ratio_kvl_kernel_to_peer_ceiling'], 3)}x, raw NIXL/UCX "
+                  f"{_fmt(r['ratio_nixl_to_peer_ceiling'], 4)}x of it")
         if "nixl_error" in r:
             print(f"  NIXL: {r['nixl_error']}")
         if r.get("kernel_variants") and len(r["kernel_variants"]) > 2:
