@@ -1045,6 +1045,7 @@ class CudaIpcTransport:
         if self._trace:  # the C side's own stamps (copied: the next post overwrites them), for stage_times()
             assert self._poster is not None
             self._stage_marks = ("native", t_call, t_launched, tuple(self._poster.trace_ns))
+            self._poster.trace = 1  # tracing turned on after registration: stamps from the next post on
         return _Inflight(start, end, slot, [], notify, t_launched)
 
     def _launch(self, copiers: list[Any], src: np.ndarray, dst: np.ndarray, n: int,
