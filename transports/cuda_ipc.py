@@ -1314,7 +1314,7 @@ class CudaIpcTransport:
         t0, t_checked, t_launched, t_end, marks = raw
         out = {"checks": (t_checked - t0) * 1e6, "to_launch": (t_launched - t0) * 1e6,
                "after_launch": (t_end - t_launched) * 1e6}
-        if marks and marks[0] == "native":  # the C side's stamps are CLOCK_MONOTONIC, as perf_counter
+        if marks and marks[0] == "native" and marks[3][0]:  # C stamps (CLOCK_MONOTONIC, as perf_counter), if any
             _, t_call, t_return, ns = marks
             out["py_before_call"] = (t_call - t0) * 1e6
             out["call_entry"] = ns[0] / 1e3 - t_call * 1e6
