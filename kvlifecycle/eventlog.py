@@ -454,7 +454,10 @@ class EventLog:
         with self._lock:
             if self._closed:
                 return False
-            self._write_batch()
+            try:
+                self._write_batch()
+            except LogError as exc:  # reported; the thread goes on (what could be written was)
+                warnings.warn(str(exc), RuntimeWarning, stacklevel=1)
             if not self._unsynced:
                 return True
             self._unsynced = False
@@ -486,8 +489,32 @@ class EventLog:
         pending = self._pending
         if not pending:
             return
+        unencodable: list[str] = []
+        if any(p.__class__ is not bytes for p in pending):  # events appended unencoded (append_events)
+            pending = self._pending = self._encode_pending(pending, unencodable)
+        try:
+            if pending:
+                self._write_encoded(pending)
+        finally:
+            if unencodable:  # the rest of the batch is written; these could not be, and are named
+                raise LogError(f"event log {self.directory}: {len(unencodable)} event(s) could not be encoded and "
+                               f"were not written: {'; '.join(unencodable[:3])}")
+
+    @staticmethod
+    def _encode_pending(pending: list[Any], unencodable: list[str]) -> list[bytes]:
+        out = []
+        for p in pending:
+            if p.__class__ is bytes:
+                out.append(p)
+                continue
+            try:
+                out.append(encode(p))
+            except (TypeError, ValueError, OverflowError) as exc:
+                unencodable.append(f"{p!r}: {exc}")
+        return out
+
+    def _write_encoded(self, pending: list[bytes]) -> None:
         n = len(pending)
-        pending = [p if p.__class__ is bytes else encode(p) for p in pending]  # events appended unencoded
         # a msgpack array header followed by the encoded elements is the encoding of the list: no re-encoding
         head = (
             bytes((0x90 | n,))
@@ -503,7 +530,7 @@ class EventLog:
                 self._open_segment()
         self._fh.write(frame)
         self._segment_size += len(frame)
-        self._pending = []
+        self._pending = []  # only once written: a failed write keeps the batch for the next try
         self._pending_bytes = 0
         self._unsynced = True
 

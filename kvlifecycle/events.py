@@ -8,7 +8,7 @@ change (fields are only ever appended, with defaults, within a version).
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -192,7 +192,16 @@ AnyEvent = Union[  # noqa: UP007 - msgspec needs a real Union object here
     Refused,
 ]
 
-ENCODER = msgspec.msgpack.Encoder()
+
+def _encode_extra(value: Any) -> Any:
+    """Values msgpack has no type for. A numpy scalar (a block id or a count taken from an array) is written as the
+    Python number it holds; anything else is refused with a ``TypeError`` naming its type."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"an event cannot hold a value of type {type(value).__name__}: {value!r}")
+
+
+ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode_extra)
 DECODER = msgspec.msgpack.Decoder(AnyEvent)
 
 

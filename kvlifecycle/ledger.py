@@ -278,13 +278,15 @@ class _Ledger:
 
     # -- events ---------------------------------------------------------------------------------------------------
     def _record(self, event: ev.Event) -> None:
-        self._handlers[type(event)](event)
-        if self.log is not None:
-            deferred = self._deferred
-            if deferred is None:
-                self.log.append_payload(_encode(event))
-            else:
-                deferred.append(event)
+        log, deferred = self.log, self._deferred
+        if log is not None and deferred is None:
+            payload = _encode(event)  # first: an event that cannot be logged raises before the state changes
+            self._handlers[type(event)](event)
+            log.append_payload(payload)
+        else:
+            self._handlers[type(event)](event)
+            if log is not None:
+                deferred.append(event)  # type: ignore[union-attr]  # encoded when the log writes its batch
         if self.listeners:
             for listener in self.listeners:
                 listener(event)

@@ -282,3 +282,24 @@ def test_a_failing_fsync_in_the_syncer_is_reported_and_retried(tmp_path: Path, m
     assert any("fsync failed" in str(w.message) for w in caught)
     log.close()  # no deadlock, nothing lost
     assert read_events(tmp_path / "log") == events
+
+
+def test_an_unencodable_event_in_the_syncers_batch_is_reported_and_the_syncer_goes_on(tmp_path: Path) -> None:
+    import time
+
+    good = make_events(4)
+    bad = ev.Refused(99, 99.0, "start_load", object(), "r", "t")  # type: ignore[arg-type]
+    log = EventLog(tmp_path / "log", header={"side": "source"}, fsync="5ms")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log.append_events([good[0], bad, good[1]])
+        deadline = time.monotonic() + 10.0  # bounded: the syncer writes every 5 ms
+        while time.monotonic() < deadline and not any("could not be encoded" in str(w.message) for w in caught):
+            time.sleep(0.005)
+        assert any("could not be encoded" in str(w.message) and "Refused" in str(w.message) for w in caught)
+        log.append_events(good[2:])  # the syncer is still writing
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and len(read_events(tmp_path / "log")) < 4:
+            time.sleep(0.005)
+    assert read_events(tmp_path / "log") == good
+    log.close()

@@ -9,6 +9,7 @@ import pytest
 
 from kvlifecycle import events as ev
 from kvlifecycle.clock import ManualClock
+from kvlifecycle.eventlog import LogError, read_events
 from kvlifecycle.invariants import check_quiescent, check_source, check_target
 from kvlifecycle.ledger import (
     BlockBusyError,
@@ -270,3 +271,47 @@ def test_step_changes_state_at_once_and_appends_the_records_at_its_end(tmp_path:
     kinds = [type(e).__name__ for e in replayed.events]
     assert kinds[-4:] == ["TgtLoadStarted", "Refused", "TgtPartDone", "TgtFinished"]
     assert np.array_equal(replayed.ledger.state, target.state)
+
+
+def test_numpy_scalars_in_a_command_are_logged_as_numbers(tmp_path: Path) -> None:
+    """A generation or part taken from an array is a numpy scalar: it is written as the number it holds."""
+    d = open_ledger("target", 8, tmp_path / "d", worker="d0")
+    d.reserve("r", [1, 2])
+    d.start_load("r", "t", parts=np.int64(2), generation=np.uint32(5), peer="p", peer_epoch=np.int64(3))
+    d.part_done("t", np.int32(0))
+    d.part_done("t", np.int64(1))
+    d.log.close()
+    events = [e for e in read_events(tmp_path / "d") if isinstance(e, (ev.TgtLoadStarted, ev.TgtPartDone))]
+    assert [type(e).__name__ for e in events] == ["TgtLoadStarted", "TgtPartDone", "TgtPartDone"]
+    assert (events[0].parts, events[0].generation, events[0].peer_epoch) == (2, 5, 3)
+    assert all(type(x) is int for x in (events[0].parts, events[0].generation, events[1].part))
+    assert replay(tmp_path / "d").ledger.requests["r"].state == TargetState.READY_FOR_ATTENTION
+
+
+def test_a_command_whose_event_cannot_be_logged_changes_nothing(tmp_path: Path) -> None:
+    d = open_ledger("target", 8, tmp_path / "d", worker="d0")
+    d.reserve("r", [1, 2])
+    with pytest.raises(TypeError, match="object"):
+        d.start_load("r", "t", peer=object())  # type: ignore[arg-type]  # not a string: msgpack cannot hold it
+    assert d.requests["r"].state == TargetState.RESERVED and "t" not in d.loads
+    d.start_load("r", "t", peer="p")  # the request is still free to load
+    d.log.close()
+    assert [type(e).__name__ for e in read_events(tmp_path / "d")] == ["TgtReserved", "TgtLoadStarted"]
+
+
+def test_in_a_step_an_unloggable_event_is_named_at_commit_and_the_rest_is_written(tmp_path: Path) -> None:
+    """Inside ``step()`` records are encoded when the batch is written: one that cannot be is reported there (the
+    command already acted), and neither the rest of the batch nor later batches are lost."""
+    d = open_ledger("target", 8, tmp_path / "d", worker="d0", fsync="3600000ms")
+    d.reserve("r", [1, 2])
+    d.reserve("q", [3])
+    with d.step():
+        d.start_load("r", "t", peer=object())  # type: ignore[arg-type]
+        d.start_load("q", "u", peer="p")
+    with pytest.raises(LogError, match=r"could not be encoded.*TgtLoadStarted"):
+        d.commit()
+    d.part_done("u")
+    d.commit()
+    d.log.close()
+    kinds = [(type(e).__name__, getattr(e, "request", getattr(e, "transfer", ""))) for e in read_events(tmp_path / "d")]
+    assert kinds == [("TgtReserved", "r"), ("TgtReserved", "q"), ("TgtLoadStarted", "q"), ("TgtPartDone", "u")]
