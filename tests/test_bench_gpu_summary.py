@@ -66,11 +66,3 @@ def test_two_gpu_runs_report_every_path_against_the_peer_copy(capsys: pytest.Cap
     assert res["large"]["ratio_nixl_to_peer_ceiling"] == pytest.approx(250e-6 / 1.0)
     print_table(res)
     assert "two GPUs: torch peer copy" in capsys.readouterr().out
-
-
-def test_cpus_are_picked_two_each_from_the_top_or_not_at_all() -> None:
-    from kvlifecycle.cli.bench_gpu import pick_cpus
-
-    assert pick_cpus({0, 1, 2}) is None
-    assert pick_cpus(set(range(16))) == ({14, 15}, {12, 13})
-    assert pick_cpus({0, 3, 5, 9, 11}) == ({9, 11}, {3, 5})

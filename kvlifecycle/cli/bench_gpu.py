@@ -59,8 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-device", type=int, default=None, help="P's device (default: the same)")
     parser.add_argument("--dir", help="keep the ledgers' logs here (default: a temporary directory)")
     parser.add_argument("--out", help="also write the JSON object to this file")
-    parser.add_argument("--no-pin", action="store_true",
-                        help="leave D and P unpinned (default: two CPUs each, when four are available)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,21 +318,9 @@ def bench_nixl(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], reps: i
 # --- (a) end to end: two processes ------------------------------------------------------------------------------------
 
 
-def pick_cpus(available: set[int]) -> tuple[set[int], set[int]] | None:
-    """Two CPUs for D and two for P, from the highest-numbered available ones (interrupts favour the lowest), or None
-    when fewer than four are available. Two each: a helper thread (the settler, a log syncer) that wakes runs beside
-    the main thread instead of preempting it."""
-    cpus = sorted(available)
-    if len(cpus) < 4:
-        return None
-    return set(cpus[-2:]), set(cpus[-4:-2])
-
-
 def _p_main(conn: Any, cfg: dict[str, Any]) -> None:
     """P: regions in their own allocations, a SourceLedger with a log, the CUDA IPC transport."""
     try:
-        if cfg.get("cpus"):
-            os.sched_setaffinity(0, cfg["cpus"])
         import msgspec
         import torch
 
@@ -399,7 +385,7 @@ def _p_main(conn: Any, cfg: dict[str, Any]) -> None:
 
 
 def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pipeline: int, peer_device: int,
-              log_dir: str, *, compiled_post: bool = True, p_cpus: set[int] | None = None) -> dict[str, Any]:
+              log_dir: str, *, compiled_post: bool = True) -> dict[str, Any]:
     import multiprocessing as mp
 
     import msgspec
@@ -412,7 +398,6 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     cfg = {"device": peer_device, "pool": ip.pool, "block_bytes": ip.block_bytes, "regions": ip.regions, "seed": 7,
-           "cpus": sorted(p_cpus) if p_cpus else None,
            "log_dir": log_dir}
     proc = ctx.Process(target=_p_main, args=(child, cfg), daemon=True)
     proc.start()
@@ -690,10 +675,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("kvlifecycle bench gpu needs a CUDA device; torch.cuda.is_available() is False here")
     device = torch.device("cuda", args.device)
     torch.cuda.set_device(device)
-    # D (this process: the ceilings and the request alike) and P each on CPUs of their own, as serving workers run
-    pins = None if args.no_pin else pick_cpus(os.sched_getaffinity(0))
-    if pins is not None:
-        os.sched_setaffinity(0, pins[0])
     bb = args.block_kib * 1024
     shapes = {"large": Shape(args.regions, args.blocks, bb), "small": Shape(args.regions, args.small_blocks, bb)}
     pool = max(args.pool_blocks, args.blocks * args.pipeline, args.small_blocks * args.pipeline)
@@ -705,7 +686,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "shape": {k: {"regions": s.regions, "blocks": s.blocks, "block_bytes": s.block_bytes, "bytes": s.nbytes}
                   for k, s in shapes.items()},
         "pool_blocks": pool,
-        "cpus": {"d": sorted(pins[0]), "p": sorted(pins[1])} if pins is not None else None,
     }
     try:
         import triton
@@ -732,7 +712,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             try:
                 e2e = bench_e2e(torch, ip, shapes, args.reps, args.pipeline, peer, f"{log_dir}/{key}",
-                                compiled_post=compiled, p_cpus=pins[1] if pins is not None else None)
+                                compiled_post=compiled)
             except Exception as exc:
                 e2e = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
             res[key] = e2e
@@ -869,7 +849,7 @@ def _fmt(x: Any, digits: int = 1) -> str:
 def print_table(res: dict[str, Any]) -> None:
     from kvlifecycle.transports.cuda_ipc import REGION_GROUP_HOST_IDS
 
-    print(f"device: {res['device']}   torch {res['torch']}   triton {res['triton']}   CPUs: {res.get('cpus')}")
+    print(f"device: {res['device']}   torch {res['torch']}   triton {res['triton']}")
     for label in ("large", "small"):
         r, shp = res[label], res["shape"][label]
         print(f"\n{label}: {shp['regions']} regions x {shp['blocks']} blocks x {shp['block_bytes'] // 1024} KiB "
