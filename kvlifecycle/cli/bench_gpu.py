@@ -641,6 +641,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
             out["profile_small"] = text.getvalue()[-5000:]
             print(out["profile_small"], file=sys.stderr)
+        drv.event_destroy(raw_end)
         parent.send(("stop",))
         recv()
         proc.join(30)

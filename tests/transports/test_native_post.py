@@ -267,3 +267,12 @@ def test_post_arguments_written_through_the_numpy_view_land_in_the_c_fields() ->
 def test_the_library_keeps_the_gil_across_calls(lib: ctypes.CDLL) -> None:
     # PyDLL: no other Python thread can take the GIL in the middle of a request's post (see native_post.load)
     assert isinstance(lib, ctypes.PyDLL)
+
+
+def test_the_driver_cost_benchmark_builds_against_the_compiled_post(tmp_path: Any) -> None:
+    """bench/driver_costs.c includes _native_post.c and calls kvl_post: it must keep compiling as the post changes."""
+    from pathlib import Path
+
+    source = Path(__file__).parents[2] / "bench" / "driver_costs.c"
+    lib = ctypes.CDLL(str(native_post.build(source, out_dir=tmp_path)))
+    assert lib.kvl_bench and lib.kvl_bench_init and lib.kvl_post_call
