@@ -492,13 +492,17 @@ class EventLog:
         unencodable: list[str] = []
         if any(p.__class__ is not bytes for p in pending):  # events appended unencoded (append_events)
             pending = self._pending = self._encode_pending(pending, unencodable)
+        why = (f"event log {self.directory}: {len(unencodable)} event(s) could not be encoded and were not written: "
+               f"{'; '.join(unencodable[:3])}") if unencodable else ""
         try:
             if pending:
                 self._write_encoded(pending)
-        finally:
-            if unencodable:  # the rest of the batch is written; these could not be, and are named
-                raise LogError(f"event log {self.directory}: {len(unencodable)} event(s) could not be encoded and "
-                               f"were not written: {'; '.join(unencodable[:3])}")
+        except OSError as exc:  # the encoded batch stays pending for the next try
+            if why:
+                exc.add_note(why)
+            raise
+        if why:  # the rest of the batch is written; these could not be, and are named
+            raise LogError(why)
 
     @staticmethod
     def _encode_pending(pending: list[Any], unencodable: list[str]) -> list[bytes]:
