@@ -100,6 +100,17 @@ int kvl_bench(kvl_poster *p, kvl_kernel **ks, int32_t nk, int32_t slot, int32_t 
         CK(p_sync(caller));                                          \
     }                                                                \
     out[idx] = median(scratch, reps);
+/* post -> the event ``ev`` seen complete: the statements, then a spin on ``ev`` */
+#define TIME_TO_SEEN(idx, ev, ...)                                   \
+    for (int r = 0; r < reps; r++) {                                 \
+        t0 = kvl_now_ns();                                           \
+        __VA_ARGS__                                                  \
+        CK(spin(ev));                                                \
+        scratch[r] = kvl_now_ns() - t0;                              \
+    }                                                                \
+    out[idx] = median(scratch, reps);
+#define LAUNCH_K \
+    p_launch_kernel(k->function, (unsigned)n * k->chunks, k->grid_y, 1, k->block_x, 1, 1, k->shared, s, k->params, NULL)
     TIME_ALONE(0, p_event_record(start, s));
     TIME_ALONE(1, p_event_record(plain, s));
     CK(p_event_record(p->order_event, caller));
@@ -107,18 +118,11 @@ int kvl_bench(kvl_poster *p, kvl_kernel **ks, int32_t nk, int32_t slot, int32_t 
     TIME_ALONE(3, p_memcpy_htod_async(ids, hids, 8 * (size_t)pad, s));
     k->slots[k->src_ids_param] = ids;
     k->slots[k->dst_ids_param] = ids + 4 * (CUdeviceptr)pad;
-    TIME_ALONE(4, p_launch_kernel(k->function, (unsigned)n * k->chunks, k->grid_y, 1, k->block_x, 1, 1, k->shared, s,
-                                  k->params, NULL));
+    TIME_ALONE(4, LAUNCH_K);
     TIME_ALONE(5, p_stream_query(caller));
     TIME_ALONE(6, kvl_post(p, ks, nk, slot, n, pad, src_limit, dst_limit, caller, start, end, 0));
-    /* 7: the compiled post as it is, post -> end event seen */
-    for (int r = 0; r < reps; r++) {
-        t0 = kvl_now_ns();
-        CK(kvl_post(p, ks, nk, slot, n, pad, src_limit, dst_limit, caller, start, end, 0));
-        CK(spin(end));
-        scratch[r] = kvl_now_ns() - t0;
-    }
-    out[7] = median(scratch, reps);
+    /* 7: the compiled post as it is */
+    TIME_TO_SEEN(7, end, CK(kvl_post(p, ks, nk, slot, n, pad, src_limit, dst_limit, caller, start, end, 0));)
     /* a graph of the same steps: id copy, start event, kernels, end event (captured on the transfer stream) */
     CUgraph graph = NULL;
     CUgraphExec exec = NULL;
@@ -142,15 +146,9 @@ int kvl_bench(kvl_poster *p, kvl_kernel **ks, int32_t nk, int32_t slot, int32_t 
     }
     out[15] = (double)count;
     TIME_ALONE(8, p_glaunch(exec, s));
-    for (int r = 0; r < reps; r++) { /* 9: order + graph, post -> end seen */
-        t0 = kvl_now_ns();
-        CK(p_event_record(p->order_event, caller));
-        CK(p_stream_wait_event(s, p->order_event, 0));
-        CK(p_glaunch(exec, s));
-        CK(spin(end));
-        scratch[r] = kvl_now_ns() - t0;
-    }
-    out[9] = median(scratch, reps);
+    /* 9: order + graph */
+    TIME_TO_SEEN(9, end, CK(p_event_record(p->order_event, caller)); CK(p_stream_wait_event(s, p->order_event, 0));
+                 CK(p_glaunch(exec, s));)
     kvl_kernel_node_params kp = {k->function, (unsigned)n * k->chunks, k->grid_y, 1, k->block_x, 1, 1, k->shared,
                                  k->params, NULL};
     if (knode != NULL) {
@@ -164,39 +162,14 @@ int kvl_bench(kvl_poster *p, kvl_kernel **ks, int32_t nk, int32_t slot, int32_t 
         }
         out[10] = median(scratch, reps);
     }
-    for (int r = 0; r < reps; r++) { /* 11: the ceiling, contiguous device copy of the same bytes */
-        t0 = kvl_now_ns();
-        CK(p_dtod(ceil_dst, ceil_src, ceil_bytes, s));
-        CK(p_event_record(plain, s));
-        CK(spin(plain));
-        scratch[r] = kvl_now_ns() - t0;
-    }
-    out[11] = median(scratch, reps);
-    for (int r = 0; r < reps; r++) { /* 12: the kernel alone (ids already on the device), launch -> seen */
-        t0 = kvl_now_ns();
-        CK(p_launch_kernel(k->function, (unsigned)n * k->chunks, k->grid_y, 1, k->block_x, 1, 1, k->shared, s,
-                           k->params, NULL));
-        CK(p_event_record(plain, s));
-        CK(spin(plain));
-        scratch[r] = kvl_now_ns() - t0;
-    }
-    out[12] = median(scratch, reps);
-    for (int r = 0; r < reps; r++) { /* 13: id copy + launch + end event only (no ordering, no start event) */
-        t0 = kvl_now_ns();
-        CK(p_memcpy_htod_async(ids, hids, 8 * (size_t)pad, s));
-        CK(p_launch_kernel(k->function, (unsigned)n * k->chunks, k->grid_y, 1, k->block_x, 1, 1, k->shared, s,
-                           k->params, NULL));
-        CK(p_event_record(end, s));
-        CK(spin(end));
-        scratch[r] = kvl_now_ns() - t0;
-    }
-    out[13] = median(scratch, reps);
-    for (int r = 0; r < reps; r++) { /* 14: graph alone (no ordering), launch -> seen */
-        t0 = kvl_now_ns();
-        CK(p_glaunch(exec, s));
-        CK(spin(end));
-        scratch[r] = kvl_now_ns() - t0;
-    }
-    out[14] = median(scratch, reps);
+    /* 11: the ceiling, a contiguous device copy of the same bytes */
+    TIME_TO_SEEN(11, plain, CK(p_dtod(ceil_dst, ceil_src, ceil_bytes, s)); CK(p_event_record(plain, s));)
+    /* 12: the kernel alone (ids already on the device) */
+    TIME_TO_SEEN(12, plain, CK(LAUNCH_K); CK(p_event_record(plain, s));)
+    /* 13: id copy + launch + end event only (no ordering, no start event) */
+    TIME_TO_SEEN(13, end, CK(p_memcpy_htod_async(ids, hids, 8 * (size_t)pad, s)); CK(LAUNCH_K);
+                 CK(p_event_record(end, s));)
+    /* 14: the graph alone (no ordering) */
+    TIME_TO_SEEN(14, end, CK(p_glaunch(exec, s));)
     return 0;
 }

@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -59,21 +60,31 @@ def vram_layout(tensors: list[torch.Tensor]) -> KVLayout:
                     tuple(block_bytes for _ in tensors))
 
 
-class VramPair:
-    """Mixin: the conformance suite's endpoints with their regions in VRAM instead of DRAM."""
-
-    @pytest.fixture
-    def pair(self, request: pytest.FixtureRequest) -> Any:
-        suffix = f"{request.node.name}-{time.monotonic_ns()}"
-        a, b = self.make_transport(f"a-{suffix}"), self.make_transport(f"b-{suffix}")  # type: ignore[attr-defined]
-        ta, tb = vram_tensors("random", 1), vram_tensors("zeros")
+@contextlib.contextmanager
+def vram_pair(make: Callable[[str], Any], name: str, seed: int = 1) -> Iterator[tuple[Any, ...]]:
+    """Two endpoints, ``a``'s regions random and ``b``'s zero, each a peer of the other, closed at exit:
+    ``(a, b, ta, tb, a_sees_b, b_sees_a)``."""
+    suffix = f"{name}-{time.monotonic_ns()}"
+    a, b = make(f"a-{suffix}"), make(f"b-{suffix}")
+    try:
+        ta, tb = vram_tensors("random", seed), vram_tensors("zeros")
         a.register(vram_layout(ta))
         b.register(vram_layout(tb))
         b_sees_a = b.add_peer(a.local_metadata())
         a_sees_b = a.add_peer(b.local_metadata())
         yield a, b, ta, tb, a_sees_b, b_sees_a
+    finally:
         for t in (a, b):
             t.close()
+
+
+class VramPair:
+    """Mixin: the conformance suite's endpoints with their regions in VRAM instead of DRAM."""
+
+    @pytest.fixture
+    def pair(self, request: pytest.FixtureRequest) -> Any:
+        with vram_pair(self.make_transport, request.node.name) as endpoints:  # type: ignore[attr-defined]
+            yield endpoints
 
     def test_clean_teardown_leaves_nothing_registered(self) -> None:
         t = self.make_transport(f"solo-{time.monotonic_ns()}")  # type: ignore[attr-defined]
@@ -733,13 +744,8 @@ def _done_once(t: cuda_ipc.CudaIpcTransport, h: Any, timeout_s: float = 10.0) ->
 @gpu
 @pytest.mark.gpu
 def test_the_settler_notifies_without_another_call_while_watching_and_after_it_slept() -> None:
-    suffix = time.monotonic_ns()
-    a, b = cuda_ipc.CudaIpcTransport(f"sa-{suffix}"), cuda_ipc.CudaIpcTransport(f"sb-{suffix}")
-    ta, tb = vram_tensors("random", 9), vram_tensors("zeros")
-    try:
-        a.register(vram_layout(ta))
-        b.register(vram_layout(tb))
-        plan = b.prepare(b.add_peer(a.local_metadata()))
+    with vram_pair(cuda_ipc.CudaIpcTransport, "settler", seed=9) as (a, b, ta, tb, _, b_sees_a):
+        plan = b.prepare(b_sees_a)
         first = Notification("r1", "x1", 1, epoch=b.epoch, kind="done")
         _done_once(b, b.post("READ", plan, [3], [4], notification=first))
         assert wait_notes(a, 1) == [(b.agent, first)]  # sent by the settler: b was not called again
@@ -752,6 +758,3 @@ def test_the_settler_notifies_without_another_call_while_watching_and_after_it_s
         assert wait_notes(a, 1) == [(b.agent, second)]
         torch.cuda.synchronize()
         assert torch.equal(tb[0][3], ta[0][4]) and torch.equal(tb[0][5], ta[0][6])
-    finally:
-        a.close()
-        b.close()
