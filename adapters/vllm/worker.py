@@ -626,19 +626,21 @@ class WorkerSide:
         if self._thread is not None:
             self._thread.join(5)
         for closer in (self.consumer, self.producer):
-            if closer is not None:
-                try:
-                    closer.close()
-                except Exception as exc:  # shutdown must finish
-                    log.warning("closing %s: %s", type(closer).__name__, exc)
+            _close_quietly(closer)
         for client in self._clients.values():
             client.close()
         for ledger in (self.source, self.target):
             if ledger is not None and ledger.log is not None:
                 ledger.log.close()
         for transport in (self.transport, self.fast_transport):
-            if transport is not None:
-                try:
-                    transport.close()
-                except Exception as exc:  # shutdown must finish
-                    log.warning("closing %s: %s", type(transport).__name__, exc)
+            _close_quietly(transport)
+
+
+def _close_quietly(part: Any) -> None:
+    """Close ``part`` (if any) and log a failure instead of raising: shutdown must finish."""
+    if part is None:
+        return
+    try:
+        part.close()
+    except Exception as exc:
+        log.warning("closing %s: %s", type(part).__name__, exc)
