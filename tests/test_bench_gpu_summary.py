@@ -26,6 +26,7 @@ def _result() -> dict[str, Any]:
         e2e |= {f"{label}_wall_s": wall, f"{label}_kernel_s": wall * 0.8, f"{label}_pipelined_wall_s": 8 * wall,
                 f"{label}_batched_wall_s": 8 * wall, f"{label}_ceiling_in_loop_wall_s": in_loop,
                 f"{label}_ceiling_in_loop_driver_wall_s": raw, f"{label}_exact": True, f"{label}_post_us": 30.0,
+                f"{label}_batched_split_us": {"start_loads": 30.0, "issue": 120.0, "part_dones": 25.0},
                 f"{label}_steps_us": {"start_load": 10.0, "post": 40.0, "wait_event": 5.0, "part_done": 8.0,
                                       "after_ready": 20.0, "event_seen": 4.0, "complete": 1.0}}
     return {"device": "test", "torch": "x", "triton": "y", "pool_blocks": 2048,
@@ -49,6 +50,7 @@ def test_ratios_compare_the_request_with_each_way_of_timing_the_copy(capsys: pyt
     print_table(res)
     out = capsys.readouterr().out
     assert "timed in D's loop" in out and "raw_copy_in_loop" in out
+    assert "as one step, where the wall goes" in out and "'part_dones': 25.0" in out
 
 
 def test_a_path_that_was_not_byte_exact_fails_the_run() -> None:

@@ -445,6 +445,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         counter = [0]
 
         stages: list[dict[str, float]] = []  # KVL_CUDA_IPC_TRACE=1: where post's time goes
+        multi: dict[str, list[dict[str, float]]] = {}  # rounds of several requests: where their wall goes
         steps: list[list[float]] = []  # single requests: start_load, post, wait for the event, ledger completion
 
         flat_src, flat_dst = ip.src.view(-1), ip.dst.view(-1)
@@ -504,21 +505,39 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                 torch.cuda.synchronize(ip.device)
                 t_start = time.perf_counter()
             marks: list[float] = [t_start]
+            batch_marks: list[float] = []
+
+            def post_one(i: int) -> None:
+                p_name, transfer, generation, src = grants[i]
+                note = Notification(p_name, transfer, generation, transport.epoch, "done", 0)
+                handles[transfer] = (transport.post("READ", plan, dst_sets[i], src, notification=note,
+                                                    transfer=transfer), names[i])
+                marks.append(time.perf_counter())
+
+            def post_all() -> None:  # the step's requests as one post_batch
+                batch = [(dst_sets[i], src, Notification(p_name, transfer, generation, transport.epoch, "done", 0),
+                          transfer) for i, (p_name, transfer, generation, src) in enumerate(grants)]
+                t_batch = time.perf_counter()
+                posted = transport.post_batch("READ", plan, batch)
+                t_batched = time.perf_counter()
+                handles.update({b[3]: (h, names[i]) for i, (b, h) in enumerate(zip(batch, posted, strict=True))})
+                flight = transport._inflight.get(posted[0].id)
+                t_launched = flight.t_launched if flight is not None and flight.t_launched else t_batched
+                marks_c = transport._stage_marks  # the compiled post's own stamps (traced): when it was called
+                t_call = marks_c[1] if marks_c and marks_c[0] == "native" else t_batch
+                batch_marks.extend((t_batch, t_call, t_launched, t_batched))
+
             with ledger.step():  # the gates act now; their log records are appended after the launch
-                batch = []
-                for i, (p_name, transfer, generation, src) in enumerate(grants):
+                for i, (_, transfer, generation, _) in enumerate(grants):
                     ledger.start_load(names[i], transfer, generation=generation, peer=peer, peer_epoch=peer_epoch)
                     marks.append(time.perf_counter())
-                    note = Notification(p_name, transfer, generation, transport.epoch, "done", 0)
-                    if batched:
-                        batch.append((dst_sets[i], src, note, transfer))
-                        continue
-                    handles[transfer] = (transport.post("READ", plan, dst_sets[i], src, notification=note,
-                                                        transfer=transfer), names[i])
-                    marks.append(time.perf_counter())
+                    if not batched:
+                        post_one(i)
                 if batched:
-                    posted = transport.post_batch("READ", plan, batch)
-                    handles = {b[3]: (h, names[i]) for i, (b, h) in enumerate(zip(batch, posted, strict=True))}
+                    post_all()
+            t_issued = time.perf_counter()
+            first_seen, part_done_s = 0.0, 0.0
+            ready: list[tuple[str, Any, float]] = []
             kernel_s, stats0 = 0.0, {}
             t_ready = t_start
             deadline = time.perf_counter() + 60
@@ -535,6 +554,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                         raise TimeoutError("e2e transfers did not complete in 60 s")
                     continue
                 t_seen = time.perf_counter()
+                first_seen = first_seen or t_seen
                 marks.append(t_seen)
                 # The blocks are READY_FOR_ATTENTION once part_done returns: that ends a request's latency (the
                 # step's log records follow, at its end).
@@ -542,29 +562,44 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
                     for transfer in done:
                         ledger.part_done(transfer)
                     t_ready = time.perf_counter()
+                part_done_s += t_ready - t_seen
                 marks.append(t_ready)
-                for transfer in done:
-                    handle, _name = handles.pop(transfer)
-                    # Metrics and the handle's release change no block state: they follow, off the latency path.
-                    rec = transport._handles.live[handle.id]
-                    st = transport.stats(handle)
-                    extra = transport.stage_times(handle)
-                    ledger.observe_transfer(transfer, t_post_s=st.t_post_s, t_xfer_s=st.t_xfer_s, nbytes=st.bytes,
-                                            descriptors=st.desc_count, backend=st.backend, ok=True)
-                    transport.release(handle)
-                    kernel_s += st.t_xfer_s
-                    if count == 1 and not ceiling:
-                        marks.append(time.perf_counter())
-                        step = [b - a for a, b in itertools.pairwise(marks)]
-                        # split of the wait: until the event was seen complete, then stats + notification to P
-                        step += [rec.t_done - marks[2], t_seen - rec.t_done]
-                        steps.append(step)
-                        if extra:
-                            stages.append(extra)
-                    stats0 = {"t_post_us": st.t_post_s * 1e6, "t_xfer_us": st.t_xfer_s * 1e6, "backend": st.backend,
-                              "descriptors_replaced": st.desc_count}
+                ready += [(transfer, handles.pop(transfer)[0], t_seen) for transfer in done]
+            # Metrics and the handles' release change no block state: they follow once every request of the
+            # round is READY (as an engine's step makes its loads visible first), off the latency path.
+            for transfer, handle, t_seen in ready:
+                rec = transport._handles.live[handle.id]
+                st = transport.stats(handle)
+                extra = transport.stage_times(handle)
+                ledger.observe_transfer(transfer, t_post_s=st.t_post_s, t_xfer_s=st.t_xfer_s, nbytes=st.bytes,
+                                        descriptors=st.desc_count, backend=st.backend, ok=True)
+                transport.release(handle)
+                kernel_s += st.t_xfer_s
+                if count == 1 and not ceiling:
+                    marks.append(time.perf_counter())
+                    step = [b - a for a, b in itertools.pairwise(marks)]
+                    # split of the wait: until the event was seen complete, then stats + notification to P
+                    step += [rec.t_done - marks[2], t_seen - rec.t_done]
+                    steps.append(step)
+                    if extra:
+                        stages.append(extra)
+                stats0 = {"t_post_us": st.t_post_s * 1e6, "t_xfer_us": st.t_xfer_s * 1e6, "backend": st.backend,
+                          "descriptors_replaced": st.desc_count}
             # start_load of the first -> the last request's blocks READY_FOR_ATTENTION
             elapsed = ceiling_s if ceiling else t_ready - t_start
+            if count > 1 and not ceiling:  # where a multi-request round's wall goes (medians per row, in µs)
+                starts = marks[1:count + 1] if batched else marks[1:2 * count:2]
+                befores = marks[:count] if batched else marks[0:2 * count:2]
+                split = {"start_loads": sum(b - a for a, b in zip(befores, starts, strict=True)),
+                         "issue": t_issued - t_start, "until_first_seen": first_seen - t_issued,
+                         "first_seen_to_last_ready": t_ready - first_seen, "part_dones": part_done_s,
+                         "transfer_device": kernel_s / count if batched else kernel_s}
+                if batched:
+                    t_batch, t_call, t_launched, t_batched = batch_marks
+                    split |= {"post_batch_to_launch": t_launched - t_batch, "post_batch_python_before_call":
+                              t_call - t_batch, "post_batch_after_launch": t_batched - t_launched,
+                              "step_exit": t_issued - t_batched}
+                multi.setdefault(("batched" if batched else "pipelined"), []).append(split)
             exact = True
             if verify:
                 for i, (_, _, _, src) in enumerate(grants):
@@ -581,6 +616,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             return elapsed, kernel_s / count, roundtrip, exact, stats0
 
         profile = None
+        profile_batched = os.environ.get("KVL_BENCH_PROFILE") == "batched"  # else the lone small requests
         if os.environ.get("KVL_BENCH_PROFILE"):
             import cProfile
 
@@ -595,7 +631,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             stages.clear()
             walls, kernels, trips, exact, in_loop, in_loop_raw = [], [], [], True, [], []
             for i in range(reps):
-                if profile is not None and label == "small":
+                if profile is not None and label == "small" and not profile_batched:
                     profile.enable()
                 w, k, rt, ok, stats0 = round_(1, n, verify=i in (0, reps - 1))
                 if profile is not None:
@@ -628,10 +664,18 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             out[f"{label}_pipelined_wall_s"] = _median(piped)
             batched = []  # the same requests as one scheduler step: one post_batch, one ledger step each way
             for i in range(max(1, reps // 4)):
+                if profile is not None and label == "small" and profile_batched and i:
+                    profile.enable()
                 w, _, _, ok, _ = round_(pipeline, n, verify=i == 0, batched=True)
+                if profile is not None:
+                    profile.disable()
                 batched.append(w)
                 exact = exact and ok
             out[f"{label}_batched_wall_s"] = _median(batched)
+            for kind, splits in multi.items():
+                out[f"{label}_{kind}_split_us"] = {k: round(float(np.median([x[k] for x in splits])) * 1e6, 1)
+                                                   for k in splits[0]}
+            multi.clear()
             out[f"{label}_exact"] = exact
         if profile is not None:
             import io
@@ -913,6 +957,11 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"post() host time, median: large {_fmt(e2e['large_post_us'])} us, small {_fmt(e2e['small_post_us'])} us;"
               f" kernel launch alone (in-process): {_fmt(res['large'].get('kernel_launch_host_us'))} us"
               f" (direct launch: {res['large'].get('kernel_fast_launch')})")
+        for label in ("large", "small"):
+            for kind, what in (("pipelined", "in flight"), ("batched", "as one step")):
+                if f"{label}_{kind}_split_us" in e2e:
+                    print(f"{label}, {kind} requests {what}, where the wall goes (median us): "
+                          f"{e2e[f'{label}_{kind}_split_us']}")
         print(f"ledgers replayed: {e2e['replay_events']} events, violations: {len(e2e['replay_violations'])}")
     print(f"\nbyte-exact: {res['byte_exact']}   goal 512 MiB >= 0.9x: {res['goal_large_met']} "
           f"({_fmt(res['ratio_to_ceiling'], 3)})   goal 16 blocks >= 0.6x: {res['goal_small_met']} "

@@ -246,9 +246,28 @@ def test_post_batch_is_one_launch_with_a_handle_per_request(compiled: bool) -> N
             for r in range(REGIONS):
                 assert torch.equal(tb[r][d_t.cuda()], ta[r][s_t.cuda()])
         assert a._ring is not None and a._ring.busy == slots_before  # the shared slot freed once, by the last
-        with pytest.raises(RemoteMismatchError, match="request 1: remote"):
-            a.post_batch("READ", plan, [([1], [1], None, "ok"), ([2], [BLOCKS], None, "bad")])
-        assert not a._inflight and a.post_batch("READ", plan, []) == []
+        # the ids are range-checked together; a refused batch names its first bad request and enqueues nothing
+        busy = dict(a._ring.busy) if a._ring is not None else {}
+        for bad, match in ((([2], [BLOCKS], None, "bad"), "request 1: remote"),
+                           ((np.array([-1]), [3], None, "bad"), "request 1: local"),
+                           (([2.0], [3], None, "bad"), "request 1: local block ids must be a 1-D integer"),
+                           (([2, 3], [3], None, "bad"), "request 1: 2 local blocks vs 1 remote")):
+            with pytest.raises(RemoteMismatchError, match=match):
+                a.post_batch("READ", plan, [([1], [1], None, "ok"), bad])
+            assert not a._inflight and (a._ring is None or a._ring.busy == busy)
+        assert a.post_batch("READ", plan, []) == []
+        # int and uint id vectors, and an empty request, in one batch: joined as int64, bytes per request
+        mixed = [(np.array([1, 2], dtype=np.uint64), np.array([4, 5], dtype=np.int32), None, "m0"),
+                 ([], [], None, "m1"),
+                 (np.array([3], dtype=np.int16), np.array([6], dtype=np.uint8), None, "m2")]
+        handles = a.post_batch("READ", plan, mixed)
+        assert all(wait_status(a, h) is XferStatus.DONE for h in handles)
+        assert [a.stats(h).bytes for h in handles] == [2 * bpb, 0, bpb]
+        for h in handles:
+            a.release(h)
+        torch.cuda.synchronize()
+        for r in range(REGIONS):
+            assert torch.equal(tb[r][[1, 2, 3]], ta[r][[4, 5, 6]])
     finally:
         a.close()
         b.close()
