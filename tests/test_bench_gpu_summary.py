@@ -62,9 +62,20 @@ def test_a_path_that_was_not_byte_exact_fails_the_run() -> None:
 def test_two_gpu_runs_report_every_path_against_the_peer_copy(capsys: pytest.CaptureFixture[str]) -> None:
     raw = _result()
     for label, peer_s, nixl_s in (("large", 250e-6, 1.0), ("small", 30e-6, 0.1)):
-        raw[label] |= {"peer_ceiling_event_s": peer_s, "nixl_wall_s": nixl_s, "nixl_exact": True}
+        raw[label] |= {"peer_ceiling_event_s": peer_s, "peer_ceiling_wall_s": 1.1 * peer_s, "nixl_wall_s": nixl_s,
+                       "nixl_exact": True}
+    gbps = SHAPES["large"].nbytes / 500e-6 / 1e9  # a kernel variant at half the peer copy's rate
+    raw["large"]["peer_kernel_variants"] = {"pull": {"8192B/8w": {"event_s": 500e-6, "gbps": gbps, "exact": True}},
+                                            "push": {"4096B/4w": {"event_s": 250e-6, "gbps": 2 * gbps,
+                                                                  "exact": False}}}
     res = summarise(raw, SHAPES, pipeline=8)
     assert res["large"]["ratio_kvl_to_peer_ceiling"] == pytest.approx(250 / 300)
     assert res["large"]["ratio_nixl_to_peer_ceiling"] == pytest.approx(250e-6 / 1.0)
+    assert res["large"]["ratio_kvl_to_peer_ceiling_wall"] == pytest.approx(1.1 * 250 / 300)
+    variants = res["large"]["peer_kernel_variants"]
+    assert variants["pull"]["8192B/8w"]["ratio_to_peer_ceiling"] == pytest.approx(0.5)
+    assert variants["push"]["4096B/4w"]["ratio_to_peer_ceiling"] == pytest.approx(1.0)
     print_table(res)
-    assert "two GPUs: torch peer copy" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "two GPUs: torch peer copy" in out
+    assert "across the peer link, pull" in out and "4096B/4w" in out and "NOT EXACT" in out

@@ -151,6 +151,17 @@ class InProcess:
         return out
 
 
+def _pinned_id_sets(torch: Any, sets: list[Any]) -> list[tuple[Any, int]]:
+    """Pinned host copies of the id sets, 16-byte aligned halves, as the transport stages them: (tensor, pad)."""
+    out = []
+    for s, d in sets:
+        pad = -(-len(s) // 4) * 4
+        h = torch.zeros(2 * pad, dtype=torch.int32, pin_memory=True)
+        h[: len(s)], h[pad:pad + len(s)] = torch.from_numpy(s), torch.from_numpy(d)
+        out.append((h, pad))
+    return out
+
+
 def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], sweep: bool,
                      pipeline: int) -> dict[str, Any]:
     from kvlifecycle.transports.cuda_ipc import REGION_GROUP_HOST_IDS
@@ -201,12 +212,7 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
         variants = list(dict.fromkeys(variants))
         for c, w in ((4096, 4), (2048, 2), (8192, 4)):  # cache hints: 0 none, 2 streaming stores only
             variants += [(c, w, 1, False, cache) for cache in (0, 2)]
-    host_sets = []
-    for s, d in sets:  # pinned host copies of the ids, 16-byte aligned halves, as the transport stages them
-        pad = -(-len(s) // 4) * 4
-        h = torch.zeros(2 * pad, dtype=torch.int32, pin_memory=True)
-        h[: len(s)], h[pad:pad + len(s)] = torch.from_numpy(s), torch.from_numpy(d)
-        host_sets.append((h, pad))
+    host_sets = _pinned_id_sets(torch, sets)
     stream = torch.cuda.current_stream(ip.device).cuda_stream
     out["kernel_variants"] = {}
     for variant in variants:
@@ -246,6 +252,74 @@ def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], s
             out["kernel_fast_launch"] = copier._compiled is not None
         elif variant == variants[1]:
             out["kernel_host_ids_event_s"] = ev
+    return out
+
+
+# Kernel shapes tried across the peer link (--sweep with --peer-device): a read over NVLink waits longer than one
+# from the GPU's own memory, so more bytes per program may pay there.
+PEER_VARIANTS = ((4096, 4), (8192, 4), (8192, 8), (16384, 4), (16384, 8), (32768, 8), (2048, 2), (4096, 8))
+
+
+def _enable_peer_access(peer_device: int) -> None:
+    """Let kernels of the current context read and write ``peer_device``'s memory (what IPC's lazy peer access does
+    for mapped allocations, here for this process's own tensors on the other GPU)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    for rc, what in ((lib.cuDeviceGet(ctypes.byref(dev), peer_device), "cuDeviceGet"),
+                     (lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")):
+        if rc:
+            raise RuntimeError(f"{what} failed ({rc})")
+    rc = lib.cuCtxEnablePeerAccess(ctx, 0)
+    if rc not in (0, 704):  # 704: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+        raise RuntimeError(f"cuCtxEnablePeerAccess({peer_device}) failed ({rc})")
+
+
+def bench_peer_kernels(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], peer_device: int) -> dict[str, Any]:
+    """The block-copy kernel, run on this GPU, reading its source from ``peer_device`` (a pull) or writing its
+    destination there (a push), for each of :data:`PEER_VARIANTS`, and pulling with the ids read in place from
+    pinned host memory (no id copy; ``G``: regions per program): CUDA events, byte-checked."""
+    from kvlifecycle.transports.triton_copy import BlockCopier, RegionSpec
+
+    _enable_peer_access(peer_device)
+    peer = torch.device("cuda", peer_device)
+    regions = shape.regions
+    peer_src = ip.src[:regions].to(peer)  # the same bytes as ip.src, on the other GPU
+    peer_dst = torch.full_like(peer_src, POISON)
+    dev_sets = [(torch.from_numpy(s).to(ip.device), torch.from_numpy(d).to(ip.device)) for s, d in sets]
+    host_sets = _pinned_id_sets(torch, sets)
+    stream = torch.cuda.current_stream(ip.device).cuda_stream
+    src_ids, dst_ids = sets[-1]
+    out: dict[str, Any] = {}
+    for direction, src_t, dst_t in (("pull", peer_src, ip.dst), ("push", ip.src, peer_dst)):
+        specs_src = [RegionSpec.of_tensor(src_t[r]) for r in range(regions)]
+        specs_dst = [RegionSpec.of_tensor(dst_t[r]) for r in range(regions)]
+        d_idx = torch.from_numpy(dst_ids).to(dst_t.device).long()
+        s_idx = torch.from_numpy(src_ids).to(ip.device).long()
+        rows = out[direction] = {}
+        variants = [(c, w, 1, False) for c, w in PEER_VARIANTS]
+        if direction == "pull":
+            variants += [(4096, 4, g, True) for g in (1, 8)]
+        for chunk, warps, group, host in variants:
+            copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps,
+                                 region_group=group)
+            copier.copy(*dev_sets[0])  # Triton's JIT once: later launches are direct
+            if host:
+                def fn(h: Any, pad: int, copier: Any = copier) -> None:
+                    if not copier.launch_ptrs(stream, h.data_ptr(), h.data_ptr() + 4 * pad, shape.blocks):
+                        raise RuntimeError("direct launch unavailable")
+                args = host_sets
+            else:
+                fn, args = copier.copy, dev_sets
+            ev = _median(ip.time_events(fn, args))
+            dst_t[:regions, d_idx] = POISON
+            torch.cuda.synchronize(dst_t.device)  # the poison runs on that GPU's stream: done before the copy
+            fn(*args[-1])
+            torch.cuda.synchronize(ip.device)
+            exact = bool(torch.equal(dst_t[:regions, d_idx].to(ip.device), ip.src[:regions, s_idx]))
+            key = f"{chunk}B/{warps}w" + (f"/G{group}/host-ids" if host else "")
+            rows[key] = {"event_s": ev, "gbps": _gbps(shape.nbytes, ev), "exact": exact}
+    del peer_src, peer_dst
+    torch.cuda.empty_cache()
     return out
 
 
@@ -706,11 +780,14 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
 # --- the command -------------------------------------------------------------------------------------------------
 
 
-def _peer_ceiling(torch: Any, ip: InProcess, nbytes: int, peer_device: int, reps: int = 10) -> float:
-    """Median CUDA-event time of a contiguous copy of ``nbytes`` from ``peer_device`` into this device."""
+def _peer_ceiling(torch: Any, ip: InProcess, nbytes: int, peer_device: int, reps: int = 10) -> tuple[float, float]:
+    """Median time of a contiguous copy of ``nbytes`` from ``peer_device`` into this device: CUDA events, and wall
+    (launch to its event seen, in a hot loop: how the one-GPU ceiling is timed)."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=torch.device("cuda", peer_device))
     dst = ip.dst.view(-1)[:nbytes]
-    return _median(ip.time_events(lambda: dst.copy_(src), [()] * reps))
+    sets = [()] * reps
+    return (_median(ip.time_events(lambda: dst.copy_(src), sets)),
+            _median(ip.time_wall(lambda: dst.copy_(src), sets)))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -745,7 +822,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Two GPUs (issue 8): P's memory is on --peer-device; the ceiling is a torch peer copy of the same bytes.
         for label, shape in shapes.items():
             try:
-                res[label]["peer_ceiling_event_s"] = _peer_ceiling(torch, ip, shape.nbytes, args.peer_device)
+                event_s, wall_s = _peer_ceiling(torch, ip, shape.nbytes, args.peer_device, max(10, args.reps))
+                res[label] |= {"peer_ceiling_event_s": event_s, "peer_ceiling_wall_s": wall_s}
             except Exception as exc:
                 res[label]["peer_ceiling_error"] = f"{type(exc).__name__}: {exc}"
     if not args.no_e2e:
@@ -762,6 +840,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 e2e = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
             res[key] = e2e
         res["log_dir"] = log_dir
+    if args.sweep and args.peer_device is not None and args.peer_device != args.device:
+        for label, shape in shapes.items():
+            try:
+                res[label]["peer_kernel_variants"] = bench_peer_kernels(torch, ip, shape, id_sets[label],
+                                                                        args.peer_device)
+            except Exception as exc:  # reported, not fatal: a measurement beside the e2e
+                res[label]["peer_kernel_error"] = f"{type(exc).__name__}: {exc}"
     if not args.no_nixl:  # last: NIXL's UCX progress threads spin cores while its agents live
         for label, shape in shapes.items():
             try:
@@ -803,6 +888,12 @@ def summarise(res: dict[str, Any], shapes: dict[str, Shape], pipeline: int) -> d
             r["ratio_kvl_to_peer_ceiling"] = r["gbps_kvl_wall"] / r["gbps_peer_ceiling"]
             r["ratio_kvl_kernel_to_peer_ceiling"] = r["gbps_kvl_kernel"] / r["gbps_peer_ceiling"]
             r["ratio_nixl_to_peer_ceiling"] = r["gbps_nixl"] / r["gbps_peer_ceiling"]
+            if "peer_ceiling_wall_s" in r:  # wall against wall, as the one-GPU headline compares them
+                r["gbps_peer_ceiling_wall"] = _gbps(shape.nbytes, r["peer_ceiling_wall_s"])
+                r["ratio_kvl_to_peer_ceiling_wall"] = r["gbps_kvl_wall"] / r["gbps_peer_ceiling_wall"]
+            for rows in r.get("peer_kernel_variants", {}).values():
+                for v in rows.values():
+                    v["ratio_to_peer_ceiling"] = v["gbps"] / r["gbps_peer_ceiling"]
     res["gbps_kvl"] = large["gbps_kvl_wall"]
     res["gbps_ceiling"] = large["gbps_ceiling_wall"]
     res["ratio_to_ceiling"] = large["ratio_kvl_to_ceiling_wall"]
@@ -929,9 +1020,15 @@ def print_table(res: dict[str, Any]) -> None:
             print(f"  {name:<52}{_fmt(gbps):>10}{_fmt(ratio, 3):>11}")
         if "gbps_peer_ceiling" in r:
             print(f"  two GPUs: torch peer copy (events) {_fmt(r['gbps_peer_ceiling'])} GB/s; kvl e2e "
-                  f"{_fmt(r['ratio_kvl_to_peer_ceiling'], 3)}x, kvl device time "
+                  f"{_fmt(r['ratio_kvl_to_peer_ceiling'], 3)}x (x the peer copy's wall in a hot loop, "
+                  f"{_fmt(r.get('gbps_peer_ceiling_wall'))} GB/s: {_fmt(r.get('ratio_kvl_to_peer_ceiling_wall'), 3)}x)"
+                  f", kvl device time "
                   f"{_fmt(r['ratio_kvl_kernel_to_peer_ceiling'], 3)}x, raw NIXL/UCX "
                   f"{_fmt(r['ratio_nixl_to_peer_ceiling'], 4)}x of it")
+            for direction, rows in r.get("peer_kernel_variants", {}).items():
+                print(f"  kernel across the peer link, {direction} (GB/s, x the peer copy): " + ", ".join(
+                    f"{k} {_fmt(v['gbps'])} ({_fmt(v['ratio_to_peer_ceiling'], 3)}){'' if v['exact'] else ' NOT EXACT'}"
+                    for k, v in rows.items()))
         if "nixl_error" in r:
             print(f"  NIXL: {r['nixl_error']}")
         if r.get("kernel_variants") and len(r["kernel_variants"]) > 2:
