@@ -929,8 +929,8 @@ class CudaIpcTransport:
             if not requests:
                 return []
             # Before the launch only what makes the requests pairs of integer vectors; the range check runs once
-            # over all of them (in the compiled post, or below), and only a refused batch is searched for the
-            # request to name. Per-request checks cost ~5 us each in front of the step's one launch.
+            # over all of them (in the compiled post, or below) instead of a reduction per request, and only a
+            # refused batch is searched for the request to name.
             sizes, locals_, remotes = [], [], []
             for local_blocks, remote_blocks, _, _ in requests:
                 loc = local_blocks if local_blocks.__class__ is np.ndarray else np.asarray(local_blocks)
