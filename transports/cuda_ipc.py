@@ -118,6 +118,11 @@ class CudaDriver:
         lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, vp, ctypes.c_size_t, vp]
         lib.cuPointerGetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_uint64]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDeviceCanAccessPeer.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+        lib.cuCtxEnablePeerAccess.argtypes = [vp, ctypes.c_uint]
         # The same library again for the calls on a request's latency path (post, poll): PyDLL keeps the GIL
         # across them. None of them blocks, and releasing the GIL there lets another Python thread (the settler,
         # a log syncer) take it mid-request: a thread switch costs more than the call.
@@ -213,6 +218,27 @@ class CudaDriver:
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+    def enable_peer_access(self, device: int, peer: int) -> None:
+        """Let the current context (``device``'s) reach ``peer``'s memory directly: what ``cuIpcOpenMemHandle``'s
+        lazy peer access does for another process's allocations, for this process's own. Raises
+        :class:`RemoteMismatchError` where the two devices cannot reach each other."""
+        lib, can = self.lib, ctypes.c_int()
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._check(lib.cuDeviceGet(ctypes.byref(dev), peer), f"cuDeviceGet({peer})")
+        own = ctypes.c_int()
+        self._check(lib.cuDeviceGet(ctypes.byref(own), device), f"cuDeviceGet({device})")
+        self._check(lib.cuDeviceCanAccessPeer(ctypes.byref(can), own, dev), "cuDeviceCanAccessPeer")
+        if not can.value:
+            raise RemoteMismatchError(f"GPU {device} cannot access GPU {peer}'s memory (no peer access)")
+        # The peer's primary context is alive (its memory was allocated in this process): retain it only to name it.
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        try:
+            rc = lib.cuCtxEnablePeerAccess(ctx, 0)
+            if rc != 704:  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                self._check(rc, f"cuCtxEnablePeerAccess(GPU {device} -> GPU {peer})")
+        finally:
+            lib.cuDevicePrimaryCtxRelease_v2(dev)
 
 
 class _Event:
@@ -408,6 +434,11 @@ class _Inflight:
 
 
 _OPS = {op.value: op for op in XferOp}
+# The CUDA contexts of every transport registered in this process. While there is one, a thread that once had it
+# current keeps it (there is no other to switch to), so a transport may remember that per thread; with two (P and
+# D on two GPUs of one process) a thread's current context follows torch's current device, so it is checked on
+# every call that needs it.
+_CONTEXTS_SEEN: set[int] = set()
 SETTLE_AFTER_S = 0.0005  # a completed copy's notification waits at most this long for the caller's next call
 # The settler keeps watching this long after the last copy settled before it sleeps until the next post: a
 # transport in use then never pays the wake-up (a futex syscall, and a thread asking for the GIL) inside a post.
@@ -555,6 +586,7 @@ class CudaIpcTransport:
                         except TransportError as exc:
                             raise RegistrationError(f"cannot export {base:#x} for IPC: {exc}") from exc
                 self._cu_ctx = self._driver.current_context()
+                _CONTEXTS_SEEN.add(self._cu_ctx)
                 self._order_event = self._driver.event_create(timing=False)
                 self._ids_event = self._driver.event_create(timing=False)
                 self._copy_stream = torch.cuda.Stream(device)
@@ -650,6 +682,14 @@ class CudaIpcTransport:
         opened: list[int] = []
         table: list[tuple[int, int, int]] = []  # (remote base, size, local base)
         with self._torch.cuda.device(self.device):
+            if same_process and blob.device_id != self.device.index:
+                # One process, two GPUs: its own pointers, reachable once peer access is on (else refused here,
+                # where selection falls back, rather than as an illegal address inside the self-test's kernel).
+                try:
+                    with self._context():  # a service thread (a connector's) may have no context current
+                        self._driver.enable_peer_access(self.device.index, blob.device_id)
+                except TransportError as exc:
+                    raise RemoteMismatchError(f"{meta.agent}: cannot reach GPU {blob.device_id}: {exc}") from exc
             try:
                 for alloc in blob.allocations:
                     local = alloc.base if same_process else self._driver.open(alloc.handle)
@@ -1173,8 +1213,9 @@ class CudaIpcTransport:
         return _Inflight(start, end, slot, keep, notify, t_d)
 
     def _need_context(self) -> bool:
-        """Whether this thread must push the transport's context for driver calls (checked once per thread)."""
-        if not self._cu_ctx or getattr(self._ctx_ok, "ok", False):
+        """Whether this thread must push the transport's context for driver calls (checked once per thread while
+        the process has one context; on every call once it has two)."""
+        if not self._cu_ctx or (getattr(self._ctx_ok, "ok", False) and len(_CONTEXTS_SEEN) == 1):
             return False
         if self._driver.current_context() == self._cu_ctx:
             self._ctx_ok.ok = True

@@ -45,12 +45,13 @@ WAIT_S = 30.0
 
 
 def vram_tensors(fill: str, seed: int = 0, regions: int = REGIONS, blocks: int = BLOCKS,
-                 block_bytes: int = BLOCK_BYTES) -> list[torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+                 block_bytes: int = BLOCK_BYTES, device: int | None = None) -> list[torch.Tensor]:
+    dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     if fill == "random":
-        return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, device="cuda", generator=gen)
+        return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, device=dev, generator=gen)
                 for _ in range(regions)]
-    return [torch.zeros((blocks, block_bytes), dtype=torch.uint8, device="cuda") for _ in range(regions)]
+    return [torch.zeros((blocks, block_bytes), dtype=torch.uint8, device=dev) for _ in range(regions)]
 
 
 def vram_layout(tensors: list[torch.Tensor]) -> KVLayout:
@@ -61,13 +62,14 @@ def vram_layout(tensors: list[torch.Tensor]) -> KVLayout:
 
 
 @contextlib.contextmanager
-def vram_pair(make: Callable[[str], Any], name: str, seed: int = 1) -> Iterator[tuple[Any, ...]]:
-    """Two endpoints, ``a``'s regions random and ``b``'s zero, each a peer of the other, closed at exit:
-    ``(a, b, ta, tb, a_sees_b, b_sees_a)``."""
+def vram_pair(make: Callable[[str], Any], name: str, seed: int = 1,
+              devices: tuple[int, int] = (0, 0)) -> Iterator[tuple[Any, ...]]:
+    """Two endpoints, ``a``'s regions random and ``b``'s zero (on ``devices``), each a peer of the other, closed
+    at exit: ``(a, b, ta, tb, a_sees_b, b_sees_a)``."""
     suffix = f"{name}-{time.monotonic_ns()}"
     a, b = make(f"a-{suffix}"), make(f"b-{suffix}")
     try:
-        ta, tb = vram_tensors("random", seed), vram_tensors("zeros")
+        ta, tb = vram_tensors("random", seed, device=devices[0]), vram_tensors("zeros", device=devices[1])
         a.register(vram_layout(ta))
         b.register(vram_layout(tb))
         b_sees_a = b.add_peer(a.local_metadata())
@@ -81,9 +83,12 @@ def vram_pair(make: Callable[[str], Any], name: str, seed: int = 1) -> Iterator[
 class VramPair:
     """Mixin: the conformance suite's endpoints with their regions in VRAM instead of DRAM."""
 
+    devices = (0, 0)
+
     @pytest.fixture
     def pair(self, request: pytest.FixtureRequest) -> Any:
-        with vram_pair(self.make_transport, request.node.name) as endpoints:  # type: ignore[attr-defined]
+        with vram_pair(self.make_transport, request.node.name,  # type: ignore[attr-defined]
+                       devices=self.devices) as endpoints:
             yield endpoints
 
     def test_clean_teardown_leaves_nothing_registered(self) -> None:
@@ -111,6 +116,24 @@ class TestCudaIpcTorchFallbackConformance(VramPair, TransportConformance):
 
     def make_transport(self, name: str) -> cuda_ipc.CudaIpcTransport:
         return cuda_ipc.CudaIpcTransport(name, use_triton=False)
+
+
+TWO_GPUS = HAVE_CUDA and torch.cuda.device_count() >= 2
+two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices: torch.cuda.device_count() < 2 (P and D "
+                                                   "on different GPUs of one node)")
+
+
+@gpu
+@two_gpus
+@pytest.mark.gpu
+class TestCudaIpcTwoGpuConformance(VramPair, TransportConformance):
+    """Issue 8: the suite with ``a`` on GPU 0 and ``b`` on GPU 1 of one process: each reaches the other's memory
+    through peer access (turned on at ``add_peer``), every copy crossing the link."""
+
+    devices = (0, 1)
+
+    def make_transport(self, name: str) -> cuda_ipc.CudaIpcTransport:
+        return cuda_ipc.CudaIpcTransport(name)
 
 
 def _nixl_or_skip() -> Any:
@@ -251,10 +274,12 @@ def test_lone_and_back_to_back_posts_stage_ids_correctly_and_free_the_ring() -> 
 # --- two processes: real CUDA IPC -----------------------------------------------------------------------------------
 
 
-def _peer_process(conn: Any, seed: int, fill: str) -> None:
-    """The other process: registers VRAM regions, exchanges metadata, then serves commands from the pipe."""
+def _peer_process(conn: Any, seed: int, fill: str, device: int = 0) -> None:
+    """The other process: registers VRAM regions (on ``device``), exchanges metadata, then serves commands from the
+    pipe."""
     try:
-        tensors = vram_tensors(fill, seed)
+        torch.cuda.set_device(device)
+        tensors = vram_tensors(fill, seed, device=device)
         t = cuda_ipc.CudaIpcTransport(f"peer-{os.getpid()}")
         t.register(vram_layout(tensors))
         conn.send(msgspec.msgpack.encode(t.local_metadata()))
@@ -284,10 +309,10 @@ def _peer_process(conn: Any, seed: int, fill: str) -> None:
 
 
 class PeerProcess:
-    def __init__(self, local: cuda_ipc.CudaIpcTransport, seed: int, fill: str) -> None:
+    def __init__(self, local: cuda_ipc.CudaIpcTransport, seed: int, fill: str, device: int = 0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_process, args=(child, seed, fill), daemon=True)
+        self.proc = ctx.Process(target=_peer_process, args=(child, seed, fill, device), daemon=True)
         self.proc.start()
         meta = msgspec.msgpack.decode(self.recv_raw(), type=PeerMetadata)
         self.name = local.add_peer(meta)
@@ -349,6 +374,42 @@ def test_two_process_pull_is_byte_exact_and_notifies(local_zero: Any) -> None:
         assert peer.ask("notes", 1) == [(t.agent, msgspec.structs.astuple(note))]
         probe = t.probe(peer.name)  # the connect-time payload again, through the IPC mapping, bytes checked
         assert probe.bytes == cuda_ipc.PROBE_BYTES and probe.seconds > 0 and probe.backend.startswith("cuda_ipc")
+    finally:
+        peer.close()
+
+
+@gpu
+@two_gpus
+@pytest.mark.gpu
+def test_two_processes_on_two_gpus_pull_and_push_byte_exact(local_zero: Any) -> None:
+    """Issue 8: D here on GPU 0, P in its own process on GPU 1. D pulls P's blocks across the link, P pushes into
+    D's, both byte-exact, with the notifications; the mapping is IPC with lazy peer access."""
+    t, tensors = local_zero
+    peer = PeerProcess(t, seed=23, fill="random", device=1)
+    try:
+        info = t.peer_info(peer.name)
+        assert info["ipc_mappings"] >= 1 and not info["same_process"]
+        assert msgspec.msgpack.decode(peer.meta.blob, type=cuda_ipc.CudaIpcBlob).device_id == 1
+        expected = vram_tensors("random", 23, device=1)  # the peer's bytes: same seed, same device
+        plan = t.prepare(peer.name)
+        remote = np.array([5, 0, 31, 17, 9, 22], dtype=np.int32)
+        local = np.array([1, 2, 3, 30, 12, 8], dtype=np.int32)
+        note = Notification("req", "xfer-2gpu-pull", 3, t.epoch, "done", 0)
+        for _ in range(2):  # the first post compiles, the second takes the warm (compiled) path
+            for x in tensors:
+                x.zero_()
+            h = t.post("READ", plan, local, remote, notification=note)
+            assert wait_status(t, h) is XferStatus.DONE, t.error(h)
+            t.release(h)
+        li, ri = torch.from_numpy(local).long(), torch.from_numpy(remote).long()
+        for r in range(REGIONS):
+            assert torch.equal(tensors[r][li], expected[r][ri.to(expected[r].device)].to(tensors[r].device))
+        assert [n for _, n in peer.ask("notes", 2)] == [msgspec.structs.astuple(note)] * 2
+        theirs = np.array([4, 6], dtype=np.int32)  # P's blocks it WRITEs into D's blocks 20, 21
+        status = peer.ask("write", theirs.tolist(), [20, 21], ("req", "xfer-2gpu-push", 4, 0, "done", 0, b""))
+        assert status == XferStatus.DONE.value
+        for r in range(REGIONS):
+            assert torch.equal(tensors[r][[20, 21]], expected[r][[4, 6]].to(tensors[r].device))
     finally:
         peer.close()
 

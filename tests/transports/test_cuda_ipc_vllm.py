@@ -120,23 +120,29 @@ def test_vllm_shaped_kv_moves_byte_exact_with_sliced_heads() -> None:
 @pytest.mark.gpu
 @pytest.mark.nixl
 @pytest.mark.parametrize(
-    ("form", "fast_path"),
-    [("kv-outer-NHD", "auto"), ("kv-outer-HND", "auto"), ("LBNHC", "auto"), ("kv-outer-NHD", "off")],
+    ("form", "fast_path", "devices"),
+    [("kv-outer-NHD", "auto", (0, 0)), ("kv-outer-HND", "auto", (0, 0)), ("LBNHC", "auto", (0, 0)),
+     ("kv-outer-NHD", "off", (0, 0)), ("kv-outer-NHD", "auto", (1, 0)), ("LBNHC", "auto", (1, 0))],
 )
 def test_vllm_worker_side_moves_gpu_kv_through_cuda_ipc(
-    form: str, fast_path: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    form: str, fast_path: str, devices: tuple[int, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The vLLM connector's worker side, P and D, with bf16 CUDA caches laid out as vLLM lays them out
     (FlashAttention's K/V-outer ``[2, blocks, block_size, heads, head_size]``, token- or head-major; vLLM 0.32's
     LBNHC view) and nothing replaced: NIXL is built as always and, with ``fast_path: "auto"``, CUDA IPC over the
     same regions, which D's link picks at connect (same node, VRAM, self-test passed). ``"off"``: NIXL moves the
-    same bytes."""
+    same bytes. ``devices``: P's and D's GPU (issue 8: P on GPU 1, D on GPU 0, the copy crossing the link)."""
     pytest.importorskip("nixl._api", reason="needs the real NIXL package (nixl==1.5.1): the connector's transport")
+    if max(devices) >= torch.cuda.device_count():
+        pytest.skip(f"needs {max(devices) + 1} CUDA devices: torch.cuda.device_count() is "
+                    f"{torch.cuda.device_count()} (P and D on different GPUs)")
+    p_dev, d_dev = (f"cuda:{i}" for i in devices)
     caplog.set_level("INFO", logger="kvlifecycle")
     layers = list(range(4))
     shape = dict(num_blocks=64, block_size=16, heads=8, head_size=128)
-    p_caches = kv_caches(form, layers, device="cuda", seed=17, **shape)
-    d_caches = kv_caches(form, layers, device="cuda", **shape)
+    p_caches = kv_caches(form, layers, device=p_dev, seed=17, **shape)
+    d_caches = kv_caches(form, layers, device=d_dev, **shape)
     p_before = {name: cache.clone() for name, cache in p_caches.items()}
     p_blocks, d_blocks = (40, 2, 17, 33, 5, 61), (0, 1, 2, 3, 4, 5)
     outer, order = KV_FORMS[form]
@@ -167,11 +173,12 @@ def test_vllm_worker_side_moves_gpu_kv_through_cuda_ipc(
     selected = [r.getMessage() for r in caplog.records if "transport selected" in r.getMessage()]
     assert any("transport selected: cuda_ipc" in m for m in selected) == (fast_path == "auto"), selected
     dim = block_dim(form)
-    pi, di = torch.tensor(p_blocks, device="cuda"), torch.tensor(d_blocks, device="cuda")
-    rest = torch.tensor(sorted(set(range(shape["num_blocks"])) - set(d_blocks)), device="cuda")
+    pi, di = torch.tensor(p_blocks, device=p_dev), torch.tensor(d_blocks, device=d_dev)
+    rest = torch.tensor(sorted(set(range(shape["num_blocks"])) - set(d_blocks)), device=d_dev)
     for name, src in p_caches.items():
         dst = d_caches[name].view(torch.int16)  # compared bit for bit, not allclose
-        assert torch.equal(dst.index_select(dim, di), src.view(torch.int16).index_select(dim, pi)), name
+        moved = src.view(torch.int16).index_select(dim, pi).to(d_dev)
+        assert torch.equal(dst.index_select(dim, di), moved), name
         assert not dst.index_select(dim, rest).any(), name  # no other D block written
         assert torch.equal(src.view(torch.int16), p_before[name].view(torch.int16)), name  # P read, not written
     assert replay_problems(tmp_path) == []

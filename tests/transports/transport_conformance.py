@@ -30,6 +30,11 @@ REGIONS, BLOCKS, BLOCK_BYTES = 4, 32, 256
 WAIT_S = 30.0
 
 
+def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """``torch.equal`` across devices: the endpoints' regions may sit on two GPUs (or in DRAM)."""
+    return torch.equal(x, y.to(x.device))
+
+
 def wait_status(transport: Any, handle: Any, timeout_s: float = WAIT_S) -> XferStatus:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -95,7 +100,7 @@ class TransportConformance:
         h = b.post("READ", plan, local, remote, transfer=f"r{seed}")
         assert wait_status(b, h) is XferStatus.DONE, b.error(h)
         for r in range(REGIONS):
-            assert torch.equal(tb[r][torch.from_numpy(local).long()], ta[r][torch.from_numpy(remote).long()])
+            assert same_bytes(tb[r][torch.from_numpy(local).long()], ta[r][torch.from_numpy(remote).long()])
             untouched = np.setdiff1d(np.arange(BLOCKS), local)
             assert int(tb[r][torch.from_numpy(untouched).long()].sum()) == 0
         stats = b.stats(h)
@@ -113,7 +118,7 @@ class TransportConformance:
         h = a.post("WRITE", plan, local, remote)
         assert wait_status(a, h) is XferStatus.DONE, a.error(h)
         for r in range(REGIONS):
-            assert torch.equal(tb[r][torch.from_numpy(remote).long()], ta[r][torch.from_numpy(local).long()])
+            assert same_bytes(tb[r][torch.from_numpy(remote).long()], ta[r][torch.from_numpy(local).long()])
         a.release(h)
 
     def test_region_subset_moves_only_those_regions(self, pair: Any) -> None:
@@ -122,7 +127,7 @@ class TransportConformance:
         h = b.post("READ", b.prepare(b_sees_a), ids, ids, regions=[1, 3])
         assert wait_status(b, h) is XferStatus.DONE
         idx = torch.from_numpy(ids).long()
-        assert torch.equal(tb[1][idx], ta[1][idx]) and torch.equal(tb[3][idx], ta[3][idx])
+        assert same_bytes(tb[1][idx], ta[1][idx]) and same_bytes(tb[3][idx], ta[3][idx])
         assert int(tb[0].sum()) == 0 and int(tb[2].sum()) == 0
         b.release(h)
 
@@ -135,7 +140,7 @@ class TransportConformance:
         h = b.post("READ", plan, ids, ids[::-1].copy())
         assert wait_status(b, h) is XferStatus.DONE
         for r in range(REGIONS):
-            assert torch.equal(tb[r][2, :half], ta[r][7, half:]) and torch.equal(tb[r][7, :half], ta[r][2, half:])
+            assert same_bytes(tb[r][2, :half], ta[r][7, half:]) and same_bytes(tb[r][7, :half], ta[r][2, half:])
             assert int(tb[r][:, half:].sum()) == 0
 
     # -- notifications ----------------------------------------------------------------------------------------------
@@ -200,7 +205,7 @@ class TransportConformance:
             b.add_peer(meta)  # the old epoch is stale now
         h = b.post("READ", b.prepare(b_sees_a), [5], [6])
         assert wait_status(b, h) is XferStatus.DONE
-        assert all(torch.equal(tb[r][5], ta[r][6]) for r in range(REGIONS))
+        assert all(same_bytes(tb[r][5], ta[r][6]) for r in range(REGIONS))
 
     # -- teardown ---------------------------------------------------------------------------------------------------
     def test_clean_teardown_leaves_nothing_registered(self) -> None:
