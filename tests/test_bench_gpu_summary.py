@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvlifecycle.cli.bench_gpu import Shape, print_table, summarise
+from kvlifecycle.cli.bench_gpu import Shape, ledger_hot_us, print_table, summarise
 
 MIB = 1 << 20
 SHAPES = {"large": Shape(64, 256, 32 * 1024), "small": Shape(64, 16, 32 * 1024)}
@@ -51,6 +51,39 @@ def test_ratios_compare_the_request_with_each_way_of_timing_the_copy(capsys: pyt
     out = capsys.readouterr().out
     assert "timed in D's loop" in out and "raw_copy_in_loop" in out
     assert "as one step, where the wall goes" in out and "'part_dones': 25.0" in out
+
+
+def test_the_host_budget_is_what_the_goal_leaves_above_the_raw_launch_floor(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    res = summarise(_result(), SHAPES, pipeline=8)
+    small = res["host_budget_us"]["small"]
+    # floor = raw copy in D's loop (40) + the kernel's device time beyond the copy's (36 - 32.4)
+    assert small["floor_wall_us"] == pytest.approx(43.6)
+    assert small["goal_wall_us"] == pytest.approx(36 / 0.6)
+    assert small["budget_us"] == pytest.approx(60 - 43.6)
+    assert small["spent_us"] == pytest.approx(80 - 43.6)
+    assert small["ledger_us"] == pytest.approx(18.0)
+    assert small["ratio_at_floor"] == pytest.approx(36 / 43.6, abs=1e-3)
+    assert res["host_budget_us"]["large"]["budget_us"] == pytest.approx(300 - 277)
+    print_table(res)
+    assert "kvl's own host work may take 16.4 us: it takes 36.4 us" in capsys.readouterr().out
+
+
+def test_the_ledgers_hot_cost_is_timed_on_a_logged_ledger(tmp_path: Any) -> None:
+    hot = ledger_hot_us(16, 200, str(tmp_path / "hot"))
+    assert set(hot) == {"start_load", "part_done"}
+    assert all(0 < v < 10_000 for v in hot.values())
+    assert list((tmp_path / "hot").iterdir()), "the commands were logged, as on the request's path"
+    raw = _result()
+    raw["ledger_hot_us"] = hot
+    assert summarise(raw, SHAPES, pipeline=8)["host_budget_us"]["small"]["ledger_hot_us"] == pytest.approx(
+        hot["start_load"] + hot["part_done"], abs=0.1)
+
+
+def test_two_gpu_runs_have_no_one_gpu_budget() -> None:
+    raw = _result()
+    raw["large"] |= {"peer_ceiling_event_s": 250e-6}
+    assert "large" not in summarise(raw, SHAPES, pipeline=8)["host_budget_us"]
 
 
 def test_a_path_that_was_not_byte_exact_fails_the_run() -> None:
