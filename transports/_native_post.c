@@ -24,7 +24,7 @@ typedef void *CUevent;
 typedef void *CUfunction;
 typedef uint64_t CUdeviceptr;
 
-#define KVL_MAX_PARAMS 40
+#define KVL_MAX_PARAMS 48
 #define KVL_MAX_KERNELS 8
 
 /* Error codes below zero are ours; above zero a CUresult, with the failing step in kvl_poster.error_step. */
@@ -40,6 +40,8 @@ typedef struct {
     uint32_t shared;   /* dynamic shared memory */
     int32_t src_ids_param, dst_ids_param;
     int32_t nparams;
+    int32_t inline_param; /* >= 0: an inline-ids kernel, its ids are parameters inline_param.. (int32 each) */
+    int32_t inline_count; /* source ids, then as many destination ids */
     uint64_t slots[KVL_MAX_PARAMS];
     void *params[KVL_MAX_PARAMS];
 } kvl_kernel;
@@ -123,6 +125,35 @@ int kvl_check_and_narrow(const int64_t *staging, int32_t *ring_slot, int32_t n, 
         }                             \
     } while (0)
 
+/* The inline-ids kernels' ids: checked like kvl_check_and_narrow, written straight into every kernel's parameter
+ * slots (cuLaunchKernel copies them at the launch, so the next post may overwrite them at once). */
+int kvl_check_inline(const int64_t *staging, kvl_kernel **kernels, int32_t nkernels, int32_t n, int32_t pad,
+                            int64_t src_limit, int64_t dst_limit) {
+    uint64_t src_bad = 0, dst_bad = 0;
+    for (int32_t i = 0; i < n; i++) {
+        uint64_t s = (uint64_t)staging[i], d = (uint64_t)staging[pad + i];
+        src_bad |= (uint64_t)(s >= (uint64_t)src_limit);
+        dst_bad |= (uint64_t)(d >= (uint64_t)dst_limit);
+    }
+    if (src_bad) return KVL_ERR_SRC_RANGE;
+    if (dst_bad) return KVL_ERR_DST_RANGE;
+    for (int32_t k = 0; k < nkernels; k++) {
+        const kvl_kernel *kern = kernels[k];
+        if (kern->inline_param < 0 || n > kern->inline_count ||
+            kern->inline_param + 2 * kern->inline_count > kern->nparams)
+            return KVL_ERR_ARGS;
+    }
+    for (int32_t k = 0; k < nkernels; k++) {
+        kvl_kernel *kern = kernels[k];
+        uint64_t *src = kern->slots + kern->inline_param, *dst = src + kern->inline_count;
+        for (int32_t i = 0; i < n; i++) {
+            src[i] = (uint32_t)staging[i];
+            dst[i] = (uint32_t)staging[pad + i];
+        }
+    }
+    return 0;
+}
+
 /* One post: ids checked and staged, the transfer stream ordered after the caller's stream (and after the id copy
  * when it ran on the copy stream), start event, one launch per kernel, end event. Nothing is enqueued when an id
  * is out of range. */
@@ -130,13 +161,18 @@ int kvl_post(kvl_poster *p, kvl_kernel **kernels, int32_t nkernels, int32_t slot
              int64_t src_limit, int64_t dst_limit, CUstream caller, CUevent start, CUevent end, int32_t on_copy_stream) {
     if (n <= 0 || pad < n || nkernels <= 0 || nkernels > KVL_MAX_KERNELS) return KVL_ERR_ARGS;
     KVL_MARK(0);
-    int rc = kvl_check_and_narrow(p->staging, p->ring_host + slot, n, pad, src_limit, dst_limit);
+    /* Inline-ids kernels (a small request): the ids travel as launch parameters, nothing to stage or copy. */
+    const int inline_ids = kernels[0]->inline_param >= 0;
+    int rc = inline_ids ? kvl_check_inline(p->staging, kernels, nkernels, n, pad, src_limit, dst_limit)
+                        : kvl_check_and_narrow(p->staging, p->ring_host + slot, n, pad, src_limit, dst_limit);
     if (rc != 0) return rc;
     KVL_MARK(1);
     CUdeviceptr ids = p->ring_dev + 4 * (CUdeviceptr)slot;
     const void *host_ids = p->ring_host + slot;
     CUstream stream = p->stream;
-    if (on_copy_stream) {
+    if (inline_ids) {
+        /* nothing to copy */
+    } else if (on_copy_stream) {
         /* Copies in flight: the ids move on the copy stream while an earlier kernel runs (no copy-engine gap). */
         KVL_STEP(1, p_memcpy_htod_async(ids, host_ids, 8 * (size_t)pad, p->copy_stream));
         KVL_STEP(8, p_event_record(p->ids_event, p->copy_stream));
@@ -148,7 +184,7 @@ int kvl_post(kvl_poster *p, kvl_kernel **kernels, int32_t nkernels, int32_t slot
     if (on_copy_stream) {
         KVL_STEP(2, p_event_record(p->order_event, caller));
         KVL_STEP(3, p_stream_wait_event(stream, p->order_event, 0));
-        KVL_STEP(4, p_stream_wait_event(stream, p->ids_event, 0));
+        if (!inline_ids) KVL_STEP(4, p_stream_wait_event(stream, p->ids_event, 0));
         KVL_MARK(3);
         KVL_STEP(5, p_event_record(start, stream));
     } else {
@@ -162,8 +198,10 @@ int kvl_post(kvl_poster *p, kvl_kernel **kernels, int32_t nkernels, int32_t slot
     KVL_MARK(4);
     for (int32_t i = 0; i < nkernels; i++) {
         kvl_kernel *k = kernels[i];
-        k->slots[k->src_ids_param] = ids;
-        k->slots[k->dst_ids_param] = ids + 4 * (CUdeviceptr)pad;
+        if (!inline_ids) {
+            k->slots[k->src_ids_param] = ids;
+            k->slots[k->dst_ids_param] = ids + 4 * (CUdeviceptr)pad;
+        }
         KVL_STEP(6, p_launch_kernel(k->function, (unsigned int)n * k->chunks, k->grid_y, 1, k->block_x, 1, 1,
                                     k->shared, stream, k->params, NULL));
     }

@@ -406,6 +406,8 @@ class _Launch:
     backend: str
     native_read: Any = None  # native_post.KernelList of ``read`` once every copier is warm (the compiled post)
     native_write: Any = None
+    inline_read: Any = None  # the same with the inline-ids kernels (requests of at most inline_count blocks)
+    inline_write: Any = None
 
 
 def _launch_of(groups: list[_Group]) -> _Launch:
@@ -463,6 +465,7 @@ class CudaIpcTransport:
         host_ids: bool | None = None,
         region_group: int | None = None,
         compiled_post: bool = True,
+        inline_ids: bool | None = None,
     ) -> None:
         try:
             import torch
@@ -492,6 +495,12 @@ class CudaIpcTransport:
         group = region_group if region_group is not None else int(os.environ.get(
             "KVL_CUDA_IPC_REGION_GROUP", REGION_GROUP_HOST_IDS if self.host_ids else 1))
         self._copier_kwargs["region_group"] = group
+        # Requests of at most INLINE_IDS blocks pass their ids as launch parameters (compiled post only): no id
+        # copy on their latency path. KVL_CUDA_IPC_INLINE_IDS=0/1 overrides.
+        env_inline = os.environ.get("KVL_CUDA_IPC_INLINE_IDS")
+        self.inline_ids = (env_inline != "0") if inline_ids is None and env_inline is not None else (
+            True if inline_ids is None else bool(inline_ids))
+        self._copier_kwargs["inline_ids"] = self.inline_ids
         self.layout: KVLayout | None = None
         self.device: Any = None
         self._stream: Any = None
@@ -910,15 +919,16 @@ class CudaIpcTransport:
             launch = self._launch_for(plan, regions)
             notify = (plan.peer, notification) if notification is not None else None
             flight = None
-            kernels = self._kernels_for(launch, op)
-            if kernels is not None:
+            if self._native is not None:
                 # The compiled post checks the ids itself: here only what makes them a pair of integer vectors.
                 local = local_blocks if local_blocks.__class__ is np.ndarray else np.asarray(local_blocks)
                 remote = remote_blocks if remote_blocks.__class__ is np.ndarray else np.asarray(remote_blocks)
                 n = local.size
                 if (n and n == remote.size and local.ndim == 1 and remote.ndim == 1
                         and local.dtype.kind in "iu" and remote.dtype.kind in "iu"):
-                    flight = self._post_native(kernels, op, plan, local, remote, n, notify)
+                    kernels = self._kernels_for(launch, op, n)
+                    if kernels is not None:
+                        flight = self._post_native(kernels, op, plan, local, remote, n, notify)
             t_checked = time.perf_counter()
             if flight is None:  # the Python path: also where a bad id list gets its precise error
                 local = _block_ids(local_blocks, plan.local_blocks, "local")
@@ -985,8 +995,8 @@ class CudaIpcTransport:
             local, remote = _joined(locals_), _joined(remotes)
             n = local.size
             flight = None
-            kernels = self._kernels_for(launch, op)
-            if kernels is not None and n:
+            kernels = self._kernels_for(launch, op, n) if n else None
+            if kernels is not None:
                 flight = self._post_native(kernels, op, plan, local, remote, n, None)
             if flight is None:  # an id out of range, the ring full, or no compiled post
                 try:
@@ -1045,20 +1055,38 @@ class CudaIpcTransport:
             if pushed:
                 self._driver.pop_context()
 
-    def _kernels_for(self, launch: _Launch, op: XferOp) -> Any:
-        """The launch's kernels for the compiled post, once every copier is warm and bound (else None)."""
+    def _kernels_for(self, launch: _Launch, op: XferOp, n: int) -> Any:
+        """The launch's kernels for the compiled post of ``n`` block ids, once every copier is warm and bound (else
+        None): the inline-ids kernels for a request small enough (no id copy), else the staged-ids ones."""
+        if self.inline_ids:
+            kernels = launch.inline_read if op is XferOp.READ else launch.inline_write
+            if kernels is None:
+                kernels = self._kernel_list(launch, op, "native_inline")
+                if op is XferOp.READ:
+                    launch.inline_read = kernels
+                else:
+                    launch.inline_write = kernels
+            if kernels is not None and n <= kernels.inline_count:
+                return kernels
         kernels = launch.native_read if op is XferOp.READ else launch.native_write
         if kernels is not None or self._native is None:
             return kernels
-        copiers = launch.read if op is XferOp.READ else launch.write
-        if not copiers or len(copiers) > native_post.MAX_KERNELS or any(c.native is None for c in copiers):
-            return None
-        kernels = native_post.KernelList([c.native for c in copiers])
+        kernels = self._kernel_list(launch, op, "native")
         if op is XferOp.READ:
             launch.native_read = kernels
         else:
             launch.native_write = kernels
         return kernels
+
+    def _kernel_list(self, launch: _Launch, op: XferOp, attr: str) -> Any:
+        """A ``KernelList`` of every copier's bound kernel ``attr``; None until all are warm and bound."""
+        if self._native is None:
+            return None
+        copiers = launch.read if op is XferOp.READ else launch.write
+        descs = [getattr(c, attr, None) for c in copiers]
+        if not copiers or len(copiers) > native_post.MAX_KERNELS or any(d is None for d in descs):
+            return None
+        return native_post.KernelList(descs)
 
     def _post_native(self, kernels: Any, op: XferOp, plan: PreparedPlan, local: np.ndarray, remote: np.ndarray,
                      n: int, notify: tuple[str, Notification] | None) -> _Inflight | None:
@@ -1072,9 +1100,12 @@ class CudaIpcTransport:
         else:
             src, dst, src_limit, dst_limit = local, remote, plan.local_blocks, plan.remote_blocks
         pad = -(-n // 4) * 4  # both id lists 16-byte aligned: one kernel specialisation whatever n is
-        slot = ring.reserve(2 * pad)
-        if slot is None:
-            return None
+        if kernels.inline_count:  # the ids go as launch parameters: no ring slot
+            slot = None
+        else:
+            slot = ring.reserve(2 * pad)
+            if slot is None:
+                return None
         staging[:n] = src  # numpy widens any integer dtype to int64; the C side checks and narrows
         staging[pad:pad + n] = dst
         drv = self._driver
@@ -1090,7 +1121,7 @@ class CudaIpcTransport:
             args[5] = src_limit
             args[6] = dst_limit
             self._args_kernels, self._args_limits = kernels, (src_limit, dst_limit)
-        args[2] = slot
+        args[2] = slot or 0
         args[3] = n
         args[4] = pad
         args[7] = self._current_stream(self._dev_index)
@@ -1105,7 +1136,8 @@ class CudaIpcTransport:
                 drv.pop_context()
         t_launched = time.perf_counter()
         if rc:
-            ring.free(slot)
+            if slot is not None:
+                ring.free(slot)
             self._event_pool.append((start, end))
             if rc in (native_post.ERR_SRC_RANGE, native_post.ERR_DST_RANGE):
                 return None
@@ -1543,7 +1575,8 @@ def _subset(copier: Any, pick: np.ndarray) -> Any:
 
     return BlockCopier([copier.src[i] for i in pick.tolist()], [copier.dst[i] for i in pick.tolist()], copier.device,
                        chunk_bytes=copier.chunk * copier.word, num_warps=copier.num_warps,
-                       region_group=copier.region_group, use_triton=copier.use_triton, cache=copier.cache)
+                       region_group=copier.region_group, use_triton=copier.use_triton, cache=copier.cache,
+                       inline_ids=copier.inline_ids)
 
 
 # --- selection ------------------------------------------------------------------------------------------------------

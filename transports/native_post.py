@@ -27,7 +27,7 @@ from typing import Any
 log = logging.getLogger("kvlifecycle.transports.native_post")
 
 SOURCE = Path(__file__).with_name("_native_post.c")
-MAX_PARAMS = 40  # KVL_MAX_PARAMS
+MAX_PARAMS = 48  # KVL_MAX_PARAMS
 MAX_KERNELS = 8  # KVL_MAX_KERNELS
 ERR_SRC_RANGE, ERR_DST_RANGE, ERR_ARGS = -1, -2, -3
 STEPS = {1: "cuMemcpyHtoDAsync(ids)", 2: "cuEventRecord(order)", 3: "cuStreamWaitEvent(order)",
@@ -49,6 +49,8 @@ class KernelDesc(ctypes.Structure):
         ("src_ids_param", ctypes.c_int32),
         ("dst_ids_param", ctypes.c_int32),
         ("nparams", ctypes.c_int32),
+        ("inline_param", ctypes.c_int32),
+        ("inline_count", ctypes.c_int32),
         ("slots", ctypes.c_uint64 * MAX_PARAMS),
         ("params", ctypes.c_void_p * MAX_PARAMS),
     ]
@@ -99,11 +101,15 @@ class PosterDesc(ctypes.Structure):
 class KernelList:
     """The kernels of one launch (one per region group), as the ``kvl_kernel **`` the C post takes."""
 
-    __slots__ = ("address", "array", "count", "descs")
+    __slots__ = ("address", "array", "count", "descs", "inline_count")
 
     def __init__(self, descs: list[KernelDesc]) -> None:
         if not 0 < len(descs) <= MAX_KERNELS:
             raise ValueError(f"{len(descs)} kernels per post (1..{MAX_KERNELS})")
+        inline = {d.inline_count if d.inline_param >= 0 else 0 for d in descs}
+        if len(inline) != 1:
+            raise ValueError("a post's kernels all take their ids inline, or none does")
+        self.inline_count = inline.pop()  # > 0: ids are launch parameters, at most this many pairs
         self.descs = descs  # keeps the structures alive
         self.array = (ctypes.c_void_p * len(descs))(*(ctypes.addressof(d) for d in descs))
         self.count = len(descs)
@@ -157,6 +163,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvl_kernel_bind.argtypes, lib.kvl_kernel_bind.restype = [vp], None
     lib.kvl_check_and_narrow.argtypes = [vp, vp, i32, i32, i64, i64]
     lib.kvl_check_and_narrow.restype = ctypes.c_int
+    # check_inline(staging, kernels, nkernels, n, pad, src_limit, dst_limit)
+    lib.kvl_check_inline.argtypes = [vp, vp, i32, i32, i32, i64, i64]
+    lib.kvl_check_inline.restype = ctypes.c_int
     # post(poster, kernels, nkernels, slot, n, pad, src_limit, dst_limit, caller, start, end, on_copy_stream)
     lib.kvl_post.argtypes = [vp, vp, i32, i32, i32, i32, i64, i64, vp, vp, vp, i32]
     lib.kvl_post.restype = ctypes.c_int
@@ -197,10 +206,16 @@ def load() -> ctypes.CDLL | None:
         return _loaded
 
 
-def bind_kernel(compiled: Any, args: tuple[Any, ...], *, src_ids_arg: int, dst_ids_arg: int, chunks: int,
-                grid_y: int, lib: ctypes.CDLL) -> KernelDesc | None:
+def bind_kernel(compiled: Any, args: tuple[Any, ...], *, chunks: int, grid_y: int, lib: ctypes.CDLL,
+                src_ids_arg: int = -1, dst_ids_arg: int = -1, inline_ids_arg: int = -1,
+                inline_count: int = 0) -> KernelDesc | None:
     """A :class:`KernelDesc` for ``compiled`` launched with ``args`` (every kernel argument, constexprs included,
-    in order; the two id pointers are filled per post), or ``None`` where Triton's launcher must stay."""
+    in order), or ``None`` where Triton's launcher must stay. Per post the C side fills either the two id pointers
+    (arguments ``src_ids_arg`` and ``dst_ids_arg``) or, for an inline-ids kernel, ``inline_count`` source ids
+    from argument ``inline_ids_arg`` on, then as many destination ids (int32 each)."""
+    inline = inline_ids_arg >= 0
+    if inline == (src_ids_arg >= 0 or dst_ids_arg >= 0) or (not inline and min(src_ids_arg, dst_ids_arg) < 0):
+        raise ValueError("bind_kernel: give the two id pointer arguments, or the first inline id argument")
     src = getattr(compiled, "src", None)
     meta = getattr(compiled, "metadata", None)
     signature = getattr(src, "signature", None)
@@ -215,6 +230,7 @@ def bind_kernel(compiled: Any, args: tuple[Any, ...], *, src_ids_arg: int, dst_i
     if len(types) != len(args):
         return None
     desc = KernelDesc()
+    desc.src_ids_param = desc.dst_ids_param = desc.inline_param = -1
     slot = 0
     for i, (ty, value) in enumerate(zip(types, args, strict=True)):
         if ty == "constexpr":
@@ -225,10 +241,16 @@ def bind_kernel(compiled: Any, args: tuple[Any, ...], *, src_ids_arg: int, dst_i
             desc.src_ids_param = slot
         elif i == dst_ids_arg:
             desc.dst_ids_param = slot
-        else:
-            desc.slots[slot] = int(value) & 0xFFFF_FFFF_FFFF_FFFF  # two's complement, read little-endian
+        elif i == inline_ids_arg:
+            desc.inline_param = slot
+        desc.slots[slot] = int(value) & 0xFFFF_FFFF_FFFF_FFFF  # two's complement, read little-endian
         slot += 1
-    if types[src_ids_arg] == "constexpr" or types[dst_ids_arg] == "constexpr":
+    if inline:
+        # the ids must be 2 * inline_count consecutive int32 parameters (values the compiled post writes)
+        if types[inline_ids_arg:inline_ids_arg + 2 * inline_count] != ["i32"] * (2 * inline_count):
+            return None
+        desc.inline_count = inline_count
+    elif types[src_ids_arg] == "constexpr" or types[dst_ids_arg] == "constexpr":
         return None
     desc.slots[slot] = 0  # global scratch (none: checked above)
     desc.slots[slot + 1] = 0  # profile scratch

@@ -16,12 +16,15 @@ Without Triton (or on a device it cannot compile for) :class:`BlockCopier` falls
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("kvlifecycle.transports.triton_copy")
 
 try:  # Triton is optional: the torch fallback below keeps the transport correct without it.
     import triton
@@ -38,9 +41,40 @@ DEFAULT_CHUNK_BYTES = 4096
 DEFAULT_NUM_WARPS = 4
 DEFAULT_REGION_GROUP = 1
 DEFAULT_CACHE = 1
+INLINE_IDS = 16  # block-id pairs _block_copy_inline_kernel takes as parameters (small requests)
 
 
 if HAVE_TRITON:
+
+    @triton.jit
+    def _copy_pair(
+        anchor_ptr, src_base_ptr, dst_base_ptr, src_block, dst_block, chunk, first,
+        src_stride, dst_stride, src_split, dst_split, src_sub_stride, dst_sub_stride, block_elems, num_regions,
+        CHUNK: tl.constexpr, ALIGN: tl.constexpr, EVEN: tl.constexpr, GROUP: tl.constexpr, CACHE: tl.constexpr,
+    ):
+        """One program's work: chunk ``chunk`` of unit ``src_block`` -> ``dst_block`` in GROUP regions from
+        ``first`` (shared by both kernels below; Triton inlines it)."""
+        src_off = (src_block // src_split) * src_stride + (src_block % src_split) * src_sub_stride + chunk * CHUNK
+        dst_off = (dst_block // dst_split) * dst_stride + (dst_block % dst_split) * dst_sub_stride + chunk * CHUNK
+        offs = tl.arange(0, CHUNK)
+        for i in tl.static_range(GROUP):
+            region = first + i
+            if region < num_regions:
+                src_start = tl.multiple_of(tl.load(src_base_ptr + region) + src_off, ALIGN)
+                dst_start = tl.multiple_of(tl.load(dst_base_ptr + region) + dst_off, ALIGN)
+                if EVEN:
+                    if CACHE == 1:
+                        data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
+                    else:
+                        data = tl.load(anchor_ptr + src_start + offs)
+                    if CACHE == 0:
+                        tl.store(anchor_ptr + dst_start + offs, data)
+                    else:
+                        tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
+                else:
+                    mask = chunk * CHUNK + offs < block_elems
+                    data = tl.load(anchor_ptr + src_start + offs, mask=mask, cache_modifier=".cg")
+                    tl.store(anchor_ptr + dst_start + offs, data, mask=mask, cache_modifier=".cs")
 
     @triton.jit
     def _block_copy_kernel(
@@ -65,32 +99,51 @@ if HAVE_TRITON:
         CACHE: tl.constexpr = 1,  # 0: default caching, 1: .cg loads / .cs stores (streaming), 2: .cs stores only
     ):
         pid = tl.program_id(0)
-        first = tl.program_id(1) * GROUP
         pair = pid // CHUNKS
-        chunk = pid % CHUNKS
         src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
         dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
-        src_off = (src_block // src_split) * src_stride + (src_block % src_split) * src_sub_stride + chunk * CHUNK
-        dst_off = (dst_block // dst_split) * dst_stride + (dst_block % dst_split) * dst_sub_stride + chunk * CHUNK
-        offs = tl.arange(0, CHUNK)
-        for i in tl.static_range(GROUP):
-            region = first + i
-            if region < num_regions:
-                src_start = tl.multiple_of(tl.load(src_base_ptr + region) + src_off, ALIGN)
-                dst_start = tl.multiple_of(tl.load(dst_base_ptr + region) + dst_off, ALIGN)
-                if EVEN:
-                    if CACHE == 1:
-                        data = tl.load(anchor_ptr + src_start + offs, cache_modifier=".cg")
-                    else:
-                        data = tl.load(anchor_ptr + src_start + offs)
-                    if CACHE == 0:
-                        tl.store(anchor_ptr + dst_start + offs, data)
-                    else:
-                        tl.store(anchor_ptr + dst_start + offs, data, cache_modifier=".cs")
-                else:
-                    mask = chunk * CHUNK + offs < block_elems
-                    data = tl.load(anchor_ptr + src_start + offs, mask=mask, cache_modifier=".cg")
-                    tl.store(anchor_ptr + dst_start + offs, data, mask=mask, cache_modifier=".cs")
+        _copy_pair(anchor_ptr, src_base_ptr, dst_base_ptr, src_block, dst_block, pid % CHUNKS,
+                   tl.program_id(1) * GROUP, src_stride, dst_stride, src_split, dst_split, src_sub_stride,
+                   dst_sub_stride, block_elems, num_regions, CHUNK, ALIGN, EVEN, GROUP, CACHE)
+
+    @triton.jit
+    def _pick16(i, v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15):
+        """``(v0, ..., v15)[i]`` for a uniform ``i``: a four-level select tree."""
+        a0 = tl.where((i & 1) == 0, v0, v1)
+        a1 = tl.where((i & 1) == 0, v2, v3)
+        a2 = tl.where((i & 1) == 0, v4, v5)
+        a3 = tl.where((i & 1) == 0, v6, v7)
+        a4 = tl.where((i & 1) == 0, v8, v9)
+        a5 = tl.where((i & 1) == 0, v10, v11)
+        a6 = tl.where((i & 1) == 0, v12, v13)
+        a7 = tl.where((i & 1) == 0, v14, v15)
+        b0 = tl.where((i & 2) == 0, a0, a1)
+        b1 = tl.where((i & 2) == 0, a2, a3)
+        b2 = tl.where((i & 2) == 0, a4, a5)
+        b3 = tl.where((i & 2) == 0, a6, a7)
+        c0 = tl.where((i & 4) == 0, b0, b1)
+        c1 = tl.where((i & 4) == 0, b2, b3)
+        return tl.where((i & 8) == 0, c0, c1)
+
+    # The same copy with up to INLINE_IDS block-id pairs passed as kernel parameters (s_i -> d_i): no id copy to
+    # the device before the kernel, which for a small request is a driver call and a DMA the kernel waits for.
+    # Never specialised on the ids' values (one compiled kernel whatever they are).
+    @triton.jit(do_not_specialize=[f"{side}{i}" for side in "sd" for i in range(16)])
+    def _block_copy_inline_kernel(
+        anchor_ptr, src_base_ptr, dst_base_ptr,
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15,
+        src_stride, dst_stride, src_split, dst_split, src_sub_stride, dst_sub_stride, block_elems, num_regions,
+        CHUNKS: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr, EVEN: tl.constexpr, GROUP: tl.constexpr,
+        CACHE: tl.constexpr = 1,
+    ):
+        pid = tl.program_id(0)
+        pair = pid // CHUNKS
+        src_block = _pick16(pair, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
+        dst_block = _pick16(pair, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15)
+        _copy_pair(anchor_ptr, src_base_ptr, dst_base_ptr, src_block.to(tl.int64), dst_block.to(tl.int64),
+                   pid % CHUNKS, tl.program_id(1) * GROUP, src_stride, dst_stride, src_split, dst_split,
+                   src_sub_stride, dst_sub_stride, block_elems, num_regions, CHUNK, ALIGN, EVEN, GROUP, CACHE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +250,7 @@ class BlockCopier:
         cache: int = DEFAULT_CACHE,
         use_triton: bool | None = None,
         fast_launch: bool = True,
+        inline_ids: bool = True,
     ) -> None:
         import torch
 
@@ -252,6 +306,8 @@ class BlockCopier:
         self._raw_flags: tuple[Any, ...] = ()
         self._bound: tuple[Any, tuple[Any, ...], tuple[Any, ...]] | None = None
         self.native: Any = None  # native_post.KernelDesc once warm, where the compiled post can launch it
+        self.native_inline: Any = None  # the same for _block_copy_inline_kernel (requests of <= INLINE_IDS blocks)
+        self.inline_ids = inline_ids
         self._anchor_ptr = self._anchor_typed.data_ptr()
         self._src_base_ptr, self._dst_base_ptr = self._src_base.data_ptr(), self._dst_base.data_ptr()
 
@@ -351,9 +407,29 @@ class BlockCopier:
                 self.native = native_post.bind_kernel(
                     compiled, (*bases, 0, 0, *tail), src_ids_arg=3, dst_ids_arg=4, chunks=self.chunks,
                     grid_y=self.region_programs, lib=lib)
+                self.native_inline = self._bind_inline(lib) if self.inline_ids else None
         else:
             head = (compiled.function, compiled.packed_metadata, None, None, None, *bases)
             self._bound = (compiled.run, head, tail)
+
+    def _bind_inline(self, lib: Any) -> Any:
+        """Compile (no launch) the inline-ids kernel with this copier's shape and bind it for the compiled post;
+        ``None`` where that fails (small requests then stage their ids like any other)."""
+        from . import native_post
+
+        chunks, chunk, align, even, group, cache = self._constexprs
+        ids = (2,) * (2 * INLINE_IDS)  # any int32 values: the kernel is never specialised on them
+        try:
+            compiled = _block_copy_inline_kernel.warmup(
+                self._anchor_typed, self._src_base, self._dst_base, *ids, *self._scalars,
+                CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, GROUP=group, CACHE=cache,
+                num_warps=self.num_warps, grid=(1,))
+        except Exception as exc:  # a Triton that cannot build it: the staged-ids kernel still serves
+            log.warning("block copy: no inline-ids kernel (%s: %s)", type(exc).__name__, exc)
+            return None
+        args = (self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr, *ids, *self._scalars, *self._constexprs)
+        return native_post.bind_kernel(compiled, args, inline_ids_arg=3, inline_count=INLINE_IDS,
+                                       chunks=self.chunks, grid_y=self.region_programs, lib=lib)
 
     def _direct(self, compiled: Any, grid: tuple[int, int, int], stream: int, src_ids: Any, dst_ids: Any) -> None:
         # Pointers as plain ints: the launcher takes them as they are (no per-launch pointer attribute query).

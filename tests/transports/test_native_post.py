@@ -127,6 +127,66 @@ def test_kernel_binding_refuses_signatures_it_does_not_understand(lib: ctypes.CD
                                    grid_y=1, lib=lib) is None
 
 
+INLINE = 4  # pairs in the fake inline kernel below
+INLINE_SIG = {"anchor": "*i64", "src_base": "*i64", "dst_base": "*i64",
+              **{f"s{i}": "i32" for i in range(INLINE)}, **{f"d{i}": "i32" for i in range(INLINE)},
+              "stride": "i64", "CHUNK": "constexpr"}
+INLINE_ARGS = (0x1000, 0x2000, 0x3000, *([2] * 2 * INLINE), 1 << 40, 512)
+
+
+def _inline_desc(lib: ctypes.CDLL) -> Any:
+    return native_post.bind_kernel(_fake_compiled(INLINE_SIG), INLINE_ARGS, inline_ids_arg=3, inline_count=INLINE,
+                                   chunks=8, grid_y=4, lib=lib)
+
+
+def test_inline_kernel_binding_marks_where_its_ids_go(lib: ctypes.CDLL) -> None:
+    desc = _inline_desc(lib)
+    assert desc is not None
+    assert (desc.inline_param, desc.inline_count, desc.src_ids_param, desc.dst_ids_param) == (3, INLINE, -1, -1)
+    assert desc.nparams == 3 + 2 * INLINE + 1 + 2 and desc.slots[3 + 2 * INLINE] == 1 << 40
+    # the ids must be int32 parameters (a Triton that typed them otherwise keeps the staged-ids kernel)
+    wide = {**INLINE_SIG, "s1": "i64"}
+    assert native_post.bind_kernel(_fake_compiled(wide), INLINE_ARGS, inline_ids_arg=3, inline_count=INLINE,
+                                   chunks=8, grid_y=4, lib=lib) is None
+    with pytest.raises(ValueError, match="id pointer arguments, or the first inline id"):
+        native_post.bind_kernel(_fake_compiled(SIG), ARGS, src_ids_arg=3, dst_ids_arg=4, inline_ids_arg=3,
+                                chunks=1, grid_y=1, lib=lib)
+    # one post's kernels take their ids the same way
+    staged = native_post.bind_kernel(_fake_compiled(SIG), ARGS, src_ids_arg=3, dst_ids_arg=4, chunks=1, grid_y=1,
+                                     lib=lib)
+    with pytest.raises(ValueError, match="all take their ids inline, or none"):
+        native_post.KernelList([desc, staged])
+    assert native_post.KernelList([desc, _inline_desc(lib)]).inline_count == INLINE
+    assert native_post.KernelList([staged]).inline_count == 0
+
+
+def _check_inline(lib: ctypes.CDLL, descs: list[Any], src: list[int], dst: list[int], src_limit: int,
+                  dst_limit: int) -> int:
+    n = len(src)
+    pad = -(-n // 4) * 4
+    staging = np.zeros(2 * pad, dtype=np.int64)
+    staging[:n], staging[pad:pad + n] = src, dst
+    kernels = native_post.KernelList(descs)
+    return lib.kvl_check_inline(staging.ctypes.data, kernels.address, kernels.count, n, pad, src_limit, dst_limit)
+
+
+def _inline_ids(desc: Any) -> tuple[list[int], list[int]]:
+    ids = [ctypes.c_int32.from_address(ctypes.addressof(desc.slots) + 8 * (3 + i)).value for i in range(2 * INLINE)]
+    return ids[:INLINE], ids[INLINE:]
+
+
+def test_inline_ids_are_checked_then_written_into_every_kernels_parameters(lib: ctypes.CDLL) -> None:
+    descs = [_inline_desc(lib), _inline_desc(lib)]
+    assert _check_inline(lib, descs, [0, 9, 5], [3, 0, 1], 10, 4) == 0
+    for desc in descs:  # read back as the int32 parameters the kernel sees; slot 3 of 4 keeps its old value
+        assert _inline_ids(desc) == ([0, 9, 5, 2], [3, 0, 1, 2])
+    for src, dst, want in (([0, 10], [0, 1], native_post.ERR_SRC_RANGE), ([0, 1], [-1, 1], native_post.ERR_DST_RANGE),
+                           ([1 << 32], [0], native_post.ERR_SRC_RANGE),
+                           ([0] * (INLINE + 1), [0] * (INLINE + 1), native_post.ERR_ARGS)):  # more than fit
+        assert _check_inline(lib, descs, src, dst, 10, 4) == want
+        assert _inline_ids(descs[0]) == ([0, 9, 5, 2], [3, 0, 1, 2])  # refused: nothing written
+
+
 def test_turned_off_the_compiled_post_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native_post, "_loaded", None)
     monkeypatch.setattr(native_post, "_why_not", None)
@@ -151,9 +211,13 @@ class TestCudaIpcPythonPostConformance(VramPair, TransportConformance):
 
 @gpu
 @pytest.mark.gpu
-def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_nothing() -> None:
+@pytest.mark.parametrize("inline", [True, False], ids=["inline-ids", "staged-ids"])
+def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_nothing(inline: bool) -> None:
+    """Small requests (<= 16 blocks) pass their ids as launch parameters (``inline``), larger ones stage them in
+    the ring; with ``inline_ids=False`` every request stages them. Both byte-exact, both refuse bad ids."""
     suffix = time.monotonic_ns()
-    a, b = cuda_ipc.CudaIpcTransport(f"cp-a-{suffix}"), cuda_ipc.CudaIpcTransport(f"cp-b-{suffix}")
+    a = cuda_ipc.CudaIpcTransport(f"cp-a-{suffix}", inline_ids=inline)
+    b = cuda_ipc.CudaIpcTransport(f"cp-b-{suffix}")
     ta, tb = vram_tensors("random", 9), vram_tensors("zeros")
     try:
         a.register(vram_layout(tb))
@@ -168,16 +232,21 @@ def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_no
         a.release(first)
         launch = a._plans[plan.key].whole
         moved = []
-        for i, dtype in enumerate((np.int32, np.int64, np.uint16)):  # the C side widens/narrows any integer dtype
-            dst = rng.permutation(np.arange(1, BLOCKS))[:5].astype(dtype)
-            src = rng.permutation(BLOCKS)[:5].astype(dtype)
+        # the C side widens/narrows any integer dtype; 5 and 16 blocks fit the inline kernel, 20 do not
+        for i, (dtype, count) in enumerate(((np.int32, 5), (np.int64, 16), (np.uint16, 5), (np.int32, 20))):
+            dst = rng.permutation(np.arange(1, BLOCKS))[:count].astype(dtype)
+            src = rng.permutation(BLOCKS)[:count].astype(dtype)
             note = Notification(f"r{i}", f"t{i}", 1, a.epoch, "done", 0)
             h = a.post("READ", plan, dst, src, notification=note)
-            assert launch.native_read is not None  # warm: this post went through the compiled path
+            flight = a._inflight.get(h.id)
+            went_inline = inline and count <= 16
+            # warm: this post went through the compiled path, with its ids inline or in a ring slot
+            assert (launch.inline_read if went_inline else launch.native_read) is not None
+            assert flight is None or (flight.slot is None) == went_inline
             assert wait_status(a, h) is XferStatus.DONE
             assert [n.transfer for _, n in wait_notes(b, 1)] == [f"t{i}"]  # sent without a further call
             st = a.stats(h)
-            assert st is not None and st.bytes == 5 * launch.bytes_per_block and st.t_xfer_s > 0
+            assert st is not None and st.bytes == count * launch.bytes_per_block and st.t_xfer_s > 0
             a.release(h)
             moved.append((dst, src))
             torch.cuda.synchronize()
@@ -185,15 +254,18 @@ def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_no
             s_ids = torch.from_numpy(src.astype(np.int64)).cuda()
             for r in range(REGIONS):
                 assert torch.equal(tb[r][d_ids], ta[r][s_ids])
-        for bad_dst, bad_src in (([0, BLOCKS], [0, 1]), ([0, 1], [-1, 2])):
+        if not inline:
+            assert launch.inline_read is None
+        for bad_dst, bad_src in (([0, BLOCKS], [0, 1]), ([0, 1], [-1, 2]), ([1] * 15 + [BLOCKS], [2] * 16)):
             with pytest.raises(RemoteMismatchError, match="block ids must be in"):
                 a.post("READ", plan, np.array(bad_dst), np.array(bad_src))
+            assert not a._inflight  # refused: nothing was enqueued
         # a push through the compiled path (local -> peer), once the write kernel is warm
         warm = a.post("WRITE", plan, np.array([1]), np.array([9]))
         assert wait_status(a, warm) is XferStatus.DONE
         a.release(warm)
         h = a.post("WRITE", plan, np.array([2, 3]), np.array([7, 8]))
-        assert launch.native_write is not None
+        assert (launch.inline_write if inline else launch.native_write) is not None
         assert wait_status(a, h) is XferStatus.DONE
         a.release(h)
         torch.cuda.synchronize()
