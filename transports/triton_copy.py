@@ -427,6 +427,8 @@ class BlockCopier:
         except Exception as exc:  # a Triton that cannot build it: the staged-ids kernel still serves
             log.warning("block copy: no inline-ids kernel (%s: %s)", type(exc).__name__, exc)
             return None
+        if getattr(compiled, "function", None) is None and hasattr(compiled, "_init_handles"):
+            compiled._init_handles()  # warmup() compiles but loads the module only at a first launch
         args = (self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr, *ids, *self._scalars, *self._constexprs)
         return native_post.bind_kernel(compiled, args, inline_ids_arg=3, inline_count=INLINE_IDS,
                                        chunks=self.chunks, grid_y=self.region_programs, lib=lib)
