@@ -3,8 +3,9 @@
  * Why C: on one request's latency path the Python version of these steps cost 50-70 us of host time (id checks,
  * five ctypes driver calls, Triton's launcher parsing 19 arguments) in front of a 16-block copy that takes 20 us
  * on an H200. Here they are one call: the block ids were already written (widened to int64) into a staging array
- * by numpy, this checks them against both layouts, narrows them into a pinned ring slot, and issues the driver
- * calls back to back. Built at first use with the system C compiler (no CUDA headers: the few driver types are
+ * by numpy, this checks them against both layouts, narrows them into a pinned ring slot (or, for a request of at
+ * most 16 blocks, straight into the launch parameters of the inline-ids kernel), and issues the driver calls back
+ * to back. Built at first use with the system C compiler (no CUDA headers: the few driver types are
  * declared below and the functions resolved from libcuda.so.1 at init), loaded with ctypes.
  *
  * The kernel is Triton's compiled block-copy kernel, launched with cuLaunchKernel and the same parameter array
@@ -128,7 +129,7 @@ int kvl_check_and_narrow(const int64_t *staging, int32_t *ring_slot, int32_t n, 
 /* The inline-ids kernels' ids: checked like kvl_check_and_narrow, written straight into every kernel's parameter
  * slots (cuLaunchKernel copies them at the launch, so the next post may overwrite them at once). */
 int kvl_check_inline(const int64_t *staging, kvl_kernel **kernels, int32_t nkernels, int32_t n, int32_t pad,
-                            int64_t src_limit, int64_t dst_limit) {
+                     int64_t src_limit, int64_t dst_limit) {
     uint64_t src_bad = 0, dst_bad = 0;
     for (int32_t i = 0; i < n; i++) {
         uint64_t s = (uint64_t)staging[i], d = (uint64_t)staging[pad + i];
