@@ -127,8 +127,9 @@ if HAVE_TRITON:
 
     # The same copy with up to INLINE_IDS block-id pairs passed as kernel parameters (s_i -> d_i): no id copy to
     # the device before the kernel, which for a small request is a driver call and a DMA the kernel waits for.
-    # Never specialised on the ids' values (one compiled kernel whatever they are).
-    @triton.jit(do_not_specialize=[f"{side}{i}" for side in "sd" for i in range(16)])
+    # Never specialised on the ids' values (one compiled kernel whatever they are). Its INLINE_IDS source and
+    # destination id parameters are spelt out (Triton takes no arrays as parameters).
+    @triton.jit(do_not_specialize=[f"{side}{i}" for side in "sd" for i in range(INLINE_IDS)])
     def _block_copy_inline_kernel(
         anchor_ptr, src_base_ptr, dst_base_ptr,
         s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
@@ -424,11 +425,11 @@ class BlockCopier:
                 self._anchor_typed, self._src_base, self._dst_base, *ids, *self._scalars,
                 CHUNKS=chunks, CHUNK=chunk, ALIGN=align, EVEN=even, GROUP=group, CACHE=cache,
                 num_warps=self.num_warps, grid=(1,))
-        except Exception as exc:  # a Triton that cannot build it: the staged-ids kernel still serves
+            if getattr(compiled, "function", None) is None and hasattr(compiled, "_init_handles"):
+                compiled._init_handles()  # warmup() compiles but loads the module only at a first launch
+        except Exception as exc:  # a Triton that cannot build or load it: the staged-ids kernel still serves
             log.warning("block copy: no inline-ids kernel (%s: %s)", type(exc).__name__, exc)
             return None
-        if getattr(compiled, "function", None) is None and hasattr(compiled, "_init_handles"):
-            compiled._init_handles()  # warmup() compiles but loads the module only at a first launch
         args = (self._anchor_ptr, self._src_base_ptr, self._dst_base_ptr, *ids, *self._scalars, *self._constexprs)
         return native_post.bind_kernel(compiled, args, inline_ids_arg=3, inline_count=INLINE_IDS,
                                        chunks=self.chunks, grid_y=self.region_programs, lib=lib)
