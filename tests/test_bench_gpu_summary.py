@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvlifecycle.cli.bench_gpu import Shape, ledger_hot_us, print_table, summarise
 from kvlifecycle.eventlog import read_events
+from kvlifecycle.tools.bench_gpu import Shape, ledger_hot_us, print_table, summarise
 
 MIB = 1 << 20
 SHAPES = {"large": Shape(64, 256, 32 * 1024), "small": Shape(64, 16, 32 * 1024)}

@@ -13,10 +13,10 @@ import pytest
 # a skip here is a failure in CI (tests/conftest.py: only GPU tests may skip there)
 pytest.importorskip("nixl._api", reason="needs the real NIXL package (pip install nixl==1.5.1)")
 
-from kvlifecycle.cli.demo import WorkerConfig, WorkerError, WorkerProcess, default_compat
 from kvlifecycle.handoff import REPLY_TYPES
 from kvlifecycle.replay import check, check_pair, replay
 from kvlifecycle.sidechannel import SideChannelClient, SideChannelRefused
+from kvlifecycle.tools.demo import WorkerConfig, WorkerError, WorkerProcess, default_compat
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvlifecycle.proxy import PDProxy, ProxyConfig, Upstream
+from kvlifecycle.tools.proxy import PDProxy, ProxyConfig, Upstream
 
 
 class FakeServer:

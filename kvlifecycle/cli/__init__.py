@@ -1,8 +1,9 @@
 """The ``kvlifecycle`` command line.
 
-Each verb lives in its own module under ``kvlifecycle.cli`` and exposes ``add_arguments(parser)`` and
-``run(args) -> int``. Verb modules keep heavy imports (torch, nixl, engines) inside ``run`` so that ``--help``
-and the core verbs stay cheap: the CLI is the one place that wires transports and adapters in, lazily.
+Each verb lives in its own module (the library's verbs under ``kvlifecycle.cli``, the tools' under
+``kvlifecycle.tools``) and exposes ``add_arguments(parser)`` and ``run(args) -> int``. Verb modules keep heavy
+imports (torch, nixl, engines) inside ``run`` so that ``--help`` and the core verbs stay cheap: the CLI and the
+tools are the one place that wires transports and adapters in, lazily.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# verb -> (module under kvlifecycle.cli, one-line help)
+# verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
-    "demo": ("demo", "P/D handoff between two processes over NIXL (DRAM), then replay and check both logs"),
-    "replay": ("replay", "replay event logs, print the state summary and invariant violations"),
-    "timeline": ("timeline", "merge P and D logs into a Perfetto/Chrome trace (and a PNG)"),
-    "doctor": ("doctor", "which NIXL plugins and paths work here, and how fast they are"),
-    "proxy": ("proxy", "OpenAI-compatible P/D proxy in front of prefill and decode servers"),
-    "bench": ("bench", "benchmarks: lifecycle, transport, ..."),
-    "diagram": ("diagram", "write the state-machine diagrams (Mermaid) generated from the declarations"),
+    "demo": ("kvlifecycle.tools.demo",
+             "P/D handoff between two processes over NIXL (DRAM), then replay and check both logs"),
+    "replay": ("kvlifecycle.cli.replay", "replay event logs, print the state summary and invariant violations"),
+    "timeline": ("kvlifecycle.cli.timeline", "merge P and D logs into a Perfetto/Chrome trace (and a PNG)"),
+    "doctor": ("kvlifecycle.tools.doctor", "which NIXL plugins and paths work here, and how fast they are"),
+    "proxy": ("kvlifecycle.cli.proxy", "OpenAI-compatible P/D proxy in front of prefill and decode servers"),
+    "bench": ("kvlifecycle.cli.bench", "benchmarks: lifecycle, transport, ..."),
+    "diagram": ("kvlifecycle.cli.diagram",
+                "write the state-machine diagrams (Mermaid) generated from the declarations"),
 }
 
 
@@ -32,7 +35,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         verb_parser = sub.add_parser(verb, help=help_text, description=help_text)
         if only is not None and verb != only:
             continue
-        module = importlib.import_module(f"kvlifecycle.cli.{module_name}")
+        module = importlib.import_module(module_name)
         module.add_arguments(verb_parser)
         verb_parser.set_defaults(_run=module.run)
     return parser

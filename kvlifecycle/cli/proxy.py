@@ -1,4 +1,4 @@
-"""``kvlifecycle proxy``: an OpenAI-compatible front for prefill/decode servers (see kvlifecycle.proxy)."""
+"""``kvlifecycle proxy``: an OpenAI-compatible front for prefill/decode servers (see kvlifecycle.tools.proxy)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlifecycle.proxy import ProxyConfig, Upstream, serve
+    from kvlifecycle.tools.proxy import ProxyConfig, Upstream, serve
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

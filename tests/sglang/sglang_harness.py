@@ -1,4 +1,4 @@
-"""Run the SGLang driver (``kvlifecycle.adapters.sglang.driver``) in the SGLang venv from the main venv's pytest.
+"""Run the SGLang driver (``kvlifecycle.tools.sglang_driver``) in the SGLang venv from the main venv's pytest.
 
 Every process gets its own session (so a stuck one is killed with its children), loopback-only UCX and SGLang
 addresses, and a hard deadline. Nothing here asserts timings.
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_VENV = Path(os.environ.get("KVL_SGLANG_VENV", ROOT / ".venv-sglang"))
 SGLANG_PY = SGLANG_VENV / "bin" / "python"
-DRIVER = "kvlifecycle.adapters.sglang.driver"
+DRIVER = "kvlifecycle.tools.sglang_driver"
 
 
 

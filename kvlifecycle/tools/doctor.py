@@ -285,8 +285,8 @@ def _probe_main(spec_json: str) -> None:
 
 def _run_probes(spec: dict[str, Any], timeout_s: float) -> tuple[list[dict[str, Any]], str]:
     """Run :func:`_probe_all` in a child with UCX's INFO log on (it names the transports each lane uses)."""
-    cmd = [sys.executable, "-c", "import sys; from kvlifecycle.cli.doctor import _probe_main; _probe_main(sys.argv[1])",
-           json.dumps(spec)]
+    code = "import sys; from kvlifecycle.tools.doctor import _probe_main; _probe_main(sys.argv[1])"
+    cmd = [sys.executable, "-c", code, json.dumps(spec)]
     env = {**os.environ, "UCX_LOG_LEVEL": "info"}
     problem = ""
     try:

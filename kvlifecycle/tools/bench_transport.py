@@ -147,7 +147,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlifecycle.cli.demo import WorkerConfig, WorkerProcess
+    from kvlifecycle.tools.demo import WorkerConfig, WorkerProcess
 
     iters = max(3, args.iterations)
     size = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes}

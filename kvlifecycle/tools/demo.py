@@ -259,7 +259,7 @@ def worker_main(cfg_raw: bytes, conn: Connection) -> None:
     cfg = WorkerConfig(**msgspec.msgpack.decode(cfg_raw))
     try:
         if cfg.side.startswith("raw"):
-            from kvlifecycle.cli.bench_transport import RawWorker
+            from kvlifecycle.tools.bench_transport import RawWorker
 
             worker: Any = RawWorker(cfg)
         else:
