@@ -16,6 +16,12 @@ Built on SGLang's ``Common*`` classes (as its NIXL backend is), so the scheduler
 * Liveness: both sides heartbeat each other every ``KVL_SGLANG_HEARTBEAT_S`` (D's heartbeat lists the rooms it waits
   on, renewing P's leases); a peer silent for ``KVL_SGLANG_PEER_TIMEOUT_S`` fails its rooms, instead of SGLang's
   fixed 300 s bootstrap/waiting timeouts. A room no decode claims within ``KVL_SGLANG_CLAIM_TIMEOUT_S`` fails.
+* Every room ends within a stated bound, with a reason that names the cause on both sides: a decode room whose
+  prefill never appears fails ``KVL_SGLANG_CLAIM_TIMEOUT_S`` after the receiver was made; a room a live prefill
+  does not serve within ``KVL_SGLANG_SERVE_TIMEOUT_S`` of its bootstrap fails on P (which tells D), and D gives up
+  on it after the same bound (P acknowledges once its writes settled; an unacknowledged give-up fails the room
+  ``KVL_SGLANG_PEER_TIMEOUT_S`` later); a prefill that refuses D's registration (e.g. a page size mismatch) says
+  so to D, which fails the rooms waiting on it at once; P drops rooms its engine never made a sender for.
 * Epochs: every manager has an agent epoch (µs wall clock at start), published through the bootstrap server. D
   polls it; a prefill that came back with a new epoch fails the rooms of its old incarnation at once and D
   re-registers with the new one (SGLang #10365).
@@ -79,7 +85,8 @@ class Settings:
 
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 10.0  # a peer silent this long is dead: its rooms fail
-    claim_timeout_s: float = 120.0  # a P room that no decode receiver claimed by then fails
+    claim_timeout_s: float = 120.0  # a P room that no decode receiver claimed by then fails (and vice versa)
+    serve_timeout_s: float = 300.0  # a bootstrapped room the prefill has not served by then fails on both sides
     lease_ttl_s: float = 30.0  # P lease on the pages of a granted chunk, renewed by D's heartbeats
     write_timeout_s: float = 60.0  # one NIXL write must settle within this
     log_dir: str = ""
@@ -91,6 +98,7 @@ class Settings:
             heartbeat_s=_env_float("KVL_SGLANG_HEARTBEAT_S", d.heartbeat_s),
             peer_timeout_s=_env_float("KVL_SGLANG_PEER_TIMEOUT_S", d.peer_timeout_s),
             claim_timeout_s=_env_float("KVL_SGLANG_CLAIM_TIMEOUT_S", d.claim_timeout_s),
+            serve_timeout_s=_env_float("KVL_SGLANG_SERVE_TIMEOUT_S", d.serve_timeout_s),
             lease_ttl_s=_env_float("KVL_SGLANG_LEASE_TTL_S", d.lease_ttl_s),
             write_timeout_s=_env_float("KVL_SGLANG_WRITE_TIMEOUT_S", d.write_timeout_s),
             log_dir=os.environ.get("KVL_SGLANG_LOG_DIR", ""),
@@ -123,6 +131,8 @@ class _PRoom:
     room: int
     created: float
     claimed_at: float | None = None
+    bootstrapped_at: float | None = None  # when the last decode's metadata arrived: the serve bound starts here
+    claimers: set[str] = dataclasses.field(default_factory=set)  # decode agents that claimed the room
     dsts: dict[str, _Dst] = dataclasses.field(default_factory=dict)
     required: int = 1
     chunks: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)  # (ledger request, transfer, gen)
@@ -192,6 +202,9 @@ class _DRoom:
     cleared: bool = False
     acks: set[int] = dataclasses.field(default_factory=set)
     created: float = dataclasses.field(default_factory=time.monotonic)
+    published_at: float | None = None  # send_metadata: D's serve bound starts here
+    gave_up_at: float | None = None
+    give_up_reason: str = ""
 
 
 class KVLifecycleKVManager(CommonKVManager):
@@ -302,6 +315,7 @@ class KVLifecycleKVManager(CommonKVManager):
         self._queue: deque[_Chunk] = deque()
         self._queue_cv = threading.Condition()
         self._room_of_transfer: dict[str, int] = {}
+        self.refused_decodes: dict[str, tuple[str, int, str]] = {}  # agent -> (endpoint, port, why refused)
         assert isinstance(self.ledger, SourceLedger)
         self._threads = [
             threading.Thread(target=self._recv_loop, args=(self._p_handle,), name="kvl-p-recv", daemon=True),
@@ -333,15 +347,18 @@ class KVLifecycleKVManager(CommonKVManager):
             with self._lock:
                 r = self._room(msg.room)
                 r.claimed_at = now
+                r.claimers.add(msg.agent)
+            self._p_answer_refused(msg.agent, msg.room)
         elif isinstance(msg, wire.Heartbeat):
             self._p_heartbeat(msg, now)
+        elif isinstance(msg, wire.GiveUp):
+            self._p_give_up_from_decode(msg)
         else:
             raise wire.MalformedMessage(f"{type(msg).__name__} is not a D → P message")
 
     def _p_register(self, msg: wire.Register) -> None:
         if msg.page_size != self.kv_args.page_size:
-            logger.error("kvlifecycle: decode %s page size %s != prefill %s: refused", msg.agent, msg.page_size,
-                         self.kv_args.page_size)
+            self._p_refuse(msg, f"page size {msg.page_size} != prefill page size {self.kv_args.page_size}")
             return
         kv = Regions(tuple(msg.kv_ptrs), tuple(msg.kv_item_lens), tuple([msg.kv_num_pages] * len(msg.kv_ptrs)))
         aux = Regions(tuple(msg.aux_ptrs), tuple(msg.aux_item_lens), tuple(msg.aux_rows))
@@ -353,23 +370,66 @@ class KVLifecycleKVManager(CommonKVManager):
             try:
                 name = self.plane.add_peer(msg.nixl_metadata, kv, aux)
             except PlaneError as exc:
-                logger.error("kvlifecycle: decode %s refused: %s", msg.agent, exc)
-                return
-            self.d_peers[msg.agent] = _DPeer(msg.agent, msg.epoch, msg.endpoint, msg.port, name, time.monotonic())
-            self.check_peer_aux_buffer_count(msg.agent, len(msg.aux_ptrs))
+                refusal: str | None = f"its KV layout cannot be mapped: {exc}"
+            else:
+                refusal = None
+                self.refused_decodes.pop(msg.agent, None)
+                self.d_peers[msg.agent] = _DPeer(msg.agent, msg.epoch, msg.endpoint, msg.port, name,
+                                                 time.monotonic())
+                self.check_peer_aux_buffer_count(msg.agent, len(msg.aux_ptrs))
+        if refusal is not None:
+            self._p_refuse(msg, refusal)
+            return
         self.ledger.peer_restarted(msg.agent, msg.epoch)
+
+    def _p_refuse(self, msg: wire.Register, reason: str) -> None:
+        """Refuse a decode's registration and say so to it (not only in P's log): D fails the rooms it waits on
+        here with this reason at once, instead of learning of it from a heartbeat window."""
+        logger.error("kvlifecycle: registration of decode %s refused: %s", msg.agent, reason)
+        with self._lock:
+            self.refused_decodes[msg.agent] = (msg.endpoint, msg.port, reason)
+            waiting = [r for r in self.rooms.values() if msg.agent in r.claimers and r.failure is None]
+            for r in waiting:
+                r.failure = f"registration of decode {msg.agent} refused: {reason}"
+                self._fail_room_locked(r)
+        self._send(msg.endpoint, msg.port, wire.encode(wire.Refused(
+            msg.agent, msg.epoch, self.kvl_agent, self.kvl_epoch, self._prefill_unique_rank(), reason)))
+
+    def _p_answer_refused(self, agent: str, room: int) -> None:
+        """A refused decode claimed or published a room: answer it Failed with the refusal's reason."""
+        with self._lock:
+            refused = self.refused_decodes.get(agent)
+        if refused is None:
+            return
+        endpoint, port, reason = refused
+        msg = wire.Status(room, int(KVPoll.Failed), self._prefill_unique_rank(), self.kvl_agent, self.kvl_epoch,
+                          "", f"prefill refused this decode's registration: {reason}", self.ledger.hlc.tick())
+        self._send(endpoint, port, wire.encode(msg))
 
     def _p_room_meta(self, msg: wire.RoomMeta) -> None:
         with self._lock:
             peer = self.d_peers.get(msg.agent)
             r = self._room(msg.room)
             if peer is None or peer.epoch != msg.epoch:
-                r.failure = r.failure or f"metadata from unregistered decode {msg.agent} (epoch {msg.epoch})"
+                refused = self.refused_decodes.get(msg.agent)
+                why = f"registration of decode {msg.agent} refused: {refused[2]}" if refused else \
+                    f"metadata from unregistered decode {msg.agent} (epoch {msg.epoch})"
+                r.failure = r.failure or why
                 self._fail_room_locked(r)
-                return
-            r.claimed_at = time.monotonic()
-            r.required = msg.required_dst_info_num
-            r.dsts[msg.agent] = _Dst(msg, peer.endpoint, peer.port, consumer=len(r.dsts))
+                registered, refused_here = False, refused is not None
+            else:
+                registered, refused_here = True, False
+                r.claimed_at = time.monotonic()
+                r.claimers.add(msg.agent)
+                r.required = msg.required_dst_info_num
+                r.dsts[msg.agent] = _Dst(msg, peer.endpoint, peer.port, consumer=len(r.dsts))
+                if r.bootstrapped and r.bootstrapped_at is None:
+                    r.bootstrapped_at = r.claimed_at
+        if refused_here:
+            self._p_answer_refused(msg.agent, msg.room)
+        if not registered:
+            return
+        with self._lock:
             self.req_to_decode_prefix_len[msg.room] = msg.decode_prefix_len
             if r.bootstrapped and r.failure is None and msg.room in self.request_status:
                 self.update_status(msg.room, KVPoll.WaitingForInput)
@@ -406,6 +466,21 @@ class KVLifecycleKVManager(CommonKVManager):
         self._drain_released()
         if inflight == 0:
             self._p_send_acks(note.room)
+
+    def _p_give_up_from_decode(self, msg: wire.GiveUp) -> None:
+        """D stopped waiting for a room (it was not served within D's bound): fail it as for an ABORT, and ack
+        once none of our writes towards D's pages is in flight."""
+        with self._lock:
+            r = self._room(msg.room)
+            if r.failure is None and not r.success_sent:
+                r.failure = f"decode {msg.agent} gave up on the room: {msg.reason}"
+                self._fail_room_locked(r)
+            r.acks[(msg.endpoint, msg.port)] = None
+            inflight = r.inflight
+        self._p_cancel_leases(msg.room)
+        self._drain_released()
+        if inflight == 0:
+            self._p_send_acks(msg.room)
 
     def _p_cancel_leases(self, room: int) -> None:
         with self._lock:
@@ -620,12 +695,34 @@ class KVLifecycleKVManager(CommonKVManager):
                         if now - since > self.settings.claim_timeout_s:
                             r.failure = (f"bootstrap timeout: no decode claimed room {r.room} within "
                                          f"{self.settings.claim_timeout_s:g} s")
+                    elif r.room not in self.request_status and now - r.created > self.settings.claim_timeout_s:
+                        # a decode claimed a room this prefill's engine never made a sender for
+                        r.failure = (f"prefill has no request for room {r.room} "
+                                     f"{self.settings.claim_timeout_s:g} s after a decode claimed it")
+                        self._p_tell_claimers_locked(r)
+                    elif (not r.chunks and r.bootstrapped_at is not None
+                          and now - r.bootstrapped_at > self.settings.serve_timeout_s):
+                        r.failure = (f"prefill did not serve room {r.room} within "
+                                     f"{self.settings.serve_timeout_s:g} s of its bootstrap")
                     if r.failure is not None:
                         self._fail_room_locked(r)
                     if r.failure is not None and r.inflight == 0:
                         self._p_cancel_leases_locked(r)
+                        if r.room not in self.request_status:
+                            del self.rooms[r.room]  # no sender will ever clear it
             if self.ledger.log is not None:
                 self.ledger.commit()
+
+    def _p_tell_claimers_locked(self, r: _PRoom) -> None:
+        """Failed to the decodes that only claimed the room (those that published metadata hear it from
+        :meth:`_notify_decodes`)."""
+        for agent in r.claimers - set(r.dsts):
+            peer = self.d_peers.get(agent)
+            if peer is None:
+                continue
+            msg = wire.Status(r.room, int(KVPoll.Failed), self._prefill_unique_rank(), self.kvl_agent,
+                              self.kvl_epoch, "", r.failure or "", self.ledger.hlc.tick())
+            self._send(peer.endpoint, peer.port, wire.encode(msg))
 
     def _p_cancel_leases_locked(self, r: _PRoom) -> None:
         assert isinstance(self.ledger, SourceLedger)
@@ -710,6 +807,8 @@ class KVLifecycleKVManager(CommonKVManager):
             self._d_status(msg)
         elif isinstance(msg, wire.AbortAck):
             self._d_abort_ack(msg)
+        elif isinstance(msg, wire.Refused):
+            self._d_refused(msg)
         elif isinstance(msg, wire.Heartbeat):
             now = time.monotonic()
             with self._lock:
@@ -747,7 +846,18 @@ class KVLifecycleKVManager(CommonKVManager):
             d.acks.add(msg.prefill_rank)
             if msg.generation >= 0:
                 self.note_abort_ack(msg.room, msg.prefill_rank, msg.generation)
-        self._d_fail(msg.room, "aborted by decode; prefill acknowledged that its writes settled")
+            why = d.give_up_reason or "aborted by decode"
+        self._d_fail(msg.room, f"{why}; prefill acknowledged that its writes settled")
+
+    def _d_refused(self, msg: wire.Refused) -> None:
+        """A prefill rank refused our registration: the rooms waiting on it fail now, with its reason."""
+        if msg.agent != self.kvl_agent or msg.epoch != self.kvl_epoch:
+            return  # meant for another incarnation of this decode
+        with self._lock:
+            gone = [(pid, r) for pid, r in self.p_ranks.items()
+                    if r.agent == msg.prefill_agent and r.epoch == msg.prefill_epoch]
+        for pid, rank in gone:
+            self._d_peer_gone(pid, rank, f"prefill {pid} refused this decode's registration: {msg.reason}")
 
     def _d_fail(self, room: int, reason: str) -> None:
         """The room failed and no prefill write is in flight towards it: its load fails in the ledger."""
@@ -831,6 +941,7 @@ class KVLifecycleKVManager(CommonKVManager):
             return
         with self._lock:
             d.loading = True
+            d.published_at = time.monotonic()
         for info in infos:
             meta = wire.RoomMeta(room, self.kvl_agent, self.kvl_epoch, transfer,
                                  b"" if info.get("is_dummy") else pages.tobytes(),
@@ -900,8 +1011,35 @@ class KVLifecycleKVManager(CommonKVManager):
             for pid, rank in silent:
                 self._d_peer_gone(pid, rank, f"prefill {pid} silent for more than "
                                              f"{self.settings.peer_timeout_s:g} s")
+            self._d_give_up_unserved(time.monotonic())
             if self.ledger.log is not None:
                 self.ledger.commit()
+
+    def _d_give_up_unserved(self, now: float) -> None:
+        """A live prefill that does not serve a room within the serve bound: ask it to stop (it acks once its
+        writes settled; the room then fails); without an ack within the peer timeout the room fails anyway."""
+        bound = self.settings.serve_timeout_s
+        with self._lock:
+            late = [d for d in self.d_rooms.values() if d.loading and d.published_at is not None
+                    and now - d.published_at > bound]
+            targets: list[tuple[_DRoom, list[_PRank]]] = []
+            overdue: list[_DRoom] = []
+            for d in late:
+                if d.gave_up_at is None:
+                    d.gave_up_at = now
+                    d.give_up_reason = f"prefill did not serve room {d.room} within {bound:g} s of its metadata"
+                    targets.append((d, [self.p_ranks[p] for p in d.peers if p in self.p_ranks]))
+                elif now - d.gave_up_at > self.settings.peer_timeout_s:
+                    overdue.append(d)
+        for d, ranks in targets:
+            logger.error("kvlifecycle: %s; asking %d prefill rank(s) to stop", d.give_up_reason, len(ranks))
+            msg = wire.GiveUp(d.room, self.kvl_agent, self.kvl_epoch, self.local_ip, self.rank_port,
+                              d.give_up_reason)
+            for rank in ranks:
+                self._send(rank.ip, rank.port, wire.encode(msg))
+        for d in overdue:
+            self._d_fail(d.room, f"{d.give_up_reason}; the prefill did not acknowledge within "
+                                 f"{self.settings.peer_timeout_s:g} s")
 
     def _d_check_epochs(self, addr: str) -> None:
         """Ask the bootstrap server which epoch each prefill rank runs under; a changed one is a restart."""
@@ -1004,6 +1142,9 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
     kv_mgr: KVLifecycleKVManager
 
     def __init__(self, mgr: KVLifecycleKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
+        # the receiver's own birth: the bound on a prefill that never appears starts here (a room record made on
+        # the spot at each poll would restart it every time)
+        self.kvl_created = time.monotonic()
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self.required_prefill_response_num = 1
         self.required_dst_info_num = 1
@@ -1022,8 +1163,7 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
             self.conclude_state = status
             return status
         if status == KVPoll.Bootstrapping:
-            age = time.monotonic() - self.kv_mgr.d_rooms.get(
-                self.bootstrap_room, _DRoom(self.bootstrap_room, self.bootstrap_addr)).created
+            age = time.monotonic() - self.kvl_created
             if self.bootstrap_addr not in self.kv_mgr.prefill_info_table and \
                     age > self.kv_mgr.settings.claim_timeout_s:
                 reason = (f"prefill at {self.bootstrap_addr} never appeared within "

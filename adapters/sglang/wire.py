@@ -93,7 +93,31 @@ class AbortAck(msgspec.Struct, frozen=True, tag="ack"):
     hlc: int = 0
 
 
-Message = Union[Register, RoomMeta, Claim, Heartbeat, Status, AbortAck]  # noqa: UP007 - msgspec needs a Union
+class Refused(msgspec.Struct, frozen=True, tag="refused"):
+    """P → D: P refused D's registration (``reason`` says why, e.g. a page size mismatch). D fails every room that
+    waits on this prefill rank with that reason at once, instead of learning it from the rank's silence."""
+
+    agent: str  # the refused decode agent
+    epoch: int  # of the refused registration
+    prefill_agent: str
+    prefill_epoch: int
+    prefill_rank: int
+    reason: str
+
+
+class GiveUp(msgspec.Struct, frozen=True, tag="giveup"):
+    """D → P: D stops waiting for ``room`` (P did not serve it within D's bound). P fails the room as for an
+    ABORT and acknowledges (``AbortAck``) once none of its writes towards D's pages is in flight."""
+
+    room: int
+    agent: str
+    epoch: int
+    endpoint: str
+    port: int
+    reason: str
+
+
+Message = Union[Register, RoomMeta, Claim, Heartbeat, Status, AbortAck, Refused, GiveUp]  # noqa: UP007 - msgspec needs a Union
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -17,7 +17,10 @@ Scenarios (``--scenario``):
              until D's abort went out), abort by prefill, and a room no decode ever claims (bootstrap timeout)
   restart    prefill: serve ``--rooms`` rooms, then crash (``os._exit``) holding one bootstrapped room;
              ``--generation 2`` is the restarted prefill, which serves the rooms after it. Decode: all of it.
-  never      decode only: a receiver whose prefill never appears
+  never      decode only: a receiver whose prefill never appears, polled as SGLang's scheduler polls it (the
+             parallel info retried every poll, ``init`` only once it arrived)
+  silent     a live prefill that bootstraps a room and never serves it (the serve bound ends it on both sides)
+  refused    the decode registers a KV layout the prefill refuses (give the decode another ``--item-bytes``)
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class Plan:
             "crash": [base + 300],
             "after": [base + 400 + i for i in range(n)],
             "never": [base + 500],
+            "silent": [base + 600],
+            "refused": [base + 700],
         }
         every = [r for rooms in self.room_ids.values() for r in rooms]
         need = len(every) * self.pages_per_room
@@ -232,6 +237,10 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
             ids["unclaimed"]
     elif args.scenario == "restart":
         order = ids["warmup"] + ids["transfer"] + ids["crash"] if args.generation == 1 else ids["after"]
+    elif args.scenario == "silent":
+        order = ids["warmup"] + ids["silent"]
+    elif args.scenario == "refused":
+        order = []  # the decode is refused at registration: the prefill only serves the bootstrap
     else:
         raise SystemExit(f"prefill has no part in scenario {args.scenario!r}")
     hold_file = Path(args.sync_dir) / "abort_d_meta.sent" if args.sync_dir else None
@@ -258,6 +267,8 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
                 s = senders[room] = Sender(side.mgr, side.addr, room)
             state = s.poll()
             if state == KVPoll.WaitingForInput and room not in sent:
+                if room in ids["silent"]:
+                    continue  # alive, heartbeating, bootstrapped, and never sends
                 if room in ids["abort_p"]:
                     s.abort()
                     sent.add(room)
@@ -370,11 +381,29 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
     done: dict[int, dict] = {}
     aborted = set(ids["abort_d"]) | set(ids["abort_d_meta"])
     if args.scenario == "never":
-        ok = wait_info(addr, 3.0)
+        # as SGLang's decode queue does: make the receiver, then poll it while retrying the parallel info;
+        # init() comes only once the info arrived (here: never)
         room = ids["never"][0]
-        receivers[room] = Receiver(side.mgr, addr, room)
-        receivers[room].init(0)
+        r = receivers[room] = Receiver(side.mgr, addr, room)
+        ok = False
+        while room not in done and time.monotonic() < deadline:
+            if not ok and side.mgr.try_ensure_parallel_info(addr):
+                ok = True
+                r.init(0)
+            state = r.poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                done[room] = {"status": "success" if state == KVPoll.Success else "failed",
+                              "reason": _failure_reason(r), "t": time.monotonic(), "abort_acked": None}
+            time.sleep(0.05)
         result["parallel_info"] = ok
+    elif args.scenario in ("silent", "refused"):
+        if not wait_info(addr, args.deadline):
+            raise SystemExit(f"prefill bootstrap at {addr} never answered")
+        rooms = ids["warmup"] + ids["silent"] if args.scenario == "silent" else ids["refused"]
+        for room in rooms:
+            receivers[room] = open_room(room)
+            if room in ids["warmup"]:
+                settle(receivers, done)
         settle(receivers, done)
     else:
         if not wait_info(addr, args.deadline):
@@ -464,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--backend", default="kvlifecycle")
-    ap.add_argument("--scenario", choices=("transfer", "suite", "restart", "never"), default="transfer")
+    ap.add_argument("--scenario", choices=("transfer", "suite", "restart", "never", "silent", "refused"),
+                    default="transfer")
     ap.add_argument("--port", type=int, required=True, help="bootstrap port (127.0.0.1)")
     ap.add_argument("--absent-port", type=int, default=1, help="scenario never: where no prefill listens")
     ap.add_argument("--generation", type=int, default=1, help="restart: 1 = first prefill, 2 = restarted")

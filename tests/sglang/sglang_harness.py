@@ -116,8 +116,9 @@ class PairRun:
 
 
 def run_pair(work: Path, scenario: str, *, backend: str = "kvlifecycle", extra: list[str] | None = None,
-             env_extra: dict[str, str] | None = None, timeout: float = 240.0) -> PairRun:
-    """Prefill and decode of one scenario, side by side; both results returned."""
+             env_extra: dict[str, str] | None = None, timeout: float = 240.0,
+             decode_extra: list[str] | None = None) -> PairRun:
+    """Prefill and decode of one scenario, side by side; both results returned (``decode_extra``: decode only)."""
     require_sglang()
     port = free_port()
     log_dir = work / "logs"
@@ -125,7 +126,7 @@ def run_pair(work: Path, scenario: str, *, backend: str = "kvlifecycle", extra: 
     common = ["--backend", backend, "--scenario", scenario, "--port", str(port), "--sync-dir", str(work),
               *(extra or [])]
     procs = [spawn("prefill", work, ["--role", "prefill", *common], env),
-             spawn("decode", work, ["--role", "decode", *common], env)]
+             spawn("decode", work, ["--role", "decode", *common, *(decode_extra or [])], env)]
     try:
         for p in procs:
             p.wait(timeout)

@@ -152,8 +152,43 @@ def test_peer_that_never_appears_fails_the_receiver(tmp_path: Path) -> None:
         h.kill(proc)
     assert d["parallel_info"] is False
     room = _room(d, 500)
-    assert room["status"] == "failed"
-    assert str(absent) in room["reason"]
+    assert room["status"] == "failed", room  # not Bootstrapping until the driver's deadline
+    assert str(absent) in room["reason"] and "never appeared within 3 s" in room["reason"]
+
+
+def _ledgers_quiescent(run: h.PairRun) -> None:
+    d, p = run.results["decode"], run.results["prefill"]
+    assert p["ledger"]["leases_at_exit"] == 0
+    assert p["ledger"]["counts"]["PINNED_FOR_TRANSFER"] == 0
+    assert d["ledger"]["loads"] == 0
+    assert d["ledger"]["counts"]["LOADING"] == 0 and d["ledger"]["counts"]["RESERVED"] == 0
+    for r in _replay_all(run.log_dir):
+        assert check(r, quiescent=True) == []
+
+
+def test_room_a_live_prefill_never_serves_ends_on_both_sides(tmp_path: Path) -> None:
+    # P heartbeats and bootstraps the room but never sends: SGLang's waiting timeout is off in this backend,
+    # so only the serve bound ends it; D's reserved pages must come back.
+    run = h.run_pair(tmp_path, "silent", env_extra={"KVL_SGLANG_SERVE_TIMEOUT_S": "3"})
+    d, p = run.results["decode"], run.results["prefill"]
+    assert _room(d, 0)["status"] == "success" and _room(p, 0)["status"] == "success"
+    assert _room(d, 600)["status"] == "failed", _room(d, 600)
+    assert _room(p, 600)["status"] == "failed", _room(p, 600)
+    for side in (d, p):
+        assert "did not serve room" in _room(side, 600)["reason"] and "3 s" in _room(side, 600)["reason"]
+    _ledgers_quiescent(run)
+
+
+def test_refused_registration_reaches_decode_with_its_reason(tmp_path: Path) -> None:
+    # D's KV rows are half the size of P's (SGLang checks the page size itself, not this): P refuses the
+    # registration and tells D, whose room fails with P's reason, not 120 s later as "prefill silent".
+    run = h.run_pair(tmp_path, "refused", env_extra={"KVL_SGLANG_PEER_TIMEOUT_S": "120"},
+                     decode_extra=["--item-bytes", "2048"])
+    room = _room(run.results["decode"], 700)
+    assert room["status"] == "failed", room
+    assert "refused this decode's registration" in room["reason"], room
+    assert "KV layout mismatch" in room["reason"], room
+    assert "silent" not in room["reason"]
 
 
 def test_restarted_prefill_is_caught_by_its_epoch(restart: h.PairRun) -> None:
