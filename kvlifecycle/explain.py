@@ -293,7 +293,7 @@ def _unended_findings(trace: Trace, covered: set[tuple[str, str]]) -> list[Findi
             last = next((s for s in reversed(mine) if s.transitions and any(t.before != t.after
                                                                              for t in s.transitions)), mine[-1])
             since = f" since {_ms(trace, last)} ({last.label})" if last is not first else ""
-            sentence = f"{request} still holds blocks {part.blocks} on {part.worker} in {part.state}{since}"
+            sentence = f"{request} still holds {_blocks(first)} on {part.worker} in {part.state}{since}"
             sentence += _why_unended(part.side, part.state, part.leases)
             out.append(Finding(REQUEST_DID_NOT_END, sentence, _ordered([first, last]), part.worker, request))
     return out

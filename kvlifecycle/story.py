@@ -29,6 +29,10 @@ from kvlifecycle.merge import merge_logs, open_sources
 
 NO_BLOCKS = np.zeros(0, dtype=ev.BLOCK_DTYPE)
 
+
+class NotInLogsError(LookupError):
+    """What a story was asked about (a request, a block, a worker) is not in the logs given."""
+
 # what each event kind is called in a story line
 LABELS: dict[type, str] = {
     ev.SrcAllocated: "allocate",
@@ -192,8 +196,8 @@ class Trace:
             return matches[0]
         known = ", ".join(f"{w} ({log.side})" for w, log in self.logs.items())
         if side is not None and matches:
-            raise LookupError(f"{len(matches)} logs are on the {side} side ({', '.join(matches)}): name one")
-        raise LookupError(f"no worker {name_or_side!r} in these logs (workers: {known})")
+            raise NotInLogsError(f"{len(matches)} logs are on the {side} side ({', '.join(matches)}): name one")
+        raise NotInLogsError(f"no worker {name_or_side!r} in these logs (workers: {known})")
 
 
 def _worker_offsets(merged: Sequence[tuple[str, str, Record]]) -> dict[str, float]:
@@ -210,8 +214,12 @@ def _worker_offsets(merged: Sequence[tuple[str, str, Record]]) -> dict[str, floa
 class _Fold:
     """One worker's ledger, fed one event at a time, answering what each event touched."""
 
-    def __init__(self, header: dict[str, Any], incarnation: int) -> None:
-        self.ledger = ledger_from_header(header)
+    def __init__(self, header: dict[str, Any], incarnation: int, path: Any) -> None:
+        try:
+            self.ledger = ledger_from_header(header)
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise ReplayError(f"{path}: the log header cannot configure a ledger: {type(exc).__name__}: {exc}") \
+                from exc
         self.ledger.begin_replay()
         self.ledger.block_states(NO_BLOCKS)  # leave the lazy fold: a story asks for block states after every event
         self.incarnation = incarnation
@@ -334,7 +342,7 @@ def trace_logs(
         if fresh:
             restarts.append(fold.leftovers(worker, len(steps)))  # type: ignore[union-attr]
         if fold is None or fresh:
-            fold = folds[worker] = _Fold(source.header, record.incarnation)
+            fold = folds[worker] = _Fold(source.header, record.incarnation, source.path)
         if worker not in logs:
             logs[worker] = WorkerLog(str(source.path), worker, side, source.header, fold.ledger)
         log = logs[worker]
@@ -358,7 +366,7 @@ def trace_logs(
     for worker, source in sources.items():  # a log with no event before ``until`` still has a (fresh) ledger
         if worker not in logs:
             logs[worker] = WorkerLog(str(source.path), worker, source.side, source.header,
-                                     _Fold(source.header, 0).ledger)
+                                     _Fold(source.header, 0, source.path).ledger)
     for fold in folds.values():
         fold.ledger.end_replay()
     if not sources:
@@ -560,7 +568,7 @@ def block_story(trace: Trace, block: int, worker: str) -> BlockStory:
     worker = trace.worker_of(worker)
     log = trace.logs[worker]
     if not 0 <= block < log.ledger.num_blocks:
-        raise LookupError(f"block {block} is not in {worker}'s pool of {log.ledger.num_blocks}")
+        raise NotInLogsError(f"block {block} is not in {worker}'s pool of {log.ledger.num_blocks}")
     epochs: list[BlockEpoch] = []
     own_transfers: dict[str, TransferUse] = {}
     mine: list[Step] = []

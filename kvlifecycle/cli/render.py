@@ -93,12 +93,19 @@ class Output:
 
             table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
             for i in keep:
-                table.add_column(columns[i], no_wrap=i != keep[-1], overflow="fold")
+                table.add_column(columns[i], no_wrap=True)
             for row in rows:
                 label = row[event_column] if event_column is not None else ""
                 style = _STYLES.get(label.split(" (")[0]) or _STYLES.get(label.split(" ")[0], "")
                 table.add_row(*(row[i] for i in keep), style=style or None)
-            self.console.print(Padding(table, (0, 0, 0, indent)))
+            # never truncate a cell: a row wider than the terminal wraps, as a long log line would
+            needed = indent + sum(max(len(columns[i]), *(len(row[i]) for row in rows)) + 3 for i in keep)
+            width = self.console.width
+            self.console.width = max(width, needed)
+            try:
+                self.console.print(Padding(table, (0, 0, 0, indent)))
+            finally:
+                self.console.width = width
             return
         widths = {i: max(len(columns[i]), *(len(row[i]) for row in rows)) for i in keep}
         pad = " " * indent

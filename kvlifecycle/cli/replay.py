@@ -31,9 +31,15 @@ BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def input_error(verb: str, exc: BaseException) -> int:
-    """Report ``exc`` on one stderr line; exit code 2."""
-    text = str(exc) if isinstance(exc, LogError) else f"impossible log: {type(exc).__name__}: {exc}"
+def input_error(verb: str, exc: BaseException, path: str | None = None) -> int:
+    """Report ``exc`` (met reading the log at ``path``, when known) on one stderr line; exit code 2."""
+    from kvlifecycle.story import NotInLogsError
+
+    if isinstance(exc, LogError | NotInLogsError):
+        text = str(exc)
+    else:
+        kind = "" if isinstance(exc, LedgerError) else f"{type(exc).__name__}: "
+        text = f"{path + ': ' if path else ''}impossible log: {kind}{exc}"
     print(f"kvlifecycle {verb}: {' '.join(text.split())}", file=sys.stderr)
     return 2
 
@@ -126,8 +132,12 @@ def _run_summary(args: argparse.Namespace) -> int:
     until = args.until
     if until is not None and until.wall is None:  # an offset: from the first event of all the logs given
         until = Moment(wall=trace_logs(args.logs).t0 + (until.offset_s or 0.0))
-    results = [replay(path, until_index=args.until_index, until_time=until.wall if until else None,
-                      request=args.request) for path in args.logs]
+    results = []
+    for path in args.logs:
+        try:
+            results.append(replay(path, until_index=args.until_index, until_time=until.wall if until else None))
+        except BAD_INPUT_ERRORS as exc:
+            return input_error("replay", exc, path)
     violations = _violations(results, args.quiescent) if args.check else []
     summaries = [summary(r) for r in results]
     if args.json:
@@ -160,21 +170,21 @@ def _iso(wall: float) -> str:
 
 def _run_story(args: argparse.Namespace) -> int:
     from kvlifecycle.replay import ReplayResult
-    from kvlifecycle.story import block_story, block_view, request_story, request_view, trace_logs
+    from kvlifecycle.story import NotInLogsError, block_story, block_view, request_story, request_view, trace_logs
 
     if args.block is not None and args.request is not None:
-        raise LookupError("--request and --block are two views: give one")
+        raise NotInLogsError("--request and --block are two views: give one")
     trace = trace_logs(args.logs, **(args.until.until_kwargs() if args.until else {}), until_index=args.until_index)
     if args.request is not None:
         view = request_view(trace, request_story(trace, args.request))
         if not view["steps"]:
             known = sorted({s.request for s in trace.steps if s.request})
-            raise LookupError(f"no request {args.request!r} in these logs (requests: {', '.join(known[:20])}"
+            raise NotInLogsError(f"no request {args.request!r} in these logs (requests: {', '.join(known[:20])}"
                               f"{', ...' if len(known) > 20 else ''})")
     else:
         if args.worker is None:
             if len(trace.logs) != 1:
-                raise LookupError(f"--block needs --worker: one of {', '.join(trace.logs)} (or P / D)")
+                raise NotInLogsError(f"--block needs --worker: one of {', '.join(trace.logs)} (or P / D)")
             args.worker = next(iter(trace.logs))
         view = block_view(trace, block_story(trace, args.block, args.worker))
     violations: list[str] = []
