@@ -599,9 +599,13 @@ def block_story(trace: Trace, block: int, worker: str) -> BlockStory:
         elif isinstance(e, ev.SrcLeaseReleased) and e.transfer in own_transfers:
             own_transfers[e.transfer].outcome = f"released ({e.reason})"
         elif isinstance(e, ev.TgtPartDone | ev.TgtLoadFailed) and e.transfer in own_transfers:
-            done = isinstance(e, ev.TgtPartDone) and all(t.after != "LOADING" for t in s.transitions)
-            if isinstance(e, ev.TgtLoadFailed) or done:
-                own_transfers[e.transfer].outcome = "loaded" if done else f"failed ({e.reason})"
+            use = own_transfers[e.transfer]
+            if isinstance(e, ev.TgtLoadFailed):
+                use.outcome = f"failed ({e.reason})"
+            elif state == "READY_FOR_ATTENTION":
+                use.outcome = "loaded"
+            elif state == "FREE":
+                use.outcome = "loaded, then discarded (the request was cancelled)"
     # a transfer goes by one id on P and, for a multi-rank load, by a combined one on D: match either way
     wanted = {name: own for own in own_transfers for name in [own, *source_transfers(own)]}
     peers: list[Step] = []

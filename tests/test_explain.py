@@ -155,3 +155,15 @@ def test_explain_of_an_unreadable_log_is_one_line_and_exit_2(tmp_path: Path,
     assert main(["explain", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvlifecycle explain: no event log")
+
+
+def test_story_and_explain_are_core_modules_without_rich() -> None:
+    """The logic is pure functions over events: no terminal library, no transport, no engine."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlifecycle.story, kvlifecycle.explain\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('rich', 'torch', 'nixl', 'vllm', 'sglang')"
+            " or m.startswith(('kvlifecycle.transports', 'kvlifecycle.adapters', 'kvlifecycle.cli'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

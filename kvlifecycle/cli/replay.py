@@ -132,8 +132,10 @@ def _run_summary(args: argparse.Namespace) -> int:
     until = args.until
     if until is not None and until.wall is None:  # an offset: from the first event of all the logs given
         until = Moment(wall=trace_logs(args.logs).t0 + (until.offset_s or 0.0))
+    from kvlifecycle.merge import expand_log_dirs
+
     results = []
-    for path in args.logs:
+    for path in map(str, expand_log_dirs(args.logs)):  # a directory of log directories stands for its logs
         try:
             results.append(replay(path, until_index=args.until_index, until_time=until.wall if until else None))
         except BAD_INPUT_ERRORS as exc:
