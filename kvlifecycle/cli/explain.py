@@ -22,6 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvlifecycle.cli.render import stdout_closed
+
+    try:
+        return _explain(args)
+    except BrokenPipeError:
+        return stdout_closed()
+
+
+def _explain(args: argparse.Namespace) -> int:
     from kvlifecycle.explain import explain_logs, finding_view
 
     try:

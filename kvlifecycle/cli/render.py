@@ -111,3 +111,16 @@ class Output:
         pad = " " * indent
         for row in [tuple(columns), *rows]:
             self.file.write(pad + "  ".join(row[i].ljust(widths[i]) for i in keep).rstrip() + "\n")
+
+
+def stdout_closed() -> int:
+    """The reader of our output went away (``| head``): stop quietly, as a Unix filter does. Later writes (the
+    interpreter's flush at exit) go to /dev/null instead of raising again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing to redirect
+        pass
+    return 0

@@ -113,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_summary(args)
     except BAD_INPUT_ERRORS as exc:
         return input_error("replay", exc)
+    except BrokenPipeError:
+        from kvlifecycle.cli.render import stdout_closed
+
+        return stdout_closed()
 
 
 def _violations(results: list[Any], quiescent: bool) -> list[str]:
