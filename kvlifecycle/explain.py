@@ -101,7 +101,8 @@ class _Index:
         self.loads: dict[str, _Load] = {}
         self.refusals: dict[str, list[Step]] = {}
         reserved: dict[tuple[str, str], Step] = {}
-        waiting: dict[str, list[_Lease]] = {}  # P worker -> released leases whose blocks are not reused yet
+        # (P worker, block) -> released leases that pinned it and whose blocks are not reused yet
+        waiting: dict[tuple[str, int], list[_Lease]] = {}
         for s in trace.steps:
             e = s.event
             if isinstance(e, ev.SrcGranted):
@@ -111,15 +112,18 @@ class _Index:
                 lease.renewals.append(s)
                 lease.claim = lease.claim or s
             elif isinstance(e, ev.SrcLeaseReleased) and e.transfer in self.leases:
-                self.leases[e.transfer].release = s
-                waiting.setdefault(s.worker, []).append(self.leases[e.transfer])
-            elif isinstance(e, ev.SrcFreed | ev.SrcAllocated) and s.worker in waiting:
-                for lease in list(waiting[s.worker]):
-                    if set(lease.grant.blocks.tolist()) & set(s.blocks.tolist()):
+                lease = self.leases[e.transfer]
+                lease.release = s
+                for block in lease.grant.blocks.tolist():
+                    waiting.setdefault((s.worker, block), []).append(lease)
+            elif isinstance(e, ev.SrcFreed | ev.SrcAllocated) and waiting:
+                reused = isinstance(e, ev.SrcAllocated)
+                for block in s.blocks.tolist():
+                    leases = waiting.pop((s.worker, block), []) if reused else waiting.get((s.worker, block), [])
+                    for lease in leases:
                         lease.let_go = lease.let_go or s
-                        if isinstance(e, ev.SrcAllocated):
-                            lease.reused = s
-                            waiting[s.worker].remove(lease)
+                        if reused:
+                            lease.reused = lease.reused or s
             elif isinstance(e, ev.TgtReserved):
                 reserved[(s.worker, e.request)] = s
             elif isinstance(e, ev.TgtLoadStarted):

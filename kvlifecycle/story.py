@@ -13,6 +13,7 @@ offset per worker, the same estimate ``kvlifecycle timeline`` draws with, so a s
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -109,7 +110,8 @@ class Step:
     request: str  # "" when the event names none
     transfer: str
     blocks: np.ndarray  # the block ids (on this worker) the event concerns
-    transitions: tuple[Transition, ...]
+    before: np.ndarray  # their states before the event (the side's state enum values)
+    after: np.ndarray  # and after it
     epoch: int  # allocation epoch of those blocks on this worker (0: none)
     generation: int  # the lease generation the event names (0: none)
     expires_at: float | None  # the lease deadline after the event (ledger clock)
@@ -135,17 +137,21 @@ class Step:
         """Seconds from this event to the lease's deadline (negative: past it)."""
         return None if self.expires_at is None else self.expires_at - self.event.at
 
-    def states_after(self) -> dict[int, str]:
-        return {int(b): t.after for t in self.transitions for b in _parse_ranges(t.blocks)}
+    @functools.cached_property
+    def transitions(self) -> tuple[Transition, ...]:
+        """The blocks grouped by (state before, state after), in their order."""
+        names = SourceState if self.side == "source" else TargetState
+        groups: dict[tuple[int, int], list[int]] = {}
+        for block, b, a in zip(self.blocks.tolist(), self.before.tolist(), self.after.tolist(), strict=True):
+            groups.setdefault((b, a), []).append(block)
+        return tuple(Transition(block_ranges(ids), names(b).name, names(a).name) for (b, a), ids in groups.items())
 
-
-def _parse_ranges(text: str) -> list[int]:
-    out: list[int] = []
-    for part in filter(None, text.split(",")):
-        first, _, last = part.partition("-")
-        a, b = int(first), int(last or first)
-        out.extend(range(a, b + 1) if a <= b else range(a, b - 1, -1))
-    return out
+    def state_after(self, block: int) -> str | None:
+        """The block's state after the event, or None when the event does not concern it."""
+        where = np.flatnonzero(self.blocks == block)
+        if not where.size:
+            return None
+        return (SourceState if self.side == "source" else TargetState)(int(self.after[where[0]])).name
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,13 +273,6 @@ class _Fold:
         return Restart(worker, step_index, leases, loads, held)
 
 
-def _transitions(before: np.ndarray, after: np.ndarray, blocks: np.ndarray, names: Any) -> tuple[Transition, ...]:
-    groups: dict[tuple[int, int], list[int]] = {}
-    for block, b, a in zip(blocks.tolist(), before.tolist(), after.tolist(), strict=True):
-        groups.setdefault((b, a), []).append(block)
-    return tuple(Transition(block_ranges(ids), names(b).name, names(a).name) for (b, a), ids in groups.items())
-
-
 def _reason(e: ev.Event) -> tuple[str, str]:
     if isinstance(e, ev.Refused):
         return e.reason, ""
@@ -357,10 +356,8 @@ def trace_logs(
                 from exc
         epoch = int(fold.ledger.epoch[blocks[0]]) if blocks.size else 0
         reason, detail = _reason(e)
-        names = SourceState if side == "source" else TargetState
         steps.append(Step(len(steps), worker, side, record.index, record.incarnation, e, wall, request, transfer,
-                          blocks, _transitions(before, after, blocks, names), epoch, generation, deadline, reason,
-                          detail, fresh))
+                          blocks, before, after, epoch, generation, deadline, reason, detail, fresh))
         log.events.append(e)
         log.end_at = e.at
     for worker, source in sources.items():  # a log with no event before ``until`` still has a (fresh) ledger
@@ -577,7 +574,7 @@ def block_story(trace: Trace, block: int, worker: str) -> BlockStory:
             continue
         mine.append(s)
         e = s.event
-        state = s.states_after().get(block)
+        state = s.state_after(block)
         if isinstance(e, ev.SrcAllocated | ev.SrcShared | ev.TgtReserved) and (
             not epochs or epochs[-1].epoch != s.epoch
         ):
