@@ -197,7 +197,7 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
                           else f"failed ({settle.reason})")
                 sentence += f"; its load {ending} {_span(settle.wall - subject.wall)} later"
                 if late:
-                    sentence += f" and P refused its {late[0].event.command}"  # type: ignore[attr-defined]
+                    sentence += f" and {rel.worker} refused its {late[0].event.command}"  # type: ignore[attr-defined]
             out.append(Finding(rule, sentence, _ordered(chain), rel.worker, lease.grant.request, transfer))
     return out
 
@@ -215,17 +215,17 @@ def _ordered(chain: Iterable[Step]) -> tuple[Step, ...]:
 
 def _load_findings(trace: Trace, index: _Index) -> list[Finding]:
     out: list[Finding] = []
-    restarts = {(r.worker, t.transfer): r for r in trace.restarts for t in r.loads}
+    lost = {(r.worker, load.transfer): (r, load) for r in trace.restarts for load in r.loads}
     for load_id, load in index.loads.items():
         if load.settle is not None:
             continue
         start = load.start
         e = start.event
-        restart = restarts.get((load.worker, load_id))
-        live = trace.logs[load.worker].ledger.loads.get(load_id)  # type: ignore[union-attr]
-        if restart is None and live is None:
+        restart, left = lost.get((load.worker, load_id), (None, None))
+        left = trace.logs[load.worker].ledger.loads.get(load_id) or left  # type: ignore[union-attr]
+        if left is None:
             continue  # settled by a path this index does not follow (cannot happen on a ledger's own log)
-        done = sorted(live.done) if live is not None else []
+        done = sorted(left.done)
         sentence = (f"{load.worker}'s load of {start.request} (transfer {load_id}, generation {start.generation}) "
                     f"started at {_ms(trace, start)} and never completed: "
                     f"{len(done)} of {e.parts} part(s) done")  # type: ignore[attr-defined]

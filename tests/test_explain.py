@@ -49,7 +49,7 @@ def test_freed_while_a_transfer_reads(tmp_path: Path) -> None:
     assert finding.rule == RELEASED_UNDER_READER and finding.request == "req-5" and finding.worker == "p0"
     assert finding.sentence.startswith("blocks 12-14 of req-5 were freed at +4.000 ms on p0 while transfer ")
     assert f"transfer {finding.transfer} (generation 1) of d0 was still reading them" in finding.sentence
-    assert finding.sentence.endswith("its load completed 5.0 ms later and P refused its consumer_done")
+    assert finding.sentence.endswith("its load completed 5.0 ms later and p0 refused its consumer_done")
     assert chain_of(finding) == [("p0", "grant"), ("d0", "load start"), ("p0", "release"), ("p0", "free"),
                                  ("d0", "part done"), ("p0", "refused consumer_done")]
 
@@ -60,7 +60,7 @@ def test_completed_from_blocks_reused_after_an_expiry(tmp_path: Path) -> None:
     assert finding.rule == COMPLETED_AFTER_RELEASE and finding.request == "req-3"
     assert "blocks 17-18 of req-3 were freed at +28.000 ms on p0" in finding.sentence
     assert "(its lease ended: expired), and given to req-4 at +29.000 ms" in finding.sentence
-    assert finding.sentence.endswith("its load completed 5.0 ms later and P refused its consumer_done")
+    assert finding.sentence.endswith("its load completed 5.0 ms later and p0 refused its consumer_done")
     assert [label for _, label in chain_of(finding)] == ["grant", "renew", "load start", "release", "free",
                                                          "allocate", "part done", "refused consumer_done"]
 
