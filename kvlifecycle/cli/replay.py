@@ -255,6 +255,9 @@ def _print_block(out: Any, view: dict[str, Any]) -> None:
         for use in epoch["transfers"]:
             outcome = f", {use['outcome']}" if use["outcome"] else ""
             out.line(f"    transfer {use['transfer']} gen {use['generation']}: {use['how']}{outcome}")
+    if not view["steps"]:
+        out.line("  no event of these logs touched it")
+        return
     out.line("events (the block's, and its transfers' on the peer):")
     out.table(STEP_COLUMNS, [step_row(s) for s in view["steps"]])
 
