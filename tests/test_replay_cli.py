@@ -236,23 +236,21 @@ def impossible_log(tmp_path: Path, header: dict, *events: ev.Event) -> str:
 ONE_BLOCK = ev.pack_blocks(np.array([1]))
 
 
-@pytest.mark.parametrize(("header", "event", "why"), [
-    ({"side": "source", "worker": "p0"}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK), "num_blocks"),
-    ({"side": "source", "worker": "p0", "num_blocks": 0}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK),
-     "num_blocks must be positive"),
-    ({"side": "source", "worker": "p0", "num_blocks": 1}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK),
-     "out of bounds"),
-    ({"side": "source", "worker": "p0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "nobody"), "unknown"),
-    ({"side": "target", "worker": "d0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "r"),
-     "does not belong in a target log"),
+@pytest.mark.parametrize(("header", "event"), [
+    ({"side": "source", "worker": "p0"}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK)),  # no num_blocks
+    ({"side": "source", "worker": "p0", "num_blocks": 0}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK)),
+    ({"side": "source", "worker": "p0", "num_blocks": 1}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK)),  # beyond
+    ({"side": "source", "worker": "p0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "nobody")),
+    ({"side": "target", "worker": "d0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "r")),  # other side's
+    ({"side": "sideways", "worker": "d0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "r")),
+    ({"side": "source", "worker": "p0", "num_blocks": "many"}, ev.SrcPrefillDone(1 << 16, 0.0, "r")),
 ])
-def test_impossible_logs_exit_2_with_one_line(tmp_path: Path, header: dict, event: ev.Event, why: str) -> None:
+def test_impossible_logs_exit_2_with_one_line(tmp_path: Path, header: dict, event: ev.Event) -> None:
     log_dir = impossible_log(tmp_path, header, event)
     for args in (["replay", log_dir, "--check"], ["replay", log_dir, "--request", "r"], ["explain", log_dir]):
         rc, out, err = run_cli(args)
         assert (rc, out) == (2, "") and err.count("\n") == 1, (args, err)
-        assert "impossible log" in err and ("num_blocks" in err if why == "num_blocks" else True)
-    assert why in run_cli(["replay", log_dir, "--check"])[2] or why in run_cli(["explain", log_dir])[2]
+        assert err.startswith(f"kvlifecycle {args[0]}: ") and "Traceback" not in err
 
 
 def test_story_arguments_naming_nothing_exit_2(tmp_path: Path) -> None:
