@@ -315,6 +315,8 @@ def trace_logs(
     written."""
     paths = list(paths)
     sources = {source.worker: source for source, _reader in open_sources(paths)}
+    if not sources:
+        raise LogError("no event logs given")
     merged = merge_logs(paths)
     offsets = _worker_offsets(merged)
     t0 = min((record.event.at + offsets[w] for w, _s, record in merged), default=0.0)
@@ -366,8 +368,6 @@ def trace_logs(
                                      _Fold(source.header, 0, source.path).ledger)
     for fold in folds.values():
         fold.ledger.end_replay()
-    if not sources:
-        raise LogError("no event logs given")
     return Trace(steps, logs, restarts, t0)
 
 

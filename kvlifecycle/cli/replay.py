@@ -130,14 +130,13 @@ def _violations(results: list[Any], quiescent: bool) -> list[str]:
 
 def _run_summary(args: argparse.Namespace) -> int:
     from kvlifecycle import events as ev
+    from kvlifecycle.merge import expand_log_dirs
     from kvlifecycle.replay import replay, summary
     from kvlifecycle.story import step_view, trace_logs
 
     until = args.until
     if until is not None and until.wall is None:  # an offset: from the first event of all the logs given
         until = Moment(wall=trace_logs(args.logs).t0 + (until.offset_s or 0.0))
-    from kvlifecycle.merge import expand_log_dirs
-
     results = []
     for path in map(str, expand_log_dirs(args.logs)):  # a directory of log directories stands for its logs
         try:
@@ -185,14 +184,15 @@ def _run_story(args: argparse.Namespace) -> int:
         view = request_view(trace, request_story(trace, args.request))
         if not view["steps"]:
             known = sorted({s.request for s in trace.steps if s.request})
-            raise NotInLogsError(f"no request {args.request!r} in these logs (requests: {', '.join(known[:20])}"
-                              f"{', ...' if len(known) > 20 else ''})")
+            more = ", ..." if len(known) > 20 else ""
+            raise NotInLogsError(f"no request {args.request!r} in these logs (requests: {', '.join(known[:20])}{more})")
     else:
-        if args.worker is None:
+        worker = args.worker
+        if worker is None:
             if len(trace.logs) != 1:
                 raise NotInLogsError(f"--block needs --worker: one of {', '.join(trace.logs)} (or P / D)")
-            args.worker = next(iter(trace.logs))
-        view = block_view(trace, block_story(trace, args.block, args.worker))
+            worker = next(iter(trace.logs))
+        view = block_view(trace, block_story(trace, args.block, worker))
     violations: list[str] = []
     if args.check:
         results = [ReplayResult(log.path, log.header, log.ledger, log.events) for log in trace.logs.values()]
