@@ -165,6 +165,8 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
                                    transfer))
                 continue
             settle = load.settle
+            if reason == "completed":
+                continue  # the reader said it was done with these blocks (a multi-rank load settles after each rank)
             if not (start.index <= rel.index and (settle is None or rel.index < settle.index)):
                 continue
             if mode == "push":

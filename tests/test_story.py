@@ -268,3 +268,43 @@ def test_terminal_output_is_a_rich_table_with_the_same_cells(tmp_path: Path) -> 
     for row in rows:
         for cell in (row[1], row[3], row[5]):
             assert cell in tty.getvalue() and cell in plain.getvalue()
+
+
+def test_a_load_from_two_p_ranks_is_one_story(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """D reads one request from two P ranks under one load (``<request><-<t1>+<t2>``): the story, the block's life
+    and explain follow both ranks' leases."""
+    from kvlifecycle.clock import HybridLogicalClock, ManualClock
+    from kvlifecycle.explain import explain_logs
+    from kvlifecycle.ledger import open_ledger
+
+    clock, hlc = ManualClock(10.0), HybridLogicalClock()
+    ranks = [open_ledger("source", 8, str(tmp_path / f"p{r}"), clock=clock, hlc=hlc, worker=f"p{r}")
+             for r in range(2)]
+    d = open_ledger("target", 8, str(tmp_path / "d0"), clock=clock, hlc=hlc, worker="d0")
+    grants = []
+    for p in ranks:
+        p.allocate("tp", [2, 3])
+        p.prefill_done("tp")
+        grants.append(p.grant("tp"))
+    d.reserve("tp", [5, 6])
+    load = "tp<-" + "+".join(g.transfer for g in grants)
+    for p, g in zip(ranks, grants, strict=True):
+        assert p.heartbeat(g.transfer, g.generation, peer="d0")
+    d.start_load("tp", load, parts=2)
+    for part, (p, g) in enumerate(zip(ranks, grants, strict=True)):
+        d.part_done(load, part)
+        p.consumer_done(g.transfer, g.generation)
+        p.take_released()
+        p.free("tp")
+    d.finish("tp")
+    for ledger in (*ranks, d):
+        ledger.log.close()
+    view = run_json(capsys, "replay", str(tmp_path), "--request", "tp")
+    assert {p["worker"]: p["state"] for p in view["parts"]} == {"p0": "freed", "p1": "freed", "d0": "finished"}
+    assert [s["worker"] for s in view["steps"] if s["event"] == "release"] == ["p0", "p1"]
+    life = run_json(capsys, "replay", str(tmp_path), "--block", "5", "--worker", "D")
+    assert {(s["worker"], s["event"]) for s in life["steps"] if s["worker"] != "d0"} == {
+        (w, e) for w in ("p0", "p1") for e in ("grant", "renew", "consumer done", "release")}
+    assert explain_logs([tmp_path])[1] == []
+    assert main(["replay", str(tmp_path), "--block", "2", "--worker", "P"]) == 2  # two logs on that side
+    assert "2 logs are on the source side (p0, p1): name one" in capsys.readouterr().err
