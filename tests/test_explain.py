@@ -167,3 +167,31 @@ def test_story_and_explain_are_core_modules_without_rich() -> None:
             " or m.startswith(('kvlifecycle.transports', 'kvlifecycle.adapters', 'kvlifecycle.cli'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_ledger_that_forgets_the_claim_is_caught(tmp_path: Path) -> None:
+    """A mutant: the heartbeat no longer marks the lease claimed, so a cancel releases it under its reader. The
+    ledger's own log stays well formed; explain names the release under the reader, with the claim in the chain."""
+    from kvlifecycle import events as ev
+
+    pair = Pair(tmp_path)
+    renew = pair.p._handlers[ev.SrcLeaseRenewed]
+
+    def renew_but_forget_the_claim(e: ev.SrcLeaseRenewed) -> None:
+        renew(e)
+        pair.p.leases[e.transfer].claimed = False
+
+    pair.p._handlers[ev.SrcLeaseRenewed] = renew_but_forget_the_claim
+    g = pair.grant("req-2", [3, 4], [7, 8])
+    pair.pull("req-2", g)
+    pair.ms(1)
+    pair.p.cancel("req-2")  # the mutant releases at once
+    pair.p.free("req-2")
+    pair.ms(3)
+    pair.d.part_done(g.transfer, 0)
+    assert not pair.p.consumer_done(g.transfer, g.generation)  # refused: the lease is gone
+    pair.d.finish("req-2")
+    pair.close()
+    _, (finding,) = explain_logs([tmp_path])
+    assert finding.rule == RELEASED_UNDER_READER and finding.request == "req-2"
+    assert ("p0", "renew") in chain_of(finding)  # D had claimed it: the release should have waited
