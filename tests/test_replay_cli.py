@@ -1,17 +1,27 @@
-"""``kvlifecycle replay``: summaries, checks, filters, and clear errors on bad logs."""
+"""``kvlifecycle replay`` and ``explain`` at the command line: summaries, checks, filters, and exit codes: 0 clean, 1
+violations found, 2 the input could not be read or is impossible (one line on stderr, never a traceback), for any
+bytes at all."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import tempfile
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+import msgspec
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from kvlifecycle import events as ev
 from kvlifecycle.cli import main
 from kvlifecycle.clock import HybridLogicalClock, ManualClock
-from kvlifecycle.eventlog import segment_paths
+from kvlifecycle.eventlog import MAGIC, EventLog, _frame, segment_paths
 from kvlifecycle.ledger import open_ledger
 
 
@@ -127,3 +137,130 @@ def test_failed_release_under_a_load_is_a_violation_only_when_d_reads(tmp_path: 
         ledger.log.close()
     found = check_merged(replay(tmp_path / "p").events, replay(tmp_path / "d").events)
     assert [v.rule for v in found] == violations
+
+
+# --- exit codes: 0 clean, 1 violations, 2 unreadable or impossible (one stderr line, never a traceback) -----------
+
+# every verb and view that reads a log, and the exit codes each may end with
+READERS: list[tuple[list[str], set[int]]] = [
+    (["replay"], {0, 2}),
+    (["replay", "--check", "--quiescent"], {0, 1, 2}),
+    (["replay", "--events"], {0, 2}),
+    (["replay", "--request", "r", "--check"], {0, 1, 2}),
+    (["replay", "--block", "1"], {0, 2}),
+    (["explain"], {0, 1, 2}),
+    (["explain", "--json"], {0, 1, 2}),
+]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(argv)  # an exception escaping here is the traceback a user would see: the test fails on it
+    return rc, out.getvalue(), err.getvalue()
+
+
+def assert_every_reader_exits_cleanly(log_dir: str) -> set[int]:
+    codes = set()
+    for args, allowed in READERS:
+        rc, _out, err = run_cli([args[0], log_dir, *args[1:]])
+        assert rc in allowed, (args, rc, err)
+        if rc == 2:
+            assert err.count("\n") == 1 and err.startswith(f"kvlifecycle {args[0]}: "), err
+        codes.add(rc)
+    return codes
+
+
+@pytest.fixture(scope="module")
+def real_segment(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    p, _d = handoff_logs(tmp_path_factory.mktemp("real"))
+    (segment,) = segment_paths(Path(p))
+    return segment.read_bytes()
+
+
+def write_segment(directory: str, data: bytes) -> str:
+    Path(directory, "seg-00000000.kvl").write_bytes(data)
+    return directory
+
+
+HEADER_FRAME = _frame(msgspec.msgpack.encode({"schema": 1, "side": "source", "worker": "p0", "num_blocks": 16,
+                                               "incarnation": 1, "segment": 0}))
+
+
+@settings(max_examples=150, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(prefix=st.sampled_from([b"", MAGIC, MAGIC + HEADER_FRAME]), body=st.binary(max_size=1024))
+def test_any_bytes_end_in_exit_0_or_2_with_one_line(prefix: bytes, body: bytes) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        assert_every_reader_exits_cleanly(write_segment(directory, prefix + body))
+
+
+MUTATION = st.tuples(st.sampled_from(["flip", "truncate", "insert", "overwrite"]), st.floats(0, 1),
+                     st.binary(min_size=1, max_size=16))
+
+
+def mutate(data: bytes, mutations: list[tuple[str, float, bytes]]) -> bytes:
+    out = bytearray(data)
+    for kind, where, junk in mutations:
+        pos = int(where * max(len(out) - 1, 0))
+        if kind == "flip" and out:
+            out[pos] ^= junk[0] or 0xFF
+        elif kind == "truncate":
+            del out[pos:]
+        elif kind == "insert":
+            out[pos:pos] = junk
+        else:
+            out[pos:pos + len(junk)] = junk
+    return bytes(out)
+
+
+@settings(max_examples=150, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+@given(mutations=st.lists(MUTATION, min_size=1, max_size=4))
+def test_mutated_real_logs_end_in_exit_0_1_or_2_with_one_line(real_segment: bytes, mutations) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        assert_every_reader_exits_cleanly(write_segment(directory, mutate(real_segment, mutations)))
+
+
+def test_the_unmutated_log_replays_clean(real_segment: bytes, tmp_path: Path) -> None:
+    """The property tests' starting point reads clean: the request is there and nothing is wrong."""
+    assert assert_every_reader_exits_cleanly(write_segment(str(tmp_path), real_segment)) == {0}
+
+
+def impossible_log(tmp_path: Path, header: dict, *events: ev.Event) -> str:
+    log = EventLog(tmp_path / "p", header=header, fsync="never")
+    for event in events:
+        log.append(event)
+    log.close()
+    return str(tmp_path / "p")
+
+
+ONE_BLOCK = ev.pack_blocks(np.array([1]))
+
+
+@pytest.mark.parametrize(("header", "event"), [
+    ({"side": "source", "worker": "p0"}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK)),  # no num_blocks
+    ({"side": "source", "worker": "p0", "num_blocks": 0}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK)),
+    ({"side": "source", "worker": "p0", "num_blocks": 1}, ev.SrcAllocated(1 << 16, 0.0, "r", ONE_BLOCK)),  # beyond
+    ({"side": "source", "worker": "p0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "nobody")),
+    ({"side": "target", "worker": "d0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "r")),  # other side's
+    ({"side": "sideways", "worker": "d0", "num_blocks": 4}, ev.SrcPrefillDone(1 << 16, 0.0, "r")),
+    ({"side": "source", "worker": "p0", "num_blocks": "many"}, ev.SrcPrefillDone(1 << 16, 0.0, "r")),
+])
+def test_impossible_logs_exit_2_with_one_line(tmp_path: Path, header: dict, event: ev.Event) -> None:
+    log_dir = impossible_log(tmp_path, header, event)
+    for args in (["replay", log_dir, "--check"], ["replay", log_dir, "--request", "r"], ["explain", log_dir]):
+        rc, out, err = run_cli(args)
+        assert (rc, out) == (2, "") and err.count("\n") == 1, (args, err)
+        assert err.startswith(f"kvlifecycle {args[0]}: ") and "Traceback" not in err
+
+
+def test_story_arguments_naming_nothing_exit_2(tmp_path: Path) -> None:
+    p, d = handoff_logs(tmp_path)
+    assert run_cli(["replay", p, d, "--request", "nobody"])[::2] == (
+        2, "kvlifecycle replay: no request 'nobody' in these logs (requests: r)\n")
+    assert run_cli(["replay", p, d, "--block", "1"])[::2] == (
+        2, "kvlifecycle replay: --block needs --worker: one of p0, d0 (or P / D)\n")
+    assert run_cli(["replay", p, d, "--block", "99", "--worker", "P"])[::2] == (
+        2, "kvlifecycle replay: block 99 is not in p0's pool of 16\n")
+    rc, out, _ = run_cli(["replay", p, d, "--block", "1", "--worker", "p0", "--until", "1970-01-02"])
+    assert rc == 0 and out.startswith("block 1 on p0 (source): FREE as of ")  # before the first event
+    assert ", epoch 0 " in out.splitlines()[0]

@@ -17,7 +17,10 @@ from collections.abc import Sequence
 VERBS: dict[str, tuple[str, str]] = {
     "demo": ("kvlifecycle.tools.demo",
              "P/D handoff between two processes over NIXL (DRAM), then replay and check both logs"),
-    "replay": ("kvlifecycle.cli.replay", "replay event logs, print the state summary and invariant violations"),
+    "replay": ("kvlifecycle.cli.replay",
+               "replay event logs: the state, the invariants, a request's story (--request), a block's life (--block)"),
+    "explain": ("kvlifecycle.cli.explain",
+                "explain what went wrong in event logs: each finding's chain of events and one sentence"),
     "timeline": ("kvlifecycle.cli.timeline", "merge P and D logs into a Perfetto/Chrome trace (and a PNG)"),
     "doctor": ("kvlifecycle.tools.doctor", "which NIXL plugins and paths work here, and how fast they are"),
     "proxy": ("kvlifecycle.cli.proxy", "OpenAI-compatible P/D proxy in front of prefill and decode servers"),
