@@ -106,6 +106,9 @@ def test_wheel_ships_subpackages_under_kvlifecycle_only(tmp_path) -> None:
     for module in (
         "kvlifecycle/cli/__init__.py",
         "kvlifecycle/transports/nixl.py",
+        "kvlifecycle/transports/cuda_ipc/transport.py",
+        "kvlifecycle/transports/cuda_ipc/_native_post.c",  # built at first use: it must ship
+        "kvlifecycle/testing/transport_conformance.py",
         "kvlifecycle/adapters/vllm/connector.py",
         "kvlifecycle/adapters/sglang/plugin.py",
     ):
