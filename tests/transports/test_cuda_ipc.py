@@ -704,9 +704,10 @@ def test_meta_reply_fast_meta_is_optional_on_the_wire() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldMetaReply).meta == nixl_meta
 
 
-def _handoff_pair(kind: MemoryKind, fast: bool) -> Any:
+def _handoff_pair(kind: MemoryKind, fast: bool, selector: Any = None) -> Any:
     """P and D over loopback (the generic transport) with, if ``fast``, a second transport as the fast path:
-    CUDA IPC for VRAM, another loopback for DRAM (which selection must refuse)."""
+    CUDA IPC for VRAM, another loopback for DRAM (which selection must refuse). D's path selector: ``selector``, by
+    default the transports' SameNodeSelector."""
     from kvlifecycle.transports.loopback import LoopbackTransport
 
     from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
@@ -745,7 +746,7 @@ def _handoff_pair(kind: MemoryKind, fast: bool) -> Any:
     compat = CompatInfo(**_HANDOFF_COMPAT)
     prod = Producer(SourceLedger(BLOCKS, worker="p", default_ttl_s=30.0), tp, compat, fast_transport=fp)
     cons = Consumer(TargetLedger(BLOCKS, worker="d"), td, compat, options=HandoffOptions(heartbeat_every_s=0.01),
-                    fast_transport=fd, path_selector=SameNodeSelector())
+                    fast_transport=fd, path_selector=SameNodeSelector() if selector is None else selector)
     return prod, cons, src, dst, made
 
 
@@ -797,6 +798,23 @@ def test_handoff_picks_cuda_ipc_for_vram_on_one_node_and_releases_after_the_copy
         assert link.data is cons.fast_transport and link.choice.backend == "cuda_ipc"
         assert link.data_peer == prod.fast_transport.agent
         assert prod.notifications_seen == 1  # the done notification came through the fast path's side channel
+    finally:
+        cons.close()
+        prod.close()
+        for t in made:
+            t.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_consumers_default_selector_keeps_reads_on_its_transport_even_where_cuda_ipc_qualifies() -> None:
+    from kvlifecycle.path_selection import PRIMARY_PATH
+
+    prod, cons, src, dst, made = _handoff_pair(MemoryKind.VRAM, True, selector=PRIMARY_PATH)
+    try:
+        link = _pull_once(prod, cons, src, dst)
+        assert link.data is None and link.choice is None  # the loopback moved it: nothing was selected
+        assert cons.fast_transport._peers == {}  # nothing was mapped for it either
     finally:
         cons.close()
         prod.close()

@@ -15,9 +15,9 @@ _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 
+
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
-
 
 
 class CudaDriver:
@@ -170,7 +170,6 @@ class CudaDriver:
                 self._check(rc, f"cuCtxEnablePeerAccess(GPU {device} -> GPU {peer})")
         finally:
             lib.cuDevicePrimaryCtxRelease_v2(dev)
-
 
 
 class DriverEvent:

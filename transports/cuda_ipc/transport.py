@@ -60,8 +60,6 @@ from .wire import (
 log = logging.getLogger("kvlifecycle.transports.cuda_ipc")
 
 DRAIN_TIMEOUT_S = 10.0
-
-
 _OPS = {op.value: op for op in XferOp}
 SETTLE_AFTER_S = 0.0005  # a completed copy's notification waits at most this long for the caller's next call
 # The settler keeps watching this long after the last copy settled before it sleeps until the next post: a
@@ -69,9 +67,8 @@ SETTLE_AFTER_S = 0.0005  # a completed copy's notification waits at most this lo
 SETTLER_LINGER_S = 0.05
 
 
-
 class CudaIpcTransport:
-    """The CUDA IPC transport. See the module docstring; implements :class:`kvlifecycle.transport.Transport`."""
+    """The CUDA IPC transport. See the package docstring; implements :class:`kvlifecycle.transport.Transport`."""
 
     name = NAME
 
