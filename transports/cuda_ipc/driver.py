@@ -70,7 +70,8 @@ class CudaDriver:
             cls._instance = cls()
         return cls._instance
 
-    def _check(self, rc: int, what: str) -> None:
+    def check(self, rc: int, what: str) -> None:
+        """Raise :class:`TransportError` naming ``what`` and the driver's error name unless ``rc`` is success."""
         if rc != 0:
             name = ctypes.c_char_p()
             self.lib.cuGetErrorName(rc, ctypes.byref(name))
@@ -79,13 +80,13 @@ class CudaDriver:
     def address_range(self, ptr: int) -> tuple[int, int]:
         """(allocation base, allocation size) of the allocation holding ``ptr``."""
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
+        self.check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
                     f"cuMemGetAddressRange({ptr:#x})")
         return base.value, size.value
 
     def export(self, base: int) -> bytes:
         handle = _IpcHandle()
-        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), base), f"cuIpcGetMemHandle({base:#x})")
+        self.check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), base), f"cuIpcGetMemHandle({base:#x})")
         return ctypes.string_at(ctypes.addressof(handle), 64)  # all 64 bytes: a c_char field stops at NUL
 
     def open(self, raw: bytes) -> int:
@@ -94,52 +95,52 @@ class CudaDriver:
         handle = _IpcHandle()
         ctypes.memmove(ctypes.addressof(handle), raw, 64)
         ptr = ctypes.c_uint64()
-        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS),
+        self.check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _IPC_LAZY_ENABLE_PEER_ACCESS),
                     "cuIpcOpenMemHandle")
         return ptr.value
 
     def close(self, ptr: int) -> None:
-        self._check(self.lib.cuIpcCloseMemHandle(ptr), f"cuIpcCloseMemHandle({ptr:#x})")
+        self.check(self.lib.cuIpcCloseMemHandle(ptr), f"cuIpcCloseMemHandle({ptr:#x})")
 
     # The hot path (post / poll) talks to the driver directly: torch's stream and event wrappers cost more
     # (device-index normalisation, context managers) than the copy of a small request.
     def current_context(self) -> int:
         ctx = ctypes.c_void_p()
-        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         return ctx.value or 0
 
     def push_context(self, ctx: int) -> None:
-        self._check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+        self.check(self.lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
 
     def pop_context(self) -> None:
         ctx = ctypes.c_void_p()
-        self._check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctx)), "cuCtxPopCurrent")
+        self.check(self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctx)), "cuCtxPopCurrent")
 
     def event_create(self, timing: bool) -> int:
         ev = ctypes.c_void_p()
-        self._check(self.lib.cuEventCreate(ctypes.byref(ev), 0 if timing else 2), "cuEventCreate")
+        self.check(self.lib.cuEventCreate(ctypes.byref(ev), 0 if timing else 2), "cuEventCreate")
         return ev.value or 0
 
     def event_destroy(self, ev: int) -> None:
         self.lib.cuEventDestroy_v2(ev)
 
     def event_record(self, ev: int, stream: int) -> None:
-        self._check(self.lib.cuEventRecord(ev, stream), "cuEventRecord")
+        self.check(self.lib.cuEventRecord(ev, stream), "cuEventRecord")
 
     def event_done(self, ev: int) -> bool:
         rc = self.fast.cuEventQuery(ev)
         if rc == CUDA_ERROR_NOT_READY:
             return False
-        self._check(rc, "cuEventQuery")
+        self.check(rc, "cuEventQuery")
         return True
 
     def elapsed_ms(self, start: int, end: int) -> float:
         ms = ctypes.c_float()
-        self._check(self.lib.cuEventElapsedTime(ctypes.byref(ms), start, end), "cuEventElapsedTime")
+        self.check(self.lib.cuEventElapsedTime(ctypes.byref(ms), start, end), "cuEventElapsedTime")
         return float(ms.value)
 
     def stream_wait(self, stream: int, ev: int) -> None:
-        self._check(self.lib.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent")
+        self.check(self.lib.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent")
 
     def device_pointer(self, host_ptr: int) -> int:
         """The device address of pinned host memory (0 if the device cannot address it)."""
@@ -148,7 +149,7 @@ class CudaDriver:
         return out.value if rc == 0 else 0
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+        self.check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
 
     def enable_peer_access(self, device: int, peer: int) -> None:
         """Let the current context (``device``'s) reach ``peer``'s memory directly: what ``cuIpcOpenMemHandle``'s
@@ -156,18 +157,18 @@ class CudaDriver:
         :class:`RemoteMismatchError` where the two devices cannot reach each other."""
         lib, can = self.lib, ctypes.c_int()
         dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self._check(lib.cuDeviceGet(ctypes.byref(dev), peer), f"cuDeviceGet({peer})")
+        self.check(lib.cuDeviceGet(ctypes.byref(dev), peer), f"cuDeviceGet({peer})")
         own = ctypes.c_int()
-        self._check(lib.cuDeviceGet(ctypes.byref(own), device), f"cuDeviceGet({device})")
-        self._check(lib.cuDeviceCanAccessPeer(ctypes.byref(can), own, dev), "cuDeviceCanAccessPeer")
+        self.check(lib.cuDeviceGet(ctypes.byref(own), device), f"cuDeviceGet({device})")
+        self.check(lib.cuDeviceCanAccessPeer(ctypes.byref(can), own, dev), "cuDeviceCanAccessPeer")
         if not can.value:
             raise RemoteMismatchError(f"GPU {device} cannot access GPU {peer}'s memory (no peer access)")
         # The peer's primary context is alive (its memory was allocated in this process): retain it only to name it.
-        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
         try:
             rc = lib.cuCtxEnablePeerAccess(ctx, 0)
             if rc != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-                self._check(rc, f"cuCtxEnablePeerAccess(GPU {device} -> GPU {peer})")
+                self.check(rc, f"cuCtxEnablePeerAccess(GPU {device} -> GPU {peer})")
         finally:
             lib.cuDevicePrimaryCtxRelease_v2(dev)
 

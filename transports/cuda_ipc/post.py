@@ -174,10 +174,10 @@ class PythonPost:
                 src_ptr = ring.dev_ptr + 4 * slot
                 rc = lib.cuMemcpyHtoDAsync_v2(src_ptr, ring.host_ptr + 4 * slot, 8 * pad, res.cu_copy)
                 if rc:
-                    drv._check(rc, "cuMemcpyHtoDAsync")
+                    drv.check(rc, "cuMemcpyHtoDAsync")
                 rc = lib.cuEventRecord(res.ids_event, res.cu_copy)
                 if rc:
-                    drv._check(rc, "cuEventRecord(ids)")
+                    drv.check(rc, "cuEventRecord(ids)")
                 ids_copied = True
             else:
                 # Nothing in flight: no kernel to overlap with, so the ids go on the transfer's own stream (two
@@ -185,7 +185,7 @@ class PythonPost:
                 src_ptr = ring.dev_ptr + 4 * slot
                 rc = lib.cuMemcpyHtoDAsync_v2(src_ptr, ring.host_ptr + 4 * slot, 8 * pad, stream)
                 if rc:
-                    drv._check(rc, "cuMemcpyHtoDAsync")
+                    drv.check(rc, "cuMemcpyHtoDAsync")
         else:  # ring full of in-flight ids: stage this post on its own (pinned, tracked by torch)
             torch = res.torch
             host_t = torch.empty(2 * pad, dtype=torch.int32, pin_memory=True)
@@ -198,17 +198,17 @@ class PythonPost:
         # Blocks may have been written (P) or last read (D) on the caller's current stream: order after it.
         rc = lib.cuEventRecord(res.order_event, res.current_stream(res.dev_index))
         if rc:
-            drv._check(rc, "cuEventRecord(order)")
+            drv.check(rc, "cuEventRecord(order)")
         rc = lib.cuStreamWaitEvent(stream, res.order_event, 0)
         if rc:
-            drv._check(rc, "cuStreamWaitEvent(order)")
+            drv.check(rc, "cuStreamWaitEvent(order)")
         if ids_copied:
             rc = lib.cuStreamWaitEvent(stream, res.ids_event, 0)
             if rc:
-                drv._check(rc, "cuStreamWaitEvent(ids)")
+                drv.check(rc, "cuStreamWaitEvent(ids)")
         rc = lib.cuEventRecord(start.handle, stream)
         if rc:
-            drv._check(rc, "cuEventRecord(start)")
+            drv.check(rc, "cuEventRecord(start)")
         t_c = time.perf_counter()
         dst_ptr = src_ptr + 4 * pad
         for copier in copiers:
@@ -220,7 +220,7 @@ class PythonPost:
         t_d = time.perf_counter()
         rc = lib.cuEventRecord(end.handle, stream)
         if rc:
-            drv._check(rc, "cuEventRecord(end)")
+            drv.check(rc, "cuEventRecord(end)")
         if res.trace:
             res.stage_marks = ("python", t_a, t_b, t_c, t_d, time.perf_counter())
         return Inflight(start, end, slot, keep, notify, t_d)
@@ -333,7 +333,7 @@ class CompiledPost:
                 return None
             if rc < 0:
                 raise TransportError(f"compiled post refused its arguments ({rc})")
-            drv._check(rc, native_post.STEPS.get(self.poster.error_step, "compiled post"))
+            drv.check(rc, native_post.STEPS.get(self.poster.error_step, "compiled post"))
         if res.trace:  # the C side's own stamps (copied: the next post overwrites them), for stage_times()
             res.stage_marks = ("native", t_call, t_launched, tuple(self.poster.trace_ns))
             self.poster.trace = 1  # tracing turned on after registration: stamps from the next post on

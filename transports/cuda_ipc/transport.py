@@ -654,7 +654,7 @@ class CudaIpcTransport:
                             if rc == 0:
                                 self._complete(rec)
                             elif rc != CUDA_ERROR_NOT_READY:  # the only "not yet"
-                                drv._check(rc, "cuEventQuery")
+                                drv.check(rc, "cuEventQuery")
                         elif end.query():  # any other completion object (tests hold an event back this way)
                             self._complete(rec)
                             return rec.status
