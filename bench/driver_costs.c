@@ -4,7 +4,7 @@
  * post (id copy, stream ordering, events, launch) take ~20 us. This times each call alone, the compiled post as
  * it is, and the alternatives (one CUDA graph launch; fewer calls) as "post -> copy's event seen" on an idle GPU,
  * next to a contiguous cuMemcpyDtoDAsync of the same bytes. Medians in ns. */
-#include "../transports/_native_post.c"
+#include "../transports/cuda_ipc/_native_post.c"
 #include <stdlib.h>
 
 typedef void *CUgraph;

@@ -27,7 +27,7 @@ METRICS = ("event_record_timing", "event_record_plain", "stream_wait_event", "me
 
 def python_costs(reps: int) -> dict[str, float]:
     """Host-CPU calibration: the ledger commands on a lone request's latency path, and ctypes call overheads."""
-    from kvlifecycle.transports import native_post
+    from kvlifecycle.transports.cuda_ipc import native_post
 
     from kvlifecycle.ledger import open_ledger
 
@@ -67,8 +67,7 @@ def python_costs(reps: int) -> dict[str, float]:
 
 def driver_costs(reps: int) -> dict[str, dict[str, float]]:
     import torch
-    from kvlifecycle.transports import native_post
-    from kvlifecycle.transports.cuda_ipc import CudaIpcTransport
+    from kvlifecycle.transports.cuda_ipc import CudaIpcTransport, native_post
 
     from kvlifecycle.transport import KVLayout, MemoryKind, XferOp
 

@@ -38,6 +38,7 @@ from kvlifecycle.handshake import (
     scale_view,
 )
 from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.path_selection import PRIMARY_PATH, PathChoice, PathSelector
 from kvlifecycle.sidechannel import Ack, SideChannelClient, SideChannelError, SideChannelRefused, SideChannelServer
 from kvlifecycle.transport import (
     Notification,
@@ -417,7 +418,7 @@ class PeerLink:
     probe: ProbeResult | None = None
     data: Transport | None = None  # the transport that moves this link's bytes (None: the Consumer's own)
     data_peer: str = ""  # P's name on ``data`` ("" : ``agent``)
-    choice: Any = None  # why ``data`` was chosen and what its self-test measured (cuda_ipc.Choice)
+    choice: PathChoice | None = None  # why ``data`` was chosen and what its self-test measured
 
 
 @dataclass(slots=True)
@@ -448,13 +449,15 @@ class Consumer:
         tp_rank: int = 0,
         options: HandoffOptions = HandoffOptions(),
         fast_transport: Transport | None = None,
+        path_selector: PathSelector = PRIMARY_PATH,
     ) -> None:
         """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
-        ``transport``. At connect, :func:`kvlifecycle.transports.cuda_ipc.select_same_node` picks it for a P rank
-        that offers it when both sides hold VRAM on one node and the self-test passes; ``transport`` (NIXL) stays
-        the fallback and carries pushes."""
+        ``transport``. At connect, ``path_selector`` picks the path of each P rank's reads (the transports'
+        ``SameNodeSelector``: the fast path when both sides hold VRAM on one node and the self-test passes); the
+        default keeps every read on ``transport``, which also carries pushes."""
         self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
         self.fast_transport = fast_transport
+        self.path_selector = path_selector
         self.options = options
         self.links: dict[str, PeerLink] = {}
         self.epochs = EpochTracker()
@@ -528,22 +531,10 @@ class Consumer:
         return link
 
     def _select_data_path(self, link: PeerLink, reply: MetaReply, read: Any, unit: int) -> None:
-        """Same node, VRAM on both sides, the self-test passed: reads go through the fast path (CUDA IPC); else
-        they stay on ``transport`` (NIXL). The choice is logged and reported to the selection listeners by
-        ``select_same_node``; ``link.choice`` keeps it."""
-        fast = self.fast_transport
-        if fast is None or getattr(fast, "layout", None) is None:
-            return
-        from kvlifecycle.transports.cuda_ipc import select_same_node  # lazily: the core imports no transport
-
-        chosen, peer, choice = select_same_node(
-            fast.layout,
-            fast,
-            reply.fast_meta,  # type: ignore[arg-type]
-            lambda: self.transport,
-            fallback_name=self.transport.name,
-        )
-        link.choice = choice
+        """Ask the path selector where this P rank's reads go; ``link.choice`` keeps why (the selector logs it)."""
+        path = self.path_selector.select(self.transport, self.fast_transport, reply.fast_meta)
+        link.choice = path.choice
+        chosen, peer = path.transport, path.peer
         if chosen is self.transport:
             return
         try:

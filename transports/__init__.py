@@ -65,7 +65,7 @@ __all__ = [
     "XferStatus",
 ]
 
-_LAZY = {"LoopbackTransport": ".loopback", "NixlTransport": ".nixl", "CudaIpcTransport": ".cuda_ipc"}
+_LAZY = {"LoopbackTransport": ".loopback", "NixlTransport": ".nixl", "CudaIpcTransport": ".cuda_ipc.transport"}
 
 
 def __getattr__(name: str) -> Any:

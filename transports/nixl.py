@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -57,6 +56,7 @@ from kvlifecycle.transport import (
 )
 
 from ._common import HandleTable, XferRecord, check_pairing, new_epoch, plan_descs
+from .nixl_agent import make_agent
 
 log = logging.getLogger("kvlifecycle.transports.nixl")
 
@@ -114,10 +114,6 @@ class NixlTransport:
         probe_bytes: int = 1 << 20,
         strided_descriptors: bool = True,
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs every agent start at INFO on stdout
-            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.agent = agent
         self.epoch = new_epoch() if epoch is None else int(epoch)
         self.backends = tuple(backends)
@@ -126,16 +122,11 @@ class NixlTransport:
         self.inflight_poll_s = float(inflight_poll_s)
         self._busy_until = 0.0  # poll at busy_poll_s until then (a peer announced it is about to read from us)
         self.call_timeout_s = float(call_timeout_s)
-        config = nixl_agent_config(enable_prog_thread=enable_prog_thread, backends=list(self.backends),
-                                   capture_telemetry=capture_telemetry, num_threads=num_threads)
         try:
-            self._nixl = nixl_agent(agent, config)
-        except Exception as exc:
+            self._nixl = make_agent(agent, self.backends, progress_thread=enable_prog_thread,
+                                    capture_telemetry=capture_telemetry, num_threads=num_threads)
+        except Exception as exc:  # a TransportError (backend missing, NIXL absent) stays as it is
             raise map_nixl_error(exc, f"creating NIXL agent {agent!r} with backends {list(self.backends)}") from exc
-        missing = [b for b in self.backends if b not in self._nixl.backends]
-        if missing:
-            raise BackendUnavailableError(
-                f"NIXL backend(s) {missing} did not load; plugins available: {self._nixl.get_plugin_list()}")
         self.probe_bytes = int(probe_bytes)
         self._scratch: Any = None  # the probe's scratch buffer (same memory kind as the KV)
         self._scratch_reg: Any = None

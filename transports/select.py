@@ -1,6 +1,7 @@
 """Backend selection: which transport and NIXL backend for a pair of memory kinds and a locality; verify the plugin
 really loaded; at connect time move a small test payload, record its bandwidth, and warn below a floor so a silent
-slow path is never silent.
+slow path is never silent. :class:`SameNodeSelector` is the Consumer's path selector
+(:class:`kvlifecycle.path_selection.PathSelector`) for a same-node fast path.
 
 Observability hooks in with :func:`add_listener` (``fn(selection, probe)``): the OTel event goes there.
 """
@@ -12,11 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvlifecycle.path_selection import DataPath
 from kvlifecycle.transport import (
     BackendUnavailableError,
     Locality,
     MemoryKind,
+    PeerMetadata,
     ProbeResult,
+    Transport,
     TransportError,
 )
 
@@ -89,7 +93,8 @@ def choose(
     - same process: ``loopback`` (torch copies; VRAM regions need their tensors registered);
     - VRAM on both sides of one node: ``cuda_ipc`` (one batched copy kernel over mapped peer memory; measured on an
       H200 at ~0.9x a device copy where NIXL/UCX got ~0.4 GB/s). Its connect-time self-test decides for real:
-      :func:`kvlifecycle.transports.cuda_ipc.select_same_node` falls back to NIXL when it fails;
+      :func:`kvlifecycle.transports.cuda_ipc.select_same_node` (behind :class:`SameNodeSelector`) falls back to
+      NIXL when it fails;
     - otherwise: ``nixl`` with the first of ``prefer`` that is ``available`` (default UCX, which picks cma/sm on
       one node and rc/tcp across nodes).
     """
@@ -162,3 +167,21 @@ def probe_and_report(
         log.info("path to %s: %.3f GB/s over %s", peer, result.gbps, result.backend)
     on_selected(selection, result, peer=peer, floor_gbps=floor_gbps)
     return result
+
+
+class SameNodeSelector:
+    """The Consumer's path selector for a same-node fast path: at each handshake, CUDA IPC for a P rank that offers
+    it when both sides hold VRAM on one node and the connect-time self-test passes
+    (:func:`kvlifecycle.transports.cuda_ipc.select_same_node`, which logs the choice and tells the listeners); else
+    the Consumer's own transport (NIXL), which also carries pushes. Without a registered fast path it selects
+    nothing (the link's choice stays ``None``)."""
+
+    def select(self, primary: Transport, fast: Transport | None, offer: PeerMetadata | None) -> DataPath:
+        layout = getattr(fast, "layout", None)
+        if fast is None or layout is None:
+            return DataPath(primary)
+        from .cuda_ipc.selection import select_same_node
+
+        chosen, peer, choice = select_same_node(layout, fast, offer, lambda: primary,  # type: ignore[arg-type]
+                                                fallback_name=primary.name)
+        return DataPath(chosen, peer, choice)

@@ -76,18 +76,18 @@ class NixlPlane:
     backend_name = "nixl-ucx"
 
     def __init__(self, name: str, kv: Regions, aux: Regions, *, backend: str = "UCX") -> None:
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:  # pragma: no cover - the venv always has it
-            raise PlaneError("nixl is not installed: pip install nixl==1.5.1") from exc
+        from kvlifecycle.transports.nixl_agent import make_agent
+
+        from kvlifecycle.transport import BackendUnavailableError
+
         self.name = name
         self.kv = kv
         self.aux = aux
         self._lock = threading.RLock()
-        config = nixl_agent_config(enable_prog_thread=False, backends=[backend])
-        self.agent = nixl_agent(name, config)
-        if backend not in self.agent.backends:
-            raise PlaneError(f"NIXL backend {backend!r} did not load; plugins: {self.agent.get_plugin_list()}")
+        try:
+            self.agent = make_agent(name, [backend])
+        except BackendUnavailableError as exc:  # NIXL missing, or the backend did not load
+            raise PlaneError(str(exc)) from exc
         self._reg = []
         for regions in (kv, aux):
             if regions.ptrs:

@@ -242,6 +242,7 @@ class WorkerSide:
     # -- start-up ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from kvlifecycle.transports.nixl import NixlTransport
+        from kvlifecycle.transports.select import SameNodeSelector
 
         caches = describe_kv_caches(kv_caches, self.num_blocks)
         layout = caches.layout
@@ -275,10 +276,11 @@ class WorkerSide:
                 # heterogeneous TP views are in (head x token) units: on vLLM's CPU layout one unit is a token's
                 # fused K and V of one head (2 x head_size elements); a K/V-outer region holds K or V alone
                 unit_bytes=(1 if caches.kv_outer else 2) * compat.head_size * first.element_size())
-            # the Consumer picks the fast path per P at connect (select_same_node: same node, VRAM on both sides,
+            # the Consumer picks the fast path per P at connect (SameNodeSelector: same node, VRAM on both sides,
             # self-test passed) and logs the choice; NIXL stays the fallback and carries pushes
             self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
-                                     options=consumer_options, fast_transport=self.fast_transport)
+                                     options=consumer_options, fast_transport=self.fast_transport,
+                                     path_selector=SameNodeSelector())
             self._thread = threading.Thread(target=self._serve, name="kvl-vllm-consumer", daemon=True)
             self._thread.start()
 

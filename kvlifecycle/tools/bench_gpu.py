@@ -166,7 +166,12 @@ def _pinned_id_sets(torch: Any, sets: list[Any]) -> list[tuple[Any, int]]:
 def bench_in_process(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], sweep: bool,
                      pipeline: int) -> dict[str, Any]:
     from kvlifecycle.transports.cuda_ipc import REGION_GROUP_HOST_IDS
-    from kvlifecycle.transports.triton_copy import DEFAULT_CHUNK_BYTES, DEFAULT_NUM_WARPS, BlockCopier, RegionSpec
+    from kvlifecycle.transports.cuda_ipc.triton_copy import (
+        DEFAULT_CHUNK_BYTES,
+        DEFAULT_NUM_WARPS,
+        BlockCopier,
+        RegionSpec,
+    )
 
     out: dict[str, Any] = {}
     nbytes = shape.nbytes
@@ -280,7 +285,7 @@ def bench_peer_kernels(torch: Any, ip: InProcess, shape: Shape, sets: list[Any],
     """The block-copy kernel, run on this GPU, reading its source from ``peer_device`` (a pull) or writing its
     destination there (a push), for each of :data:`PEER_VARIANTS`, and pulling with the ids read in place from
     pinned host memory (no id copy; ``G``: regions per program): CUDA events, byte-checked."""
-    from kvlifecycle.transports.triton_copy import BlockCopier, RegionSpec
+    from kvlifecycle.transports.cuda_ipc.triton_copy import BlockCopier, RegionSpec
 
     _enable_peer_access(peer_device)
     peer = torch.device("cuda", peer_device)
@@ -513,7 +518,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
         plan = transport.prepare(peer)
         peer_epoch = out["connect"]["epoch"]
         mapped = transport._peers[peer].mapped  # P's regions as this process sees them, for the byte check
-        from kvlifecycle.transports.triton_copy import _RawCudaArray
+        from kvlifecycle.transports.cuda_ipc.triton_copy import _RawCudaArray
 
         src_views = [torch.as_tensor(_RawCudaArray(a, (ip.pool, ip.block_bytes), (ip.block_bytes, 1)),
                                      device=ip.device) for a in mapped.base_addrs]

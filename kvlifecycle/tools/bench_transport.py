@@ -36,17 +36,12 @@ class RawWorker:
     """Plain NIXL, the way a connector would call it without kvlifecycle (progress thread off, as ours)."""
 
     def __init__(self, cfg: Any) -> None:
-        import logging
-        import os
-
         import torch
-        from nixl._api import nixl_agent, nixl_agent_config
 
         from kvlifecycle import layout as L
         from kvlifecycle.transport import KVLayout, MemoryKind
+        from kvlifecycle.transports.nixl_agent import make_agent
 
-        if not os.environ.get("NIXL_LOG_LEVEL"):
-            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.cfg = cfg
         self._L = L
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -57,8 +52,8 @@ class RawWorker:
             self.kv = [torch.zeros(shape, dtype=torch.uint8) for _ in range(cfg.regions)]
         self.layout = KVLayout(MemoryKind.DRAM, 0, cfg.blocks, tuple(t.data_ptr() for t in self.kv),
                                tuple(cfg.block_bytes for _ in self.kv))
-        self.agent = nixl_agent(cfg.name, nixl_agent_config(enable_prog_thread=cfg.prog_thread,
-                                                            capture_telemetry=True, backends=list(cfg.backends)))
+        self.agent = make_agent(cfg.name, list(cfg.backends), progress_thread=cfg.prog_thread, capture_telemetry=True,
+                                require_backends=False)
         self.reg = self.agent.register_memory(
             [(a, n, 0, "") for a, n in zip(self.layout.base_addrs, self.layout.region_bytes, strict=True)], "DRAM")
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", L.block_descs(self.layout), "DRAM")

@@ -94,10 +94,10 @@ def _quiet_nixl() -> None:
 
 
 def _probe_plugins() -> dict[str, Any]:
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvlifecycle.transports.nixl_agent import make_agent
 
     _quiet_nixl()
-    agent = nixl_agent("kvl-doctor-plugins", nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent = make_agent("kvl-doctor-plugins", backends=())
     _quiet_nixl()
     plugins = []
     for name in agent.get_plugin_list():
@@ -113,15 +113,10 @@ def _probe_plugins() -> dict[str, Any]:
 
 
 def _make_agent(name: str, backend_params: dict[str, str] | None) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvlifecycle.transports.nixl_agent import make_agent
 
-    if not backend_params:
-        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-    params = {k: str(v) for k, v in agent.get_plugin_params("UCX").items()}
-    params.update(backend_params)
-    agent.create_backend("UCX", params)
-    return agent
+    return make_agent(name, ["UCX"], backend_params={"UCX": backend_params} if backend_params else None,
+                      require_backends=False)
 
 
 def _probe_transfer(mem: str, nbytes: int, block_bytes: int, iterations: int, deadline_s: float,
@@ -189,9 +184,9 @@ def _probe_transfer(mem: str, nbytes: int, block_bytes: int, iterations: int, de
 
 def _probe_prog_thread(seconds: float) -> dict[str, Any]:
     """CPU time an idle agent with NIXL's default progress thread burns, per second of wall time."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvlifecycle.transports.nixl_agent import make_agent
 
-    agent = nixl_agent("kvl-doctor-prog", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    agent = make_agent("kvl-doctor-prog", ["UCX"], progress_thread=True, require_backends=False)
     _quiet_nixl()
     cpu0, wall0 = time.process_time(), time.monotonic()
     time.sleep(seconds)

@@ -20,11 +20,21 @@ import numpy as np
 import pytest
 import torch
 from kvlifecycle.transports import cuda_ipc
-from transport_conformance import BLOCK_BYTES, BLOCKS, REGIONS, TransportConformance, wait_notes, wait_status
+from kvlifecycle.transports.cuda_ipc.ids import block_ids
+from kvlifecycle.transports.select import SameNodeSelector
 
 from kvlifecycle.clock import ManualClock
 from kvlifecycle.handshake import CompatInfo, MetaReply
 from kvlifecycle.ledger import BlockBusyError, SourceLedger
+from kvlifecycle.testing.transport_conformance import (
+    BLOCK_BYTES,
+    BLOCKS,
+    REGIONS,
+    Fill,
+    TransportConformance,
+    wait_notes,
+    wait_status,
+)
 from kvlifecycle.transport import (
     KVLayout,
     LayoutWire,
@@ -34,7 +44,6 @@ from kvlifecycle.transport import (
     PeerMetadata,
     RegistrationError,
     RemoteMismatchError,
-    TransportError,
     XferStatus,
 )
 
@@ -80,26 +89,26 @@ def vram_pair(make: Callable[[str], Any], name: str, seed: int = 1,
             t.close()
 
 
+class VramBuffers:
+    """The conformance suite's KV regions in VRAM (torch tensors on one device)."""
+
+    def __init__(self, fill: str, seed: int = 0, device: int = 0) -> None:
+        self.tensors = vram_tensors(fill, seed, device=device)
+        self.layout = vram_layout(self.tensors)
+
+    def blocks(self, region: int, ids: Any) -> np.ndarray:
+        index = torch.as_tensor(np.asarray(ids, dtype=np.int64), device=self.tensors[region].device)
+        return self.tensors[region][index].cpu().numpy()
+
+
 class VramPair:
-    """Mixin: the conformance suite's endpoints with their regions in VRAM instead of DRAM."""
+    """Mixin: the conformance suite's endpoints with their regions in VRAM (``a`` on ``devices[0]``, ``b`` on
+    ``devices[1]``) instead of host memory."""
 
     devices = (0, 0)
 
-    @pytest.fixture
-    def pair(self, request: pytest.FixtureRequest) -> Any:
-        with vram_pair(self.make_transport, request.node.name,  # type: ignore[attr-defined]
-                       devices=self.devices) as endpoints:
-            yield endpoints
-
-    def test_clean_teardown_leaves_nothing_registered(self) -> None:
-        t = self.make_transport(f"solo-{time.monotonic_ns()}")  # type: ignore[attr-defined]
-        t.register(vram_layout(vram_tensors("zeros")))
-        assert t.registered_regions() == REGIONS
-        t.close()
-        assert t.registered_regions() == 0
-        t.close()
-        with pytest.raises(TransportError):
-            t.post("READ", None, [0], [0])  # type: ignore[arg-type]
+    def make_buffers(self, fill: Fill, seed: int = 0, endpoint: int = 0) -> VramBuffers:
+        return VramBuffers(fill, seed, device=self.devices[endpoint])
 
 
 @gpu
@@ -163,8 +172,8 @@ class TestNixlVramConformance(VramPair, TransportConformance):
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("block_bytes", [256, 100, 6, 32768 + 48])
 def test_block_copier_odd_sizes_byte_exact(use_triton: bool, group: int, block_bytes: int) -> None:
-    from kvlifecycle.transports import triton_copy as tc
-    from kvlifecycle.transports.triton_copy import BlockCopier, RegionSpec
+    from kvlifecycle.transports.cuda_ipc import triton_copy as tc
+    from kvlifecycle.transports.cuda_ipc.triton_copy import BlockCopier, RegionSpec
 
     src = vram_tensors("random", 3, regions=3, blocks=40, block_bytes=block_bytes)
     dst = [torch.full_like(t, 0xA5) for t in src]
@@ -200,7 +209,7 @@ def test_block_copier_odd_sizes_byte_exact(use_triton: bool, group: int, block_b
 @gpu
 @pytest.mark.gpu
 def test_block_copier_refuses_out_of_range_ids() -> None:
-    from kvlifecycle.transports.triton_copy import BlockCopier, RegionSpec
+    from kvlifecycle.transports.cuda_ipc.triton_copy import BlockCopier, RegionSpec
 
     src, dst = vram_tensors("random", regions=1), vram_tensors("zeros", regions=1)
     copier = BlockCopier([RegionSpec.of_tensor(src[0])], [RegionSpec.of_tensor(dst[0])], src[0].device)
@@ -214,19 +223,19 @@ def test_block_copier_refuses_out_of_range_ids() -> None:
 
 def test_block_ids_are_checked_at_both_ends_in_one_pass() -> None:
     """post's id check views signed ids as unsigned (one reduction): negatives must still be refused."""
-    ok = cuda_ipc._block_ids(np.array([0, 5, 7], dtype=np.int32), 8, "local")
+    ok = block_ids(np.array([0, 5, 7], dtype=np.int32), 8, "local")
     assert ok.dtype == np.int32 and ok.tolist() == [0, 5, 7]
-    assert cuda_ipc._block_ids([1, 2], 8, "local").tolist() == [1, 2]
-    assert cuda_ipc._block_ids(np.array([3], dtype=np.uint16), 4, "local").tolist() == [3]
-    assert cuda_ipc._block_ids(np.array([], dtype=np.int64), 4, "local").size == 0
+    assert block_ids([1, 2], 8, "local").tolist() == [1, 2]
+    assert block_ids(np.array([3], dtype=np.uint16), 4, "local").tolist() == [3]
+    assert block_ids(np.array([], dtype=np.int64), 4, "local").size == 0
     for bad in (np.array([0, -1], dtype=np.int32), np.array([-(2**62)], dtype=np.int64), [8], [2, 9, 1],
                 np.array([4], dtype=np.uint8)):
         with pytest.raises(RemoteMismatchError, match=r"must be in \[0, "):
-            cuda_ipc._block_ids(bad, 4 if isinstance(bad, np.ndarray) and bad.dtype == np.uint8 else 8, "remote")
+            block_ids(bad, 4 if isinstance(bad, np.ndarray) and bad.dtype == np.uint8 else 8, "remote")
     with pytest.raises(RemoteMismatchError, match="1-D integer"):
-        cuda_ipc._block_ids(np.array([0.5]), 8, "local")
+        block_ids(np.array([0.5]), 8, "local")
     with pytest.raises(RemoteMismatchError, match="1-D integer"):
-        cuda_ipc._block_ids(np.zeros((2, 2), dtype=np.int32), 8, "local")
+        block_ids(np.zeros((2, 2), dtype=np.int32), 8, "local")
 
 
 @gpu
@@ -695,9 +704,10 @@ def test_meta_reply_fast_meta_is_optional_on_the_wire() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldMetaReply).meta == nixl_meta
 
 
-def _handoff_pair(kind: MemoryKind, fast: bool) -> Any:
+def _handoff_pair(kind: MemoryKind, fast: bool, selector: Any = None) -> Any:
     """P and D over loopback (the generic transport) with, if ``fast``, a second transport as the fast path:
-    CUDA IPC for VRAM, another loopback for DRAM (which selection must refuse)."""
+    CUDA IPC for VRAM, another loopback for DRAM (which selection must refuse). D's path selector: ``selector``, by
+    default the transports' SameNodeSelector."""
     from kvlifecycle.transports.loopback import LoopbackTransport
 
     from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
@@ -736,7 +746,7 @@ def _handoff_pair(kind: MemoryKind, fast: bool) -> Any:
     compat = CompatInfo(**_HANDOFF_COMPAT)
     prod = Producer(SourceLedger(BLOCKS, worker="p", default_ttl_s=30.0), tp, compat, fast_transport=fp)
     cons = Consumer(TargetLedger(BLOCKS, worker="d"), td, compat, options=HandoffOptions(heartbeat_every_s=0.01),
-                    fast_transport=fd)
+                    fast_transport=fd, path_selector=SameNodeSelector() if selector is None else selector)
     return prod, cons, src, dst, made
 
 
@@ -788,6 +798,23 @@ def test_handoff_picks_cuda_ipc_for_vram_on_one_node_and_releases_after_the_copy
         assert link.data is cons.fast_transport and link.choice.backend == "cuda_ipc"
         assert link.data_peer == prod.fast_transport.agent
         assert prod.notifications_seen == 1  # the done notification came through the fast path's side channel
+    finally:
+        cons.close()
+        prod.close()
+        for t in made:
+            t.close()
+
+
+@gpu
+@pytest.mark.gpu
+def test_the_consumers_default_selector_keeps_reads_on_its_transport_even_where_cuda_ipc_qualifies() -> None:
+    from kvlifecycle.path_selection import PRIMARY_PATH
+
+    prod, cons, src, dst, made = _handoff_pair(MemoryKind.VRAM, True, selector=PRIMARY_PATH)
+    try:
+        link = _pull_once(prod, cons, src, dst)
+        assert link.data is None and link.choice is None  # the loopback moved it: nothing was selected
+        assert cons.fast_transport._peers == {}  # nothing was mapped for it either
     finally:
         cons.close()
         prod.close()

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 from kvlifecycle.transports import cuda_ipc
-from transport_conformance import wait_status
 from vllm_stubs import KV_FORMS, block_dim, hand_off, kv_caches, replay_problems, vllm_or_stubs, worker_pair
 
+from kvlifecycle.testing.transport_conformance import wait_status
 from kvlifecycle.transport import BlockView, KVLayout, MemoryKind, XferStatus
 
 HAVE_CUDA = torch.cuda.is_available()

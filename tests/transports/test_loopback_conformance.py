@@ -1,7 +1,10 @@
+"""The packaged conformance suite against the loopback transport (host memory)."""
+
 from __future__ import annotations
 
 from kvlifecycle.transports.loopback import LoopbackTransport
-from transport_conformance import TransportConformance
+
+from kvlifecycle.testing.transport_conformance import TransportConformance
 
 
 class TestLoopbackConformance(TransportConformance):

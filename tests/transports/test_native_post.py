@@ -1,14 +1,16 @@
-"""The CUDA IPC transport's compiled post (``transports/_native_post.c`` + ``native_post.py``).
+"""The CUDA IPC transport's compiled post (``transports/cuda_ipc/_native_post.c`` + ``native_post.py``).
 
 Without a GPU: the C file builds with the system compiler, its id check refuses what the Python check refuses and
-narrows the ids correctly, and the kernel binding builds exactly the parameter array Triton's launcher builds (or
-refuses the kernel). On a GPU: the transport posts through it once warm, byte-exact, and the Python post passes
-the same conformance suite (both paths stay covered).
+narrows the ids correctly, the kernel binding builds exactly the parameter array Triton's launcher builds (or
+refuses the kernel), and a Triton other than the checked versions keeps it off with one warning. On a GPU: the
+transport posts through it once warm, byte-exact, and the Python post passes the same conformance suite (both
+paths stay covered).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -16,10 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvlifecycle.transports import cuda_ipc, native_post
+from kvlifecycle.transports import cuda_ipc
+from kvlifecycle.transports.cuda_ipc import CudaIpcOptions, native_post
+from kvlifecycle.transports.cuda_ipc.ids import block_ids
 from test_cuda_ipc import NO_CUDA, VramPair, vram_layout, vram_tensors
-from transport_conformance import BLOCKS, REGIONS, TransportConformance, wait_notes, wait_status
 
+from kvlifecycle.testing.transport_conformance import BLOCKS, REGIONS, TransportConformance, wait_notes, wait_status
 from kvlifecycle.transport import Notification, RemoteMismatchError, XferStatus
 
 HAVE_CUDA = torch.cuda.is_available()
@@ -75,9 +79,9 @@ def test_id_check_refuses_what_the_python_check_refuses(lib: ctypes.CDLL, src: l
     rc, _ = _check(lib, src, dst, 10, 4)
     assert rc == want
     bad, good = ((src, 10), (dst, 4)) if want == native_post.ERR_SRC_RANGE else ((dst, 4), (src, 10))
-    cuda_ipc._block_ids(np.asarray(good[0]), good[1], "good")  # the Python path agrees on both sides
+    block_ids(np.asarray(good[0]), good[1], "good")  # the Python path agrees on both sides
     with pytest.raises(RemoteMismatchError):  # (and raises the message users see)
-        cuda_ipc._block_ids(np.asarray(bad[0]), bad[1], "bad")
+        block_ids(np.asarray(bad[0]), bad[1], "bad")
 
 
 def _fake_compiled(signature: dict[str, str], **meta: Any) -> Any:
@@ -187,12 +191,39 @@ def test_inline_ids_are_checked_then_written_into_every_kernels_parameters(lib: 
         assert _inline_ids(descs[0]) == ([0, 9, 5, 2], [3, 0, 1, 2])  # refused: nothing written
 
 
-def test_turned_off_the_compiled_post_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_compiled_post_is_an_option_read_from_the_environment_once() -> None:
+    assert CudaIpcOptions.from_env({"KVL_NATIVE_POST": "0"}).compiled_post is False
+    assert CudaIpcOptions.from_env({}).compiled_post is True
+    assert CudaIpcOptions.from_env({"KVL_NATIVE_POST": "0"}, compiled_post=True).compiled_post is True  # given wins
+    with pytest.raises(ValueError, match="KVL_NATIVE_POST"):
+        CudaIpcOptions.from_env({"KVL_NATIVE_POST": "sometimes"})
+
+
+def test_a_triton_other_than_the_checked_versions_keeps_the_compiled_post_off_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Triton's launcher is bound by hand (bind_kernel): on a version it was not checked on, load() builds
+    nothing, says why in one line, once, and the transport posts through Python."""
     monkeypatch.setattr(native_post, "_loaded", None)
     monkeypatch.setattr(native_post, "_why_not", None)
-    monkeypatch.setenv("KVL_NATIVE_POST", "0")
-    assert native_post.load() is None
-    assert native_post.why_not() == "KVL_NATIVE_POST=0"
+    monkeypatch.setattr(native_post, "triton_version", lambda: "9.9.0")
+    built: list[Any] = []
+    monkeypatch.setattr(native_post, "load_library", lambda **kw: built.append(kw))
+    with caplog.at_level(logging.WARNING, logger="kvlifecycle.transports.native_post"):
+        assert native_post.load() is None
+        assert native_post.load() is None
+    why = native_post.why_not() or ""
+    assert "Triton 9.9.0" in why and all(v in why for v in native_post.CHECKED_TRITON_VERSIONS)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0] and "posting from Python" in warnings[0]
+    assert not built  # never compiled nor loaded
+
+
+def test_the_checked_triton_versions_pass_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    for version in native_post.CHECKED_TRITON_VERSIONS:
+        monkeypatch.setattr(native_post, "triton_version", lambda v=version: v)
+        assert native_post.triton_mismatch() is None
+    monkeypatch.setattr(native_post, "triton_version", lambda: None)
+    assert native_post.triton_mismatch() == "Triton is not installed"
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------------------------
@@ -211,6 +242,33 @@ class TestCudaIpcPythonPostConformance(VramPair, TransportConformance):
 
 @gpu
 @pytest.mark.gpu
+def test_on_an_unchecked_triton_the_transport_posts_from_python_byte_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_post, "_loaded", None)
+    monkeypatch.setattr(native_post, "_why_not", None)
+    monkeypatch.setattr(native_post, "triton_version", lambda: "0.0.1")
+    suffix = time.monotonic_ns()
+    a, b = cuda_ipc.CudaIpcTransport(f"old-a-{suffix}"), cuda_ipc.CudaIpcTransport(f"old-b-{suffix}")
+    ta, tb = vram_tensors("random", 13), vram_tensors("zeros")
+    try:
+        a.register(vram_layout(tb))
+        b.register(vram_layout(ta))
+        assert not a.compiled_post and "Triton 0.0.1" in a.compiled_post_off
+        plan = a.prepare(a.add_peer(b.local_metadata()))
+        for _ in range(3):  # past the JIT: warm posts stay on the Python path
+            h = a.post("READ", plan, np.array([1, 2]), np.array([5, 6]))
+            assert wait_status(a, h) is XferStatus.DONE
+            a.release(h)
+        assert a._plans[plan.key].whole.native_read is None
+        torch.cuda.synchronize()
+        for r in range(REGIONS):
+            assert torch.equal(tb[r][[1, 2]], ta[r][[5, 6]])
+    finally:
+        a.close()
+        b.close()
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("inline", [True, False], ids=["inline-ids", "staged-ids"])
 def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_nothing(inline: bool) -> None:
     """Small requests (<= 16 blocks) pass their ids as launch parameters (``inline``), larger ones stage them in
@@ -222,7 +280,8 @@ def test_warm_posts_go_through_the_compiled_post_byte_exact_and_refusals_leak_no
     try:
         a.register(vram_layout(tb))
         b.register(vram_layout(ta))
-        assert a.compiled_post, native_post.why_not()
+        assert native_post.triton_mismatch() is None  # this machine's Triton is one the binding was checked on
+        assert a.compiled_post, (a.compiled_post_off, native_post.why_not())
         peer = a.add_peer(b.local_metadata())
         b.add_peer(a.local_metadata())
         plan = a.prepare(peer)

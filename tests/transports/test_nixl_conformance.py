@@ -1,9 +1,10 @@
-"""The conformance suite against real NIXL (UCX, DRAM), two agents in one process."""
+"""The packaged conformance suite against real NIXL (UCX, DRAM), two agents in one process."""
 
 from __future__ import annotations
 
 import pytest
-from transport_conformance import TransportConformance
+
+from kvlifecycle.testing.transport_conformance import TransportConformance
 
 # a skip here is a failure in CI (tests/conftest.py: only GPU tests may skip there)
 pytest.importorskip("nixl._api", reason="needs the real NIXL package (pip install nixl==1.5.1)")

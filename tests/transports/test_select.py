@@ -7,8 +7,8 @@ import time
 
 import pytest
 from kvlifecycle.transports import select
-from transport_conformance import kv_tensors, layout_of
 
+from kvlifecycle.testing.transport_conformance import BLOCKS, REGIONS, HostBuffers
 from kvlifecycle.transport import BackendUnavailableError, Locality, MemoryKind
 
 
@@ -32,10 +32,10 @@ def test_verify_and_probe_with_real_nixl(caplog: pytest.LogCaptureFixture) -> No
 
     suffix = time.monotonic_ns()
     a, b = NixlTransport(f"sel-a-{suffix}"), NixlTransport(f"sel-b-{suffix}")
-    ta, tb = kv_tensors("random"), kv_tensors("zeros")
+    ta, tb = HostBuffers("random"), HostBuffers("zeros")
     try:
-        a.register(layout_of(ta))
-        b.register(layout_of(tb))
+        a.register(ta.layout)
+        b.register(tb.layout)
         peer = b.add_peer(a.local_metadata())
         s = select.choose("DRAM", "DRAM", "same_node", available=b.loaded_backends())
         select.verify_backend(b, s)
@@ -49,7 +49,7 @@ def test_verify_and_probe_with_real_nixl(caplog: pytest.LogCaptureFixture) -> No
         assert result is not None and result.bytes > 0 and result.backend == "UCX"
         assert any("below the floor" in r.message for r in caplog.records)
         assert seen and seen[-1][1] is result
-        assert all(int(t.sum()) == 0 for t in tb)  # the probe never touches KV blocks
+        assert all(int(tb.blocks(r, range(BLOCKS)).sum()) == 0 for r in range(REGIONS))  # the probe never touches KV
     finally:
         select._listeners.clear()
         a.close()
@@ -62,3 +62,27 @@ def test_same_node_vram_picks_cuda_ipc_and_everything_else_does_not() -> None:
     assert select.choose("VRAM", "VRAM", "same_node", cuda_ipc=False).transport == "nixl"
     assert select.choose("VRAM", "DRAM", "same_node").transport == "nixl"
     assert select.choose("VRAM", "VRAM", "remote").transport == "nixl"
+
+
+def test_the_consumers_path_selectors_keep_the_primary_unless_the_fast_path_qualifies() -> None:
+    """The core's default selector picks nothing; the transports' same-node selector selects nothing without a
+    registered fast path, and refuses one over DRAM (with the reason kept for the link)."""
+    from kvlifecycle.transports.loopback import LoopbackTransport
+
+    from kvlifecycle.path_selection import PRIMARY_PATH, DataPath, PathSelector
+
+    suffix = time.monotonic_ns()
+    primary, fast = LoopbackTransport(f"primary-{suffix}"), LoopbackTransport(f"fast-{suffix}")
+    buffers = HostBuffers("zeros")
+    try:
+        assert isinstance(select.SameNodeSelector(), PathSelector) and isinstance(PRIMARY_PATH, PathSelector)
+        assert PRIMARY_PATH.select(primary, fast, None) == DataPath(primary)
+        assert select.SameNodeSelector().select(primary, None, None) == DataPath(primary)
+        assert select.SameNodeSelector().select(primary, fast, None) == DataPath(primary)  # fast not registered
+        fast.register(buffers.layout)
+        path = select.SameNodeSelector().select(primary, fast, fast.local_metadata())
+        assert path.transport is primary and path.peer == ""
+        assert path.choice is not None and path.choice.backend == "loopback" and "not VRAM" in path.choice.reason
+    finally:
+        primary.close()
+        fast.close()

@@ -1,9 +1,10 @@
 """The compiled post of the CUDA IPC transport (``_native_post.c``): build once, load with ctypes, bind kernels.
 
 :func:`load` compiles the C file with the system C compiler (``$CC`` or ``cc``; no CUDA headers needed) into a
-per-user cache, keyed by the source's hash, and loads it. Where that is impossible (no compiler, no libcuda,
-``KVL_NATIVE_POST=0``) it returns ``None`` and says why once; the transport then posts through its Python path,
-which does the same steps with one ctypes call each.
+per-user cache, keyed by the source's hash, and loads it. Where that is impossible (no compiler, no libcuda, a
+Triton other than :data:`CHECKED_TRITON_VERSIONS`) it returns ``None`` and says why once; the transport then posts
+through its Python path, which does the same steps with one ctypes call each. (The transport's ``compiled_post``
+option, ``KVL_NATIVE_POST=0``, keeps it from asking at all.)
 
 :func:`bind_kernel` turns a warm Triton ``CompiledKernel`` plus the arguments of one launch into a
 :class:`KernelDesc` the C post launches with ``cuLaunchKernel``: the parameter array Triton's own launcher builds
@@ -27,6 +28,10 @@ from typing import Any
 log = logging.getLogger("kvlifecycle.transports.native_post")
 
 SOURCE = Path(__file__).with_name("_native_post.c")
+# The Triton versions this binding was checked on: the parameter array of Triton's CUDA launcher and the compiled
+# kernel's metadata fields it reads (bind_kernel) are Triton internals, with no promise across versions. On any
+# other version the compiled post stays off (one warning) and posts go through the Python path.
+CHECKED_TRITON_VERSIONS = ("3.6.0",)
 MAX_PARAMS = 48  # KVL_MAX_PARAMS
 MAX_KERNELS = 8  # KVL_MAX_KERNELS
 ERR_SRC_RANGE, ERR_DST_RANGE, ERR_ARGS = -1, -2, -3
@@ -187,6 +192,26 @@ def load_library(*, init_cuda: bool = True) -> ctypes.CDLL:
     return lib
 
 
+def triton_version() -> str | None:
+    """The installed Triton's version (``None`` without Triton)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return str(getattr(triton, "__version__", "")) or None
+
+
+def triton_mismatch() -> str | None:
+    """Why the installed Triton rules the compiled post out (``None`` when it is one the binding was checked on)."""
+    version = triton_version()
+    if version is None:
+        return "Triton is not installed"
+    if version not in CHECKED_TRITON_VERSIONS:
+        checked = ", ".join(CHECKED_TRITON_VERSIONS)
+        return f"Triton {version} is not a version its launcher binding was checked on ({checked})"
+    return None
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled post, or ``None`` (see :func:`why_not`); built and loaded once per process."""
     global _loaded, _why_not
@@ -195,8 +220,10 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _loaded is not None or _why_not is not None:
             return _loaded
-        if os.environ.get("KVL_NATIVE_POST", "1") == "0":
-            _why_not = "KVL_NATIVE_POST=0"
+        mismatch = triton_mismatch()
+        if mismatch is not None:
+            _why_not = mismatch
+            log.warning("cuda_ipc: compiled post off, posting from Python: %s", mismatch)
             return None
         try:
             _loaded = load_library()

@@ -17,7 +17,6 @@ Without Triton (or on a device it cannot compile for) :class:`BlockCopier` falls
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -252,6 +251,7 @@ class BlockCopier:
         use_triton: bool | None = None,
         fast_launch: bool = True,
         inline_ids: bool = True,
+        compiled_post: bool = True,
     ) -> None:
         import torch
 
@@ -301,7 +301,8 @@ class BlockCopier:
         # After the first launch through Triton's JIT, launch the compiled kernel directly: the JIT's per-call
         # binding and cache lookup cost more than the copy for small requests. Only when the id pointers are
         # 16-byte aligned (the one argument property that could change the specialisation between calls).
-        self.fast_launch = fast_launch and os.environ.get("KVL_TRITON_FAST_LAUNCH", "1") != "0"
+        self.fast_launch = fast_launch
+        self.compiled_post = compiled_post  # bind the warm kernels for the compiled post (native_post)
         self._compiled: Any = None
         self._raw_launch: Any = None
         self._raw_flags: tuple[Any, ...] = ()
@@ -400,10 +401,10 @@ class BlockCopier:
         if self._raw_launch is not None:
             head = (compiled.function, *self._raw_flags, compiled.packed_metadata, None, None, None, *bases)
             self._bound = (self._raw_launch, head, tail)
-            # The compiled post (transports/_native_post.c) launches this kernel itself with the same parameters.
+            # The compiled post (_native_post.c) launches this kernel itself with the same parameters.
             from . import native_post
 
-            lib = native_post.load()
+            lib = native_post.load() if self.compiled_post else None
             if lib is not None:
                 self.native = native_post.bind_kernel(
                     compiled, (*bases, 0, 0, *tail), src_ids_arg=3, dst_ids_arg=4, chunks=self.chunks,

@@ -1,18 +1,29 @@
-"""The conformance suite every transport must pass (in the spirit of eventsourcing's recorder test cases).
+"""The conformance suite every transport must pass (as eventsourcing ships its recorder test cases).
 
-Subclass :class:`TransportConformance`, implement ``make_transport(name)``, and name the subclass ``Test...``.
-Every wait is bounded; nothing asserts on time.
+Subclass :class:`TransportConformance`, implement :meth:`~TransportConformance.make_transport`, and name the
+subclass ``Test...``; pytest runs every test of the suite against it::
+
+    from kvlifecycle.testing.transport_conformance import TransportConformance
+
+    class TestMyTransport(TransportConformance):
+        def make_transport(self, name):
+            return MyTransport(name)
+
+The KV regions are host memory (numpy, :class:`HostBuffers`) unless the subclass overrides
+:meth:`~TransportConformance.make_buffers` (VRAM through torch, say): importing the suite imports no torch. Every
+wait is bounded; nothing asserts on time.
 """
 
 from __future__ import annotations
 
+import abc
 import time
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, Protocol
 
 import msgspec
 import numpy as np
 import pytest
-import torch
 
 from kvlifecycle.transport import (
     BlockView,
@@ -22,6 +33,7 @@ from kvlifecycle.transport import (
     Notification,
     PeerEpochError,
     RemoteMismatchError,
+    Transport,
     TransportError,
     XferStatus,
 )
@@ -29,13 +41,11 @@ from kvlifecycle.transport import (
 REGIONS, BLOCKS, BLOCK_BYTES = 4, 32, 256
 WAIT_S = 30.0
 
-
-def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """``torch.equal`` across devices: the endpoints' regions may sit on two GPUs (or in DRAM)."""
-    return torch.equal(x, y.to(x.device))
+Fill = Literal["random", "zeros"]
 
 
 def wait_status(transport: Any, handle: Any, timeout_s: float = WAIT_S) -> XferStatus:
+    """Poll ``handle`` until it leaves PENDING (bounded: raises after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = transport.poll(handle)
@@ -46,6 +56,7 @@ def wait_status(transport: Any, handle: Any, timeout_s: float = WAIT_S) -> XferS
 
 
 def wait_notes(transport: Any, count: int, timeout_s: float = WAIT_S) -> list[tuple[str, Notification]]:
+    """Drain notifications until ``count`` arrived or ``timeout_s`` passed; returns what arrived."""
     got: list[tuple[str, Notification]] = []
     deadline = time.monotonic() + timeout_s
     while len(got) < count and time.monotonic() < deadline:
@@ -55,38 +66,65 @@ def wait_notes(transport: Any, count: int, timeout_s: float = WAIT_S) -> list[tu
     return got
 
 
-def kv_tensors(fill: str, seed: int = 0, regions: int = REGIONS, blocks: int = BLOCKS,
-               block_bytes: int = BLOCK_BYTES) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    if fill == "random":
-        return [torch.randint(0, 256, (blocks, block_bytes), dtype=torch.uint8, generator=gen) for _ in range(regions)]
-    return [torch.zeros((blocks, block_bytes), dtype=torch.uint8) for _ in range(regions)]
+class KVBuffers(Protocol):
+    """An endpoint's KV regions: ``layout`` describes them, :meth:`blocks` reads them back."""
+
+    layout: KVLayout
+
+    def blocks(self, region: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """A host copy of blocks ``ids`` of ``region``, as uint8 ``[len(ids), block_bytes]``."""
+        ...
 
 
-def layout_of(tensors: list[torch.Tensor]) -> KVLayout:
-    blocks, block_bytes = tensors[0].shape
-    return KVLayout(MemoryKind.DRAM, 0, blocks, tuple(t.data_ptr() for t in tensors),
-                    tuple(block_bytes for _ in tensors))
+class HostBuffers:
+    """KV regions in host memory (DRAM), numpy arrays of ``blocks`` x ``block_bytes``: random bytes from ``seed``,
+    or zeros."""
+
+    def __init__(self, fill: Fill, seed: int = 0, regions: int = REGIONS, blocks: int = BLOCKS,
+                 block_bytes: int = BLOCK_BYTES) -> None:
+        rng = np.random.default_rng(seed)
+        shape = (blocks, block_bytes)
+        self.arrays = [rng.integers(0, 256, shape, dtype=np.uint8) if fill == "random" else np.zeros(shape, np.uint8)
+                       for _ in range(regions)]
+        self.layout = KVLayout(MemoryKind.DRAM, 0, blocks, tuple(a.ctypes.data for a in self.arrays),
+                               tuple(block_bytes for _ in self.arrays))
+
+    def blocks(self, region: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        return self.arrays[region][np.asarray(ids, dtype=np.int64)].copy()
 
 
-class TransportConformance:
-    """Base class: a pair of endpoints ``a`` (random bytes) and ``b`` (zeros) that know each other."""
+class TransportConformance(abc.ABC):
+    """Base class: a pair of endpoints ``a`` (random bytes) and ``b`` (zeros) that know each other.
 
-    def make_transport(self, name: str) -> Any:
-        raise NotImplementedError
+    The ``pair`` fixture yields ``(a, b, buffers of a, buffers of b, a's name for b, b's name for a)``."""
+
+    @abc.abstractmethod
+    def make_transport(self, name: str) -> Transport:
+        """A fresh, unregistered endpoint named ``name`` (names are unique per test)."""
+
+    def make_buffers(self, fill: Fill, seed: int = 0, endpoint: int = 0) -> KVBuffers:
+        """The KV regions of endpoint ``endpoint`` (0: ``a``, 1: ``b``), :data:`REGIONS` x :data:`BLOCKS` blocks
+        of :data:`BLOCK_BYTES`. Host memory unless overridden."""
+        return HostBuffers(fill, seed)
+
+    def register(self, transport: Transport, buffers: KVBuffers) -> None:
+        """Register ``buffers`` with ``transport`` (override where a transport needs more than the layout)."""
+        transport.register(buffers.layout)
 
     @pytest.fixture
-    def pair(self, request: pytest.FixtureRequest) -> Any:
+    def pair(self, request: pytest.FixtureRequest) -> Iterator[tuple[Any, ...]]:
         suffix = f"{request.node.name}-{time.monotonic_ns()}"
         a, b = self.make_transport(f"a-{suffix}"), self.make_transport(f"b-{suffix}")
-        ta, tb = kv_tensors("random", 1), kv_tensors("zeros")
-        a.register(layout_of(ta))
-        b.register(layout_of(tb))
-        b_sees_a = b.add_peer(a.local_metadata())
-        a_sees_b = a.add_peer(b.local_metadata())
-        yield a, b, ta, tb, a_sees_b, b_sees_a
-        for t in (a, b):
-            t.close()
+        try:
+            ta, tb = self.make_buffers("random", 1, 0), self.make_buffers("zeros", 0, 1)
+            self.register(a, ta)
+            self.register(b, tb)
+            b_sees_a = b.add_peer(a.local_metadata())
+            a_sees_b = a.add_peer(b.local_metadata())
+            yield a, b, ta, tb, a_sees_b, b_sees_a
+        finally:
+            for t in (a, b):
+                t.close()
 
     # -- byte-exact moves -------------------------------------------------------------------------------------------
     @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -99,10 +137,10 @@ class TransportConformance:
         plan = b.prepare(b_sees_a)
         h = b.post("READ", plan, local, remote, transfer=f"r{seed}")
         assert wait_status(b, h) is XferStatus.DONE, b.error(h)
+        untouched = np.setdiff1d(np.arange(BLOCKS), local)
         for r in range(REGIONS):
-            assert same_bytes(tb[r][torch.from_numpy(local).long()], ta[r][torch.from_numpy(remote).long()])
-            untouched = np.setdiff1d(np.arange(BLOCKS), local)
-            assert int(tb[r][torch.from_numpy(untouched).long()].sum()) == 0
+            assert np.array_equal(tb.blocks(r, local), ta.blocks(r, remote))
+            assert int(tb.blocks(r, untouched).sum()) == 0
         stats = b.stats(h)
         assert stats is not None and stats.bytes == n * REGIONS * BLOCK_BYTES
         b.release(h)
@@ -118,7 +156,7 @@ class TransportConformance:
         h = a.post("WRITE", plan, local, remote)
         assert wait_status(a, h) is XferStatus.DONE, a.error(h)
         for r in range(REGIONS):
-            assert same_bytes(tb[r][torch.from_numpy(remote).long()], ta[r][torch.from_numpy(local).long()])
+            assert np.array_equal(tb.blocks(r, remote), ta.blocks(r, local))
         a.release(h)
 
     def test_region_subset_moves_only_those_regions(self, pair: Any) -> None:
@@ -126,9 +164,10 @@ class TransportConformance:
         ids = np.array([0, 5, 31], dtype=np.int32)
         h = b.post("READ", b.prepare(b_sees_a), ids, ids, regions=[1, 3])
         assert wait_status(b, h) is XferStatus.DONE
-        idx = torch.from_numpy(ids).long()
-        assert same_bytes(tb[1][idx], ta[1][idx]) and same_bytes(tb[3][idx], ta[3][idx])
-        assert int(tb[0].sum()) == 0 and int(tb[2].sum()) == 0
+        assert np.array_equal(tb.blocks(1, ids), ta.blocks(1, ids))
+        assert np.array_equal(tb.blocks(3, ids), ta.blocks(3, ids))
+        every = np.arange(BLOCKS)
+        assert int(tb.blocks(0, every).sum()) == 0 and int(tb.blocks(2, every).sum()) == 0
         b.release(h)
 
     def test_sliced_view_reads_one_rank_of_heads(self, pair: Any) -> None:
@@ -139,9 +178,11 @@ class TransportConformance:
         ids = np.array([2, 7], dtype=np.int32)
         h = b.post("READ", plan, ids, ids[::-1].copy())
         assert wait_status(b, h) is XferStatus.DONE
+        every = np.arange(BLOCKS)
         for r in range(REGIONS):
-            assert same_bytes(tb[r][2, :half], ta[r][7, half:]) and same_bytes(tb[r][7, :half], ta[r][2, half:])
-            assert int(tb[r][:, half:].sum()) == 0
+            got, src = tb.blocks(r, [2, 7]), ta.blocks(r, [7, 2])
+            assert np.array_equal(got[:, :half], src[:, half:])
+            assert int(tb.blocks(r, every)[:, half:].sum()) == 0
 
     # -- notifications ----------------------------------------------------------------------------------------------
     def test_notification_rides_with_the_transfer(self, pair: Any) -> None:
@@ -205,13 +246,13 @@ class TransportConformance:
             b.add_peer(meta)  # the old epoch is stale now
         h = b.post("READ", b.prepare(b_sees_a), [5], [6])
         assert wait_status(b, h) is XferStatus.DONE
-        assert all(same_bytes(tb[r][5], ta[r][6]) for r in range(REGIONS))
+        assert all(np.array_equal(tb.blocks(r, [5]), ta.blocks(r, [6])) for r in range(REGIONS))
 
     # -- teardown ---------------------------------------------------------------------------------------------------
     def test_clean_teardown_leaves_nothing_registered(self) -> None:
         t = self.make_transport(f"solo-{time.monotonic_ns()}")
-        tensors = kv_tensors("zeros")
-        t.register(layout_of(tensors))
+        buffers = self.make_buffers("zeros")
+        self.register(t, buffers)
         assert t.registered_regions() == REGIONS
         t.close()
         assert t.registered_regions() == 0
