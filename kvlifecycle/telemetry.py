@@ -43,11 +43,19 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from kvlifecycle import events as ev
+from kvlifecycle._version import __version__
 from kvlifecycle.machines import SourceState, TargetState
 
 INSTRUMENTATION_NAME = "kvlifecycle"
-INSTRUMENTATION_VERSION = "0.1.0"
+INSTRUMENTATION_VERSION = __version__
 DORMANT_RECHECK = 64  # events between looks for an SDK provider while none is installed
+
+# events a ledger records that no span or metric reads, and why (the machines' records list every event a side
+# records; tests/test_machines.py checks that each is handled here or named here)
+NOT_OBSERVED: dict[type[ev.Event], str] = {
+    ev.SrcEvicted: "eviction of cached blocks is no part of a handoff (no request or transfer to attach it to)",
+    ev.PeerEpochChanged: "a restarted peer shows in the spans of the leases and loads it ends, each with its reason",
+}
 
 # release reasons / load outcomes that count as a successful handoff
 _OK_OUTCOMES = frozenset({"completed", "ready"})
