@@ -13,7 +13,6 @@ that logs every event at DEBUG (free when DEBUG is off: one level check per even
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable, MutableMapping
 from typing import IO, Any
@@ -21,11 +20,12 @@ from typing import IO, Any
 import numpy as np
 import structlog
 
+from kvlifecycle import envvars
 from kvlifecycle import events as ev
 
 LOGGER_NAME = "kvlifecycle"
 FORMATS = ("console", "json")
-ENV_VAR = "KVLIFECYCLE_LOG"  # e.g. "json", "console:debug"
+ENV_VAR = envvars.LOG.name  # e.g. "json", "console:debug"
 
 logging.getLogger(LOGGER_NAME).addHandler(logging.NullHandler())
 
@@ -109,9 +109,9 @@ def configure(fmt: str | None = None, level: int | str = "INFO", *, stream: IO[s
 
     Attaches one handler to the ``kvlifecycle`` logger (replacing one an earlier call attached) and stops its
     records propagating, so they are not printed twice; the root logger is touched only with ``root=True``.
-    ``fmt`` and ``level`` default from ``$KVLIFECYCLE_LOG`` (``json``, ``console:debug``, ...). Returns the handler.
+    ``fmt`` and ``level`` default from ``$KVL_LOG`` (``json``, ``console:debug``, ...). Returns the handler.
     """
-    env_fmt, _, env_level = os.environ.get(ENV_VAR, "").partition(":")
+    env_fmt, _, env_level = (envvars.LOG.read() or "").partition(":")
     fmt = fmt or env_fmt or "console"
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")

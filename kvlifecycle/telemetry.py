@@ -42,6 +42,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from kvlifecycle import envvars
 from kvlifecycle import events as ev
 from kvlifecycle._version import __version__
 from kvlifecycle.machines import SourceState, TargetState
@@ -636,7 +637,7 @@ def instrument(ledger: Any, tracer_provider: Any = None, meter_provider: Any = N
 
 # --- files, for demos and issue reports (needs the SDK: pip install 'kvlifecycle[otel]') -------------------------
 
-ENV_OTEL_DIR = "KVLIFECYCLE_OTEL_DIR"
+ENV_OTEL_DIR = envvars.OTEL_DIR.name
 
 
 def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instrumentation:
@@ -689,9 +690,9 @@ def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instr
 
 
 def instrument_from_env(ledger: Any) -> Instrumentation:
-    """``$KVLIFECYCLE_OTEL_DIR`` set: :func:`instrument_to_files` there; unset: :func:`instrument` with the global
+    """``$KVL_OTEL_DIR`` set: :func:`instrument_to_files` there; unset: :func:`instrument` with the global
     providers (no-ops unless the application installed an SDK)."""
-    directory = os.environ.get(ENV_OTEL_DIR)
+    directory = envvars.OTEL_DIR.read()
     return instrument_to_files(ledger, directory) if directory else instrument(ledger)
 
 

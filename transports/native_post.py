@@ -24,6 +24,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvlifecycle import envvars
+
 log = logging.getLogger("kvlifecycle.transports.native_post")
 
 SOURCE = Path(__file__).with_name("_native_post.c")
@@ -127,8 +129,8 @@ def why_not() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                           os.path.expanduser("~/.cache"), "kvlifecycle")
+    root = envvars.CACHE_DIR.read() or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                    "kvlifecycle")
     return Path(root) / "native"
 
 
@@ -195,7 +197,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _loaded is not None or _why_not is not None:
             return _loaded
-        if os.environ.get("KVL_NATIVE_POST", "1") == "0":
+        if not envvars.NATIVE_POST.read():
             _why_not = "KVL_NATIVE_POST=0"
             return None
         try:

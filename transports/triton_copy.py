@@ -17,9 +17,10 @@ Without Triton (or on a device it cannot compile for) :class:`BlockCopier` falls
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvlifecycle import envvars
 
 if TYPE_CHECKING:
     import torch
@@ -301,7 +302,7 @@ class BlockCopier:
         # After the first launch through Triton's JIT, launch the compiled kernel directly: the JIT's per-call
         # binding and cache lookup cost more than the copy for small requests. Only when the id pointers are
         # 16-byte aligned (the one argument property that could change the specialisation between calls).
-        self.fast_launch = fast_launch and os.environ.get("KVL_TRITON_FAST_LAUNCH", "1") != "0"
+        self.fast_launch = fast_launch and bool(envvars.TRITON_FAST_LAUNCH.read())
         self._compiled: Any = None
         self._raw_launch: Any = None
         self._raw_flags: tuple[Any, ...] = ()

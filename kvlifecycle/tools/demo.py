@@ -107,7 +107,7 @@ class _Worker:
         self.ledger: Any = open_ledger(side, cfg.blocks, cfg.log_dir, fsync=cfg.fsync, worker=cfg.name, **extra)
         from kvlifecycle import logs, telemetry
 
-        # OTel spans/metrics (to files when $KVLIFECYCLE_OTEL_DIR is set; no-ops otherwise) and debug-level event logs
+        # OTel spans/metrics (to files when $KVL_OTEL_DIR is set; no-ops otherwise) and debug-level event logs
         self.telemetry = telemetry.instrument_from_env(self.ledger)
         logs.log_events(self.ledger)
         if side == "source":
