@@ -345,8 +345,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=["nixl"], default="nixl")
 
 
+def _not_installed(*modules: str) -> list[str]:
+    """Which of ``modules`` cannot be imported here (looked up, not imported: the parent process needs neither)."""
+    import importlib.util
+
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
     from kvlifecycle.replay import check, check_pair, replay, summary
+
+    missing = _not_installed("nixl", "torch")  # both worker processes need them: say so here, not in a traceback
+    if missing:
+        print(f"kvlifecycle demo moves KV over NIXL and needs {' and '.join(missing)}, not installed here: "
+              "pip install 'kvlifecycle[transports]' torch (pin torch's CPU wheel, see README)", file=sys.stderr)
+        return 2
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvl-demo-"))
     out.mkdir(parents=True, exist_ok=True)
