@@ -28,7 +28,7 @@ import numpy as np
 
 from kvlifecycle import validators as v
 
-WIRE_VERSION = 1
+WIRE_VERSION = 1  # what it covers, its history and when to bump it: docs/wire.md
 
 
 class MemoryKind(str, enum.Enum):

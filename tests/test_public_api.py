@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -65,14 +64,3 @@ def test_a_lazy_export_is_the_object_of_its_module() -> None:
         assert "no_such_name" in str(exc)
     else:
         raise AssertionError("an unknown attribute must raise AttributeError")
-
-
-def test_one_version_source() -> None:
-    """pyproject reads the version from kvlifecycle/_version.py; nothing else writes it."""
-    root = Path(__file__).resolve().parents[1]
-    assert kvlifecycle.__version__ == importlib.metadata.version("kvlifecycle")
-    assert 'dynamic = ["version"]' in (root / "pyproject.toml").read_text()
-    literal = f'"{kvlifecycle.__version__}"'
-    writers = sorted(str(p.relative_to(root)) for top in ("kvlifecycle", "transports", "adapters")
-                     for p in (root / top).rglob("*.py") if literal in p.read_text())
-    assert writers == ["kvlifecycle/_version.py"]
