@@ -81,6 +81,10 @@ class FsyncMode(Choice):
     NEVER = "never"  # leave it to the OS
 
 
+def _fsync_mode(value: FsyncMode | str) -> FsyncMode:
+    return FsyncMode.parse(value, "fsync mode")
+
+
 def _interval_fits_mode(policy: FsyncPolicy, _attribute: attrs.Attribute[float], interval_ms: float) -> None:
     if interval_ms < 0 or interval_ms != interval_ms or (policy.mode is FsyncMode.INTERVAL and interval_ms == 0):
         raise ValueError(f"interval_ms must be positive under the interval fsync mode, got {interval_ms!r}")
@@ -91,7 +95,7 @@ class FsyncPolicy:
     """When committed batches reach the disk: ``always`` (every commit), ``interval`` (at most every
     ``interval_ms``), or ``never`` (leave it to the OS). ``mode`` takes a :class:`FsyncMode` or its spelling."""
 
-    mode: FsyncMode = attrs.field(default=FsyncMode.INTERVAL, converter=lambda m: FsyncMode.parse(m, "fsync mode"))
+    mode: FsyncMode = attrs.field(default=FsyncMode.INTERVAL, converter=_fsync_mode)
     interval_ms: float = attrs.field(default=10.0, converter=float, validator=_interval_fits_mode)
 
     @classmethod

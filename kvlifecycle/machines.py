@@ -329,11 +329,14 @@ class CompiledMachine:
     def step(self, trigger: str, states: np.ndarray, guard: np.ndarray | bool | None = None) -> np.ndarray:
         """Next states for ``states`` under ``trigger``; entries are ``INVALID`` where the edge does not exist."""
         compiled = self.triggers[trigger]
+        nxt: np.ndarray
         if compiled.guard is None or guard is None or guard is True:
-            return compiled.when_true[states]
-        if guard is False:
-            return compiled.when_false[states]
-        return np.where(guard, compiled.when_true[states], compiled.when_false[states])
+            nxt = compiled.when_true[states]
+        elif guard is False:
+            nxt = compiled.when_false[states]
+        else:
+            nxt = np.where(guard, compiled.when_true[states], compiled.when_false[states])
+        return nxt
 
 
 def compile_machine(spec: MachineSpec) -> CompiledMachine:

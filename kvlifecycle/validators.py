@@ -67,7 +67,7 @@ def port(instance: object, attribute: attrs.Attribute[Any], value: object) -> No
 
 
 def optional(validator: Validator) -> Validator:
-    return attrs.validators.optional(validator)  # type: ignore[no-any-return]
+    return attrs.validators.optional(validator)
 
 
 text = attrs.validators.instance_of(str)

@@ -38,8 +38,12 @@ def _backends(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
-def _choice(choices: type[Choice], name: str) -> Any:
-    return lambda value: choices.parse(value, name)
+def _mode(value: TransferMode | str) -> TransferMode:
+    return TransferMode.parse(value, "mode")
+
+
+def _fast_path(value: FastPath | str) -> FastPath:
+    return FastPath.parse(value, "fast_path")
 
 
 _str = v.text
@@ -49,7 +53,7 @@ _seconds = v.positive
 
 @attrs.frozen(kw_only=True)
 class AdapterConfig:
-    mode: TransferMode = attrs.field(default=TransferMode.PULL, converter=_choice(TransferMode, "mode"))
+    mode: TransferMode = attrs.field(default=TransferMode.PULL, converter=_mode)
     """pull: D READs from P; push: P WRITEs into D's reserved blocks."""
     transport: Literal["nixl"] = attrs.field(default="nixl")
     backends: tuple[str, ...] = attrs.field(
@@ -71,7 +75,7 @@ class AdapterConfig:
     load_timeout_s: float = attrs.field(default=60.0, validator=_seconds)
     secret: str | None = attrs.field(default=None, validator=_optional_str)
     """Optional side-channel HMAC secret, shared by P and D."""
-    fast_path: FastPath = attrs.field(default=FastPath.AUTO, converter=_choice(FastPath, "fast_path"))
+    fast_path: FastPath = attrs.field(default=FastPath.AUTO, converter=_fast_path)
 
     @transport.validator
     def _only_nixl(self, attribute: attrs.Attribute[str], value: str) -> None:
