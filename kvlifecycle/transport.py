@@ -53,10 +53,6 @@ class Locality(str, enum.Enum):
     REMOTE = "remote"
 
 
-def _as_tuple(values: Sequence[int] | np.ndarray) -> tuple[int, ...]:
-    return tuple(values)
-
-
 @attrs.frozen
 class BlockView:
     """Which bytes of each block a descriptor covers.
@@ -66,9 +62,9 @@ class BlockView:
     the whole block from ``offset``. Validated when made: a negative offset or a zero split is refused.
     """
 
-    offset: int = attrs.field(default=0, validator=v.integer(0))
-    length: int = attrs.field(default=0, validator=v.integer(0))
-    split: int = attrs.field(default=1, validator=v.integer(1))
+    offset: int = attrs.field(default=0, converter=v.plain_int, validator=v.integer(0))
+    length: int = attrs.field(default=0, converter=v.plain_int, validator=v.integer(0))
+    split: int = attrs.field(default=1, converter=v.plain_int, validator=v.integer(1))
 
 
 WHOLE_BLOCK = BlockView()
@@ -83,10 +79,10 @@ class KVLayout:
     ``num_blocks``; a float address a ``TypeError`` about ``base_addrs``."""
 
     kind: MemoryKind = attrs.field(converter=MemoryKind)
-    device_id: int = attrs.field(validator=v.integer(0))
-    num_blocks: int = attrs.field(validator=v.integer(1))
-    base_addrs: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=v.integers(0))
-    block_bytes: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=v.integers(1))
+    device_id: int = attrs.field(converter=v.plain_int, validator=v.integer(0))
+    num_blocks: int = attrs.field(converter=v.plain_int, validator=v.integer(1))
+    base_addrs: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(0))
+    block_bytes: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(1))
 
     @block_bytes.validator
     def _one_per_region(self, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]) -> None:

@@ -47,6 +47,19 @@ def integers(minimum: int) -> Validator:
     return check
 
 
+def plain_int(value: Any) -> Any:
+    """Converter: a numpy integer becomes the Python int it holds (msgspec and torch want those); anything else is
+    left for the validator to judge."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
+def plain_ints(values: Any) -> Any:
+    """Converter: any sequence (a list, a numpy array) becomes a tuple of :func:`plain_int` entries."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        return values
+    return tuple(plain_int(v) for v in values)
+
+
 def number(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     """A real number (an int is one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):

@@ -17,7 +17,7 @@ from kvlifecycle.choices import LoadFailurePolicy, Side, TransferMode
 from kvlifecycle.eventlog import FsyncMode, FsyncPolicy
 from kvlifecycle.handoff import HandoffOptions
 from kvlifecycle.ledger import SourceLedger, TargetLedger, open_ledger
-from kvlifecycle.transport import BlockView, KVLayout, MemoryKind
+from kvlifecycle.transport import BlockView, KVLayout, LayoutWire, MemoryKind
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,8 @@ def test_a_bad_layout_is_refused_naming_the_field(change: dict[str, Any], error:
 def test_a_layout_takes_lists_numpy_integers_and_spellings_and_stays_frozen() -> None:
     layout = KVLayout("DRAM", np.int64(0), np.int32(4), [4096, np.uint64(8192)], np.array([256, 256]))
     assert layout.kind is MemoryKind.DRAM and layout.base_addrs == (4096, 8192) and layout.num_regions == 2
+    assert all(type(x) is int for x in (layout.device_id, layout.num_blocks, *layout.base_addrs, *layout.block_bytes))
+    assert LayoutWire.of(layout).to_layout() == layout  # plain ints: msgspec encodes them
     assert layout == KVLayout(**LAYOUT) and hash(layout) == hash(KVLayout(**LAYOUT))
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         layout.num_blocks = 8  # type: ignore[misc]
