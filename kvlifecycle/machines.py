@@ -99,8 +99,9 @@ class MachineSpec:
     records: tuple[Records, ...] = ()
 
     def __attrs_post_init__(self) -> None:
-        for problem in _problems(self):
-            raise ValueError(f"machine {self.name!r}: {problem}")
+        problems = _problems(self)
+        if problems:
+            raise ValueError(f"machine {self.name!r}: " + "; ".join(problems))
 
     @property
     def triggers(self) -> tuple[str, ...]:
@@ -116,7 +117,7 @@ class MachineSpec:
 
 
 def _problems(spec: MachineSpec) -> list[str]:
-    """Everything wrong with a declaration, first problem first (what ``transitions`` would have let through)."""
+    """Everything wrong with a declaration (``transitions`` would let each of these through)."""
     names = {s.name for s in spec.states}
     problems: list[str] = []
     if spec.initial not in names:
@@ -154,7 +155,7 @@ def _problems(spec: MachineSpec) -> list[str]:
         problems += [f"event {record.event.__name__} fires unknown trigger {t!r}" for t in record.triggers
                      if t not in triggers]
         if not record.triggers and not record.why:
-            problems.append(f"event {record.event.__name__} fires no trigger and says not why")
+            problems.append(f"event {record.event.__name__} fires no trigger and does not say why")
     bound = {t for r in spec.records for t in r.triggers}
     problems += [f"trigger {t!r} is fired by no event" for t in spec.triggers if t not in bound]
     return problems

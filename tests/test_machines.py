@@ -113,7 +113,7 @@ BAD_DECLARATIONS = {
     "stateless event without a why": (
         lambda: _spec((m.Edge("x", "FREE", "RESERVED"),), records=(m.Records(ev.TgtReserved, ("x",)),
                                                                     m.Records(ev.Refused))),
-        "says not why",
+        "does not say why",
     ),
 }
 
