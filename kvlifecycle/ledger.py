@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvlifecycle.eventlog import FsyncPolicy
 
 BLOCK_DTYPE = ev.BLOCK_DTYPE
+_MODE_SPELLINGS = TransferMode.spellings()  # start_load is on the launch path: a lookup, not an enum parse
 _encode = ev.ENCODER.encode
 DEFAULT_TTL_S = 30.0
 
@@ -979,7 +980,9 @@ class TargetLedger(_Ledger):
     ) -> None:
         """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected.
         ``mode``: ``pull`` (D reads P's pinned blocks) or ``push`` (P writes into these)."""
-        mode = TransferMode.parse(mode, "mode")
+        spelling = _MODE_SPELLINGS.get(mode)
+        if spelling is None:
+            spelling = str(TransferMode.parse(mode, "mode"))  # raises, naming the field and the members
         if parts < 1:
             raise ValueError("parts must be >= 1")
         with self._lock:
@@ -998,7 +1001,7 @@ class TargetLedger(_Ledger):
                 raise InvalidTransitionError(reason)
             hlc, at = self._stamp()
             self._record(
-                ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, mode.value)
+                ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, spelling)
             )
 
     def part_done(self, transfer: str, part: int = 0) -> bool:
