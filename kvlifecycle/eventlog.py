@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import attrs
 import msgspec
 
+from kvlifecycle.choices import Choice
 from kvlifecycle.events import SCHEMA_VERSION, AnyEvent, Event, encode
 
 BATCH_DECODER = msgspec.msgpack.Decoder(list[AnyEvent])
@@ -71,34 +73,56 @@ class TornTailWarning(UserWarning):
     """The last segment ended in a partial or corrupt record; it was (or would be) truncated."""
 
 
-@dataclass(frozen=True, slots=True)
+class FsyncMode(Choice):
+    """When committed batches reach the disk."""
+
+    ALWAYS = "always"  # every commit
+    INTERVAL = "interval"  # at most every ``interval_ms``, by a background syncer
+    NEVER = "never"  # leave it to the OS
+
+
+def _fsync_mode(value: FsyncMode | str) -> FsyncMode:
+    return FsyncMode.parse(value, "fsync mode")
+
+
+def _interval_fits_mode(policy: FsyncPolicy, _attribute: attrs.Attribute[float], interval_ms: float) -> None:
+    if interval_ms < 0 or interval_ms != interval_ms or (policy.mode is FsyncMode.INTERVAL and interval_ms == 0):
+        raise ValueError(f"interval_ms must be positive under the interval fsync mode, got {interval_ms!r}")
+
+
+@attrs.frozen
 class FsyncPolicy:
     """When committed batches reach the disk: ``always`` (every commit), ``interval`` (at most every
-    ``interval_ms``), or ``never`` (leave it to the OS)."""
+    ``interval_ms``), or ``never`` (leave it to the OS). ``mode`` takes a :class:`FsyncMode` or its spelling."""
 
-    mode: str = "interval"
-    interval_ms: float = 10.0
+    mode: FsyncMode = attrs.field(default=FsyncMode.INTERVAL, converter=_fsync_mode)
+    interval_ms: float = attrs.field(default=10.0, converter=float, validator=_interval_fits_mode)
 
     @classmethod
     def always(cls) -> FsyncPolicy:
-        return cls("always", 0.0)
+        return cls(FsyncMode.ALWAYS, 0.0)
 
     @classmethod
     def every(cls, interval_ms: float) -> FsyncPolicy:
-        return cls("interval", float(interval_ms))
+        return cls(FsyncMode.INTERVAL, float(interval_ms))
 
     @classmethod
     def never(cls) -> FsyncPolicy:
-        return cls("never", 0.0)
+        return cls(FsyncMode.NEVER, 0.0)
 
     @classmethod
-    def parse(cls, text: str) -> FsyncPolicy:
-        """``always`` | ``never`` | ``<N>ms``."""
+    def parse(cls, text: FsyncPolicy | str) -> FsyncPolicy:
+        """``always`` | ``never`` | ``<N>ms`` (a policy passes through)."""
+        if isinstance(text, FsyncPolicy):
+            return text
         if text in ("always", "never"):
-            return getattr(cls, text)()
-        if text.endswith("ms"):
-            return cls.every(float(text[:-2]))
-        raise ValueError(f"fsync policy must be 'always', 'never' or '<N>ms', got {text!r}")
+            return cls.always() if text == "always" else cls.never()
+        if isinstance(text, str) and text.endswith("ms"):
+            try:
+                return cls.every(float(text[:-2]))
+            except ValueError:
+                pass
+        raise ValueError(f"fsync policy must be 'always', 'never' or '<N>ms' (N > 0), got {text!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +360,7 @@ class EventLog:
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.policy = FsyncPolicy.parse(fsync) if isinstance(fsync, str) else fsync
+        self.policy = FsyncPolicy.parse(fsync)
         self.segment_bytes = segment_bytes
         self.batch_bytes = min(batch_bytes, MAX_RECORD // 2)
         self.header = {"schema": SCHEMA_VERSION, **(header or {})}
@@ -348,8 +372,8 @@ class EventLog:
         self._segment_size = 0
         self._last_sync = time.monotonic()
         self._unsynced = False
-        self._sync_each = self.policy.mode == "always"
-        self._interval_s = self.policy.interval_ms / 1000.0 if self.policy.mode == "interval" else float("inf")
+        self._sync_each = self.policy.mode is FsyncMode.ALWAYS
+        self._interval_s = self.policy.interval_ms / 1000.0 if self.policy.mode is FsyncMode.INTERVAL else float("inf")
         # Serialises an fsync with segment rotation and close (the syncer holds it, never together with _lock).
         self._sync_lock = threading.Lock()
         self._stop = threading.Event()
@@ -361,7 +385,7 @@ class EventLog:
         if existing:
             self._recover(existing)
         self._open_segment()
-        if self.policy.mode == "interval":
+        if self.policy.mode is FsyncMode.INTERVAL:
             # a weak reference: a log dropped without close() is collected, and its syncer ends with it
             self._syncer = threading.Thread(target=_sync_every_interval, args=(weakref.ref(self), self._stop,
                                                                                 self._interval_s),
@@ -482,7 +506,7 @@ class EventLog:
         """Write and fsync now, whatever the policy (``never`` excepted)."""
         with self._lock:
             self._write_batch()
-            if self.policy.mode != "never":
+            if self.policy.mode is not FsyncMode.NEVER:
                 self._sync()
 
     def _write_batch(self) -> None:
@@ -539,7 +563,7 @@ class EventLog:
         self._unsynced = True
 
     def _sync(self) -> None:
-        if self.policy.mode != "never":
+        if self.policy.mode is not FsyncMode.NEVER:
             os.fsync(self._fh.fileno())
         self._last_sync = time.monotonic()
         self._unsynced = False

@@ -13,7 +13,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # what it covers, its history and when to bump it: docs/wire.md
 
 BLOCK_DTYPE = np.dtype("<i4")
 

@@ -24,9 +24,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import attrs
 import msgspec
 import numpy as np
 
+from kvlifecycle import validators as v
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
@@ -131,23 +133,31 @@ class LoadFailed(msgspec.Struct, frozen=True, tag=True):
 REPLY_TYPES = (MetaReply, GrantReply)
 
 
-@dataclass(frozen=True, slots=True)
+@attrs.frozen(kw_only=True)
 class HandoffOptions:
-    secret: bytes | None = None
-    host: str = "127.0.0.1"
-    port: int = 0
-    service_poll_s: float = 0.0005  # while transfers are in flight
-    idle_poll_s: float = 0.005  # nothing in flight: sweep leases and commit the log at this rhythm
-    request_timeout_s: float = 5.0
-    load_timeout_s: float = 60.0
-    heartbeat_every_s: float | None = None  # default: a sixth of the grant's TTL (vLLM's rhythm)
-    unit_bytes: int = 0  # head_size × dtype bytes, for heterogeneous TP views (0: views are already in bytes)
-    probe: bool = True  # move a small test payload at connect time and record its bandwidth
-    probe_floor_gbps: float = 0.2  # warn below this: a silent slow path is never silent
-    on_connect: Callable[[PeerLink, ProbeResult | None], None] | None = None  # e.g. transports.select / OTel
+    """How a :class:`Producer` or :class:`Consumer` runs; validated when made (a field of the wrong type or out of
+    range is refused with its name)."""
+
+    secret: bytes | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(bytes)))  # side-channel HMAC key shared by P and D
+    host: str = attrs.field(default="127.0.0.1", validator=v.text)
+    port: int = attrs.field(default=0, validator=v.port)
+    service_poll_s: float = attrs.field(default=0.0005, validator=v.positive)  # while transfers are in flight
+    # nothing in flight: sweep leases and commit the log at this rhythm
+    idle_poll_s: float = attrs.field(default=0.005, validator=v.positive)
+    request_timeout_s: float = attrs.field(default=5.0, validator=v.positive)
+    load_timeout_s: float = attrs.field(default=60.0, validator=v.positive)
+    # default: a sixth of the grant's TTL (vLLM's rhythm)
+    heartbeat_every_s: float | None = attrs.field(default=None, validator=v.optional(v.positive))
+    # head_size × dtype bytes, for heterogeneous TP views (0: views are already in bytes)
+    unit_bytes: int = attrs.field(default=0, validator=v.integer(0))
+    probe: bool = attrs.field(default=True, validator=v.flag)  # move a small test payload at connect time
+    probe_floor_gbps: float = attrs.field(default=0.2, validator=v.number)  # warn below this: never a silent slow path
+    # e.g. transports.select / OTel
+    on_connect: Callable[[PeerLink, ProbeResult | None], None] | None = attrs.field(default=None, validator=v.callback)
     # a load that never started (claim refused: P's lease was already gone): the engine learns it here — the
     # ledger has no load to fail, the reservation was cancelled (policy "fail") or kept for recompute
-    on_abandoned: Callable[[str, str], None] | None = None
+    on_abandoned: Callable[[str, str], None] | None = attrs.field(default=None, validator=v.callback)
 
 
 # --- Producer -----------------------------------------------------------------------------------------------------

@@ -21,15 +21,20 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvlifecycle import events as ev
+from kvlifecycle.choices import LoadFailurePolicy, LoadFailurePolicyName, Side, SideName, TransferMode, TransferModeName
 from kvlifecycle.clock import Clock, HybridLogicalClock, MonotonicClock
 from kvlifecycle.machines import INVALID, SOURCE, TARGET, SourceState, TargetState
 
+if TYPE_CHECKING:
+    from kvlifecycle.eventlog import FsyncPolicy
+
 BLOCK_DTYPE = ev.BLOCK_DTYPE
+_MODE_SPELLINGS = TransferMode.spellings()  # start_load is on the launch path: a lookup, not an enum parse
 _encode = ev.ENCODER.encode
 DEFAULT_TTL_S = 30.0
 
@@ -920,12 +925,17 @@ class TargetLedger(_Ledger):
     _machine = TARGET
     _first_trigger = "reserve"
 
-    def __init__(self, num_blocks: int, *, failure_policy: str = "fail", **kwargs: Any) -> None:
-        if failure_policy not in ("fail", "recompute"):
-            raise ValueError("failure_policy must be 'fail' or 'recompute'")
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        failure_policy: LoadFailurePolicy | LoadFailurePolicyName = LoadFailurePolicy.FAIL,
+        **kwargs: Any,
+    ) -> None:
+        policy = LoadFailurePolicy.parse(failure_policy, "failure_policy")
         self.requests: dict[str, _TargetRequest] = {}
         super().__init__(num_blocks, **kwargs)
-        self.failure_policy = failure_policy
+        self.failure_policy = policy
         self.loads: dict[str, Load] = {}
         self.stats = {"loaded": 0, "failed": 0, "recompute": 0, "cancelled": 0, "discarded": 0}
         self._handlers = {
@@ -942,7 +952,7 @@ class TargetLedger(_Ledger):
         }
 
     def header(self) -> dict[str, Any]:
-        return {**super().header(), "failure_policy": self.failure_policy}
+        return {**super().header(), "failure_policy": self.failure_policy.value}
 
     def _state_enum(self, value: int) -> Any:
         return TargetState(value)
@@ -966,12 +976,13 @@ class TargetLedger(_Ledger):
         generation: int = 0,
         peer: str = "",
         peer_epoch: int = 0,
-        mode: str = "pull",
+        mode: TransferMode | TransferModeName = TransferMode.PULL,
     ) -> None:
         """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected.
         ``mode``: ``pull`` (D reads P's pinned blocks) or ``push`` (P writes into these)."""
-        if mode not in ("pull", "push"):
-            raise ValueError("mode must be 'pull' or 'push'")
+        spelling = _MODE_SPELLINGS.get(mode)
+        if spelling is None:
+            spelling = str(TransferMode.parse(mode, "mode"))  # raises, naming the field and the members
         if parts < 1:
             raise ValueError("parts must be >= 1")
         with self._lock:
@@ -989,7 +1000,9 @@ class TargetLedger(_Ledger):
                 self._refuse("start_load", reason, request, transfer)
                 raise InvalidTransitionError(reason)
             hlc, at = self._stamp()
-            self._record(ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, mode))
+            self._record(
+                ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, spelling)
+            )
 
     def part_done(self, transfer: str, part: int = 0) -> bool:
         """One expected part (layer, shard, P rank) landed. The last one makes the blocks READY_FOR_ATTENTION."""
@@ -1152,12 +1165,20 @@ class TargetLedger(_Ledger):
 
 
 def open_ledger(
-    side: str, num_blocks: int, log_dir: str | None = None, *, fsync: str = "10ms", **kwargs: Any
+    side: Side | SideName,
+    num_blocks: int,
+    log_dir: str | os.PathLike[str] | None = None,
+    *,
+    fsync: FsyncPolicy | str = "10ms",
+    **kwargs: Any,
 ) -> SourceLedger | TargetLedger:
-    """A ledger with an event log in ``log_dir`` (or none). The log header records what replay needs."""
+    """A ledger for ``side`` (``"source"`` or ``"target"``; anything else is a ``ValueError``) with an event log in
+    ``log_dir`` (or none). The log header records what replay needs."""
     from kvlifecycle.eventlog import EventLog
 
-    cls: type[SourceLedger] | type[TargetLedger] = SourceLedger if side == "source" else TargetLedger
+    cls: type[SourceLedger] | type[TargetLedger] = (
+        SourceLedger if Side.parse(side, "side") is Side.SOURCE else TargetLedger
+    )
     ledger = cls(num_blocks, **kwargs)
     if log_dir is not None:
         ledger.log = EventLog(log_dir, header=ledger.header(), fsync=fsync)

@@ -13,19 +13,20 @@ that logs every event at DEBUG (free when DEBUG is off: one level check per even
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable, MutableMapping
-from typing import IO, Any
+from typing import IO, Any, Literal, get_args
 
 import numpy as np
 import structlog
 
+from kvlifecycle import envvars
 from kvlifecycle import events as ev
 
 LOGGER_NAME = "kvlifecycle"
-FORMATS = ("console", "json")
-ENV_VAR = "KVLIFECYCLE_LOG"  # e.g. "json", "console:debug"
+LogFormat = Literal["console", "json"]  # a closed set: any other spelling is refused
+FORMATS: tuple[str, ...] = get_args(LogFormat)
+ENV_VAR = envvars.LOG.name  # e.g. "json", "console:debug"
 
 logging.getLogger(LOGGER_NAME).addHandler(logging.NullHandler())
 
@@ -103,18 +104,18 @@ class _Formatter(logging.Formatter):
         return self._render(None, record.levelname.lower(), event_dict)
 
 
-def configure(fmt: str | None = None, level: int | str = "INFO", *, stream: IO[str] | None = None,
+def configure(fmt: LogFormat | None = None, level: int | str = "INFO", *, stream: IO[str] | None = None,
               root: bool = False, logger_name: str = LOGGER_NAME) -> logging.Handler:
     """Opt in to kvlifecycle's log output: ``fmt`` ``"json"`` (one JSON object a line) or ``"console"``.
 
     Attaches one handler to the ``kvlifecycle`` logger (replacing one an earlier call attached) and stops its
     records propagating, so they are not printed twice; the root logger is touched only with ``root=True``.
-    ``fmt`` and ``level`` default from ``$KVLIFECYCLE_LOG`` (``json``, ``console:debug``, ...). Returns the handler.
+    ``fmt`` and ``level`` default from ``$KVL_LOG`` (``json``, ``console:debug``, ...). Returns the handler.
     """
-    env_fmt, _, env_level = os.environ.get(ENV_VAR, "").partition(":")
-    fmt = fmt or env_fmt or "console"
-    if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+    env_fmt, _, env_level = (envvars.LOG.read() or "").partition(":")
+    chosen = fmt or env_fmt or "console"
+    if chosen not in FORMATS:
+        raise ValueError(f"log format must be one of {FORMATS}, got {chosen!r}")
     if env_level and level == "INFO":
         level = env_level
     numeric = logging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
@@ -124,7 +125,7 @@ def configure(fmt: str | None = None, level: int | str = "INFO", *, stream: IO[s
     for old in [h for h in target.handlers if getattr(h, "_kvlifecycle", False)]:
         target.removeHandler(old)
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(_Formatter(fmt))
+    handler.setFormatter(_Formatter(chosen))
     handler._kvlifecycle = True  # type: ignore[attr-defined]
     target.addHandler(handler)
     target.setLevel(numeric)

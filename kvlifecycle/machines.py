@@ -1,9 +1,19 @@
 """The two block state machines, declared once, and the compiler that turns them into numpy tables.
 
-The declarations below are the single source of truth: ``transitions`` validates them (unknown states, unknown
-guards, duplicate edges), the docs diagrams are generated from them, and :func:`compile_machine` derives the
-table-driven hot path the ledgers use. A ``transitions`` trigger costs ~20 µs; a table lookup over a request's
-block-id array costs a few ns per block, so per-block work never goes through ``transitions`` itself.
+The declarations below are the single source of truth. A :class:`MachineSpec` checks itself when it is made:
+every state an edge names exists, every guard is declared (and used), no two edges leave one state under one
+trigger and guard value, each trigger has at most one guard, and every event its ledger records is bound to the
+triggers applying it may fire (every trigger bound by some event, an event that fires none says why). The docs
+diagrams are generated from the declarations, and :func:`compile_machine` derives the table-driven hot path the
+ledgers use.
+
+What ``transitions`` contributes: it interprets the declaration. :func:`compile_machine` reads the transitions of
+a real ``transitions.Machine`` built from it into the tables, and ``tests/test_machines.py`` runs that machine on
+every (state, trigger, guard value) against the tables. It validates nothing about the declaration: it accepts an
+edge to an unknown state, a guard no model defines and two edges for one (trigger, source) (checked on
+``transitions`` 0.9.3), which is why :class:`MachineSpec` checks those itself. A ``transitions`` trigger costs
+~20 µs; a table lookup over a request's block-id array costs a few ns per block, so per-block work never goes
+through ``transitions`` itself.
 
 A guard names a per-block boolean the ledger computes (e.g. "this was the last pin"). An edge with a guard exists in
 two compiled tables: one used where the guard holds, one where it does not.
@@ -12,11 +22,15 @@ two compiled tables: one used where the guard holds, one where it does not.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import attrs
 import numpy as np
+
+from kvlifecycle import events as ev
 
 INVALID = -1  # table entry for "this trigger is not allowed from this state"
 
@@ -41,7 +55,7 @@ class TargetState(enum.IntEnum):
     READY_FOR_ATTENTION = 3
 
 
-@dataclass(frozen=True, slots=True)
+@attrs.frozen
 class Edge:
     trigger: str
     source: str
@@ -56,15 +70,103 @@ class Edge:
             spec["unless" if self.negate else "conditions"] = self.guard
         return spec
 
+    def label(self) -> str:
+        return self.trigger if self.guard is None else f"{self.trigger} [{'not ' if self.negate else ''}{self.guard}]"
 
-@dataclass(frozen=True, slots=True)
+
+@attrs.frozen
+class Records:
+    """An event type the machine's ledger records, bound to the triggers applying it may fire.
+
+    ``triggers`` empty: the event changes no block state (a lease renewal, a refusal), and ``why`` says what it
+    records instead. The ledger, the OpenTelemetry instrumentation and the timeline each handle every bound event
+    (``tests/test_machines.py`` checks all three against this binding)."""
+
+    event: type[ev.Event]
+    triggers: tuple[str, ...] = ()
+    why: str = ""
+
+
+@attrs.frozen
 class MachineSpec:
+    """One machine: states, edges, guards, and the events its ledger records. Checked when made (``ValueError``)."""
+
     name: str
     states: type[enum.IntEnum]
     initial: str
     edges: tuple[Edge, ...]
-    guards: tuple[str, ...] = field(default=())
+    guards: tuple[str, ...] = ()
+    records: tuple[Records, ...] = ()
 
+    def __attrs_post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            raise ValueError(f"machine {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        """Trigger names in declaration order."""
+        return tuple(dict.fromkeys(e.trigger for e in self.edges))
+
+    def events_of(self, trigger: str) -> tuple[type[ev.Event], ...]:
+        return tuple(r.event for r in self.records if trigger in r.triggers)
+
+    @property
+    def event_types(self) -> frozenset[type[ev.Event]]:
+        return frozenset(r.event for r in self.records)
+
+
+def _problems(spec: MachineSpec) -> list[str]:
+    """Everything wrong with a declaration (``transitions`` would let each of these through)."""
+    names = {s.name for s in spec.states}
+    problems: list[str] = []
+    if spec.initial not in names:
+        problems.append(f"initial state {spec.initial!r} is not a state of {spec.states.__name__}")
+    declared = set(spec.guards)
+    for edge in spec.edges:
+        for end in (edge.source, edge.dest):
+            if end not in names:
+                problems.append(f"edge {edge.trigger} {edge.source} -> {edge.dest} names unknown state {end!r}")
+        if edge.guard is not None and edge.guard not in declared:
+            problems.append(f"edge {edge.trigger} {edge.source} -> {edge.dest} uses undeclared guard {edge.guard!r}")
+        if edge.guard is None and edge.negate:
+            problems.append(f"edge {edge.trigger} {edge.source} -> {edge.dest} negates no guard")
+    # one edge per (trigger, source, guard value): an unguarded edge holds for both values
+    taken: Counter[tuple[str, str, bool]] = Counter()
+    for edge in spec.edges:
+        values = (True, False) if edge.guard is None else (not edge.negate,)
+        for value in values:
+            taken[(edge.trigger, edge.source, value)] += 1
+    for (trigger, source, value), count in taken.items():
+        if count > 1:
+            where = "" if all(e.guard is None for e in spec.edges if e.trigger == trigger) else f" (guard {value})"
+            problems.append(f"two edges from {source} under trigger {trigger!r}{where}")
+    for trigger in spec.triggers:
+        guards = {e.guard for e in spec.edges if e.trigger == trigger and e.guard is not None}
+        if len(guards) > 1:
+            problems.append(f"trigger {trigger!r} has more than one guard: {sorted(guards)}")
+    used = {e.guard for e in spec.edges}
+    problems += [f"guard {g!r} is declared but no edge uses it" for g in spec.guards if g not in used]
+    # the events: each bound once, each trigger fired by some event, each bound trigger a real one
+    counts = Counter(r.event for r in spec.records)
+    problems += [f"event {t.__name__} is bound twice" for t, n in counts.items() if n > 1]
+    triggers = set(spec.triggers)
+    for record in spec.records:
+        problems += [f"event {record.event.__name__} fires unknown trigger {t!r}" for t in record.triggers
+                     if t not in triggers]
+        if not record.triggers and not record.why:
+            problems.append(f"event {record.event.__name__} fires no trigger and does not say why")
+    bound = {t for r in spec.records for t in r.triggers}
+    problems += [f"trigger {t!r} is fired by no event" for t in spec.triggers if t not in bound]
+    return problems
+
+
+# events both ledgers record that change no block state
+_SHARED_RECORDS = (
+    Records(ev.PeerEpochChanged, why="a peer restarted: the epoch it now runs under"),
+    Records(ev.TransferObserved, why="data-plane facts about one transfer, for metrics and timelines"),
+    Records(ev.Refused, why="a refused command: it changed nothing, and this says why"),
+)
 
 S = SourceState
 T = TargetState
@@ -74,6 +176,20 @@ SOURCE_MACHINE = MachineSpec(
     states=SourceState,
     initial=S.FREE.name,
     guards=("last_pin",),
+    records=(
+        Records(ev.SrcAllocated, ("allocate",)),
+        Records(ev.SrcShared, why="a prefix hit: the request references blocks another request holds, as they are"),
+        Records(ev.SrcPrefillDone, ("prefill_done",)),
+        Records(ev.SrcGranted, ("grant",)),
+        Records(ev.SrcLeaseRenewed, why="a consumer renewed (claimed) a lease: its expiry moves, its pins stay"),
+        Records(ev.SrcCancelDeferred, why="a cancel waits for the consumer that claimed the lease"),
+        Records(ev.SrcConsumerDone, why="one consumer finished; the lease ends (release) with the last one"),
+        Records(ev.SrcLeaseReleased, ("release",)),
+        Records(ev.SrcFreed, ("free", "cache")),
+        Records(ev.SrcAborted, ("abort",)),
+        Records(ev.SrcEvicted, ("evict",)),
+        *_SHARED_RECORDS,
+    ),
     edges=(
         Edge("allocate", "FREE", "ALLOCATED", why="the engine's allocator hands the block to a request"),
         Edge("allocate", "PREFIX_CACHED", "ALLOCATED", why="a cached block is evicted and reused"),
@@ -117,6 +233,16 @@ TARGET_MACHINE = MachineSpec(
     states=TargetState,
     initial=T.FREE.name,
     guards=("all_parts_done", "recompute", "in_flight"),
+    records=(
+        Records(ev.TgtReserved, ("reserve",)),
+        Records(ev.TgtLoadStarted, ("start_load",)),
+        Records(ev.TgtPartDone, ("part_done", "discard")),  # discard: the part settles a cancelled load
+        Records(ev.TgtLoadFailed, ("load_failed", "discard")),
+        Records(ev.TgtCancelled, ("cancel",)),
+        Records(ev.TgtLocalFilled, ("local_fill",)),
+        Records(ev.TgtFinished, ("finish",)),
+        *_SHARED_RECORDS,
+    ),
     edges=(
         Edge("reserve", "FREE", "RESERVED", why="the decode scheduler allocates local blocks"),
         Edge("start_load", "RESERVED", "LOADING", why="transfer posted (pull) or target exposed (push)"),
@@ -163,7 +289,8 @@ TARGET_MACHINE = MachineSpec(
 
 
 def build_transitions_machine(spec: MachineSpec) -> Any:
-    """Validate ``spec`` by building a real ``transitions`` machine from it (no model attached)."""
+    """A real ``transitions`` machine interpreting ``spec``, on a model whose every guard holds (no checks: the
+    spec checked itself when it was made)."""
     from transitions import Machine
 
     class _Guards:  # transitions resolves guard names on the model: give it one with every guard
@@ -172,22 +299,14 @@ def build_transitions_machine(spec: MachineSpec) -> Any:
     model = _Guards()
     for guard in spec.guards:
         setattr(model, guard, lambda: True)
-    names = [s.name for s in spec.states]
-    machine = Machine(
+    return Machine(
         model=model,
-        states=names,
+        states=[s.name for s in spec.states],
         transitions=[e.as_transitions_dict() for e in spec.edges],
         initial=spec.initial,
         auto_transitions=False,
         ignore_invalid_triggers=False,
     )
-    declared_guards = set(spec.guards)
-    for edge in spec.edges:
-        if edge.source not in names or edge.dest not in names:
-            raise ValueError(f"{spec.name}: edge {edge} names an unknown state")
-        if edge.guard is not None and edge.guard not in declared_guards:
-            raise ValueError(f"{spec.name}: edge {edge} uses undeclared guard {edge.guard!r}")
-    return machine
 
 
 @dataclass(frozen=True)
@@ -211,15 +330,18 @@ class CompiledMachine:
     def step(self, trigger: str, states: np.ndarray, guard: np.ndarray | bool | None = None) -> np.ndarray:
         """Next states for ``states`` under ``trigger``; entries are ``INVALID`` where the edge does not exist."""
         compiled = self.triggers[trigger]
+        nxt: np.ndarray
         if compiled.guard is None or guard is None or guard is True:
-            return compiled.when_true[states]
-        if guard is False:
-            return compiled.when_false[states]
-        return np.where(guard, compiled.when_true[states], compiled.when_false[states])
+            nxt = compiled.when_true[states]
+        elif guard is False:
+            nxt = compiled.when_false[states]
+        else:
+            nxt = np.where(guard, compiled.when_true[states], compiled.when_false[states])
+        return nxt
 
 
 def compile_machine(spec: MachineSpec) -> CompiledMachine:
-    """Validate ``spec`` with ``transitions`` and derive one lookup table pair per trigger."""
+    """One lookup table pair per trigger, read from the ``transitions`` machine interpreting ``spec``."""
     machine = build_transitions_machine(spec)
     num_states = len(spec.states)
     triggers: dict[str, CompiledTrigger] = {}
@@ -258,19 +380,24 @@ def _set_once(table: np.ndarray, source: int, dest: int, spec: MachineSpec, trig
 def to_mermaid(spec: MachineSpec) -> str:
     """A Mermaid ``stateDiagram-v2`` generated from the declaration (used by ``kvlifecycle diagram``)."""
     lines = ["stateDiagram-v2", f"    [*] --> {spec.initial}"]
-    for edge in spec.edges:
-        label = edge.trigger
-        if edge.guard is not None:
-            label += f" [{'not ' if edge.negate else ''}{edge.guard}]"
-        lines.append(f"    {edge.source} --> {edge.dest}: {label}")
+    lines += [f"    {edge.source} --> {edge.dest}: {edge.label()}" for edge in spec.edges]
     return "\n".join(lines) + "\n"
 
 
 def edges_table_markdown(spec: MachineSpec) -> str:
-    rows = ["| trigger | from | to | guard | why |", "| --- | --- | --- | --- | --- |"]
+    """Every edge, with the event(s) that record its trigger."""
+    rows = ["| trigger | recorded as | from | to | guard | why |", "| --- | --- | --- | --- | --- | --- |"]
     for e in spec.edges:
         guard = "" if e.guard is None else f"{'not ' if e.negate else ''}{e.guard}"
-        rows.append(f"| `{e.trigger}` | {e.source} | {e.dest} | {guard} | {e.why} |")
+        recorded = ", ".join(f"`{t.__name__}`" for t in spec.events_of(e.trigger))
+        rows.append(f"| `{e.trigger}` | {recorded} | {e.source} | {e.dest} | {guard} | {e.why} |")
+    return "\n".join(rows) + "\n"
+
+
+def events_table_markdown(spec: MachineSpec) -> str:
+    """The events the ledger records that fire no trigger, and what each records instead."""
+    rows = ["| event | changes no block state: it records |", "| --- | --- |"]
+    rows += [f"| `{r.event.__name__}` | {r.why} |" for r in spec.records if not r.triggers]
     return "\n".join(rows) + "\n"
 
 

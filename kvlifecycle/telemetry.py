@@ -42,12 +42,21 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from kvlifecycle import envvars
 from kvlifecycle import events as ev
+from kvlifecycle._version import __version__
 from kvlifecycle.machines import SourceState, TargetState
 
 INSTRUMENTATION_NAME = "kvlifecycle"
-INSTRUMENTATION_VERSION = "0.1.0"
+INSTRUMENTATION_VERSION = __version__
 DORMANT_RECHECK = 64  # events between looks for an SDK provider while none is installed
+
+# events a ledger records that no span or metric reads, and why (the machines' records list every event a side
+# records; tests/test_machines.py checks that each is handled here or named here)
+NOT_OBSERVED: dict[type[ev.Event], str] = {
+    ev.SrcEvicted: "eviction of cached blocks is no part of a handoff (no request or transfer to attach it to)",
+    ev.PeerEpochChanged: "a restarted peer shows in the spans of the leases and loads it ends, each with its reason",
+}
 
 # release reasons / load outcomes that count as a successful handoff
 _OK_OUTCOMES = frozenset({"completed", "ready"})
@@ -628,7 +637,7 @@ def instrument(ledger: Any, tracer_provider: Any = None, meter_provider: Any = N
 
 # --- files, for demos and issue reports (needs the SDK: pip install 'kvlifecycle[otel]') -------------------------
 
-ENV_OTEL_DIR = "KVLIFECYCLE_OTEL_DIR"
+ENV_OTEL_DIR = envvars.OTEL_DIR.name
 
 
 def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instrumentation:
@@ -681,9 +690,9 @@ def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instr
 
 
 def instrument_from_env(ledger: Any) -> Instrumentation:
-    """``$KVLIFECYCLE_OTEL_DIR`` set: :func:`instrument_to_files` there; unset: :func:`instrument` with the global
+    """``$KVL_OTEL_DIR`` set: :func:`instrument_to_files` there; unset: :func:`instrument` with the global
     providers (no-ops unless the application installed an SDK)."""
-    directory = os.environ.get(ENV_OTEL_DIR)
+    directory = envvars.OTEL_DIR.read()
     return instrument_to_files(ledger, directory) if directory else instrument(ledger)
 
 

@@ -115,6 +115,7 @@ class _Builder:
         self.cancel_pending: set[tuple[str, str]] = set()
         self.grants: dict[str, Slice] = {}  # transfer -> P lease slice (any worker)
         self.completions: dict[str, list[Slice]] = {}  # P transfer -> D load slices that completed (one per consumer)
+        self.unrendered: set[type[ev.Event]] = set()  # event kinds feed() has no rendering for (shown bare)
 
     def state(self, worker: str, side: str, request: str, state: str | None, ts: float, **args: Any) -> None:
         key = (worker, request)
@@ -240,6 +241,9 @@ class _Builder:
         elif isinstance(e, ev.Refused):
             self.instant(worker, f"refused {e.command}", ts, reason=e.reason, request=e.request,
                          transfer=e.transfer)
+        else:  # a kind without a rendering yet is shown as a bare instant, never dropped
+            self.unrendered.add(type(e))
+            self.instant(worker, type(e).__name__, ts)
 
     def _settle_load(self, worker: str, side: str, transfer: str, request: str, ts: float, outcome: str,
                      reason: str = "") -> None:

@@ -22,10 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import attrs
 import msgspec
 import numpy as np
 
-WIRE_VERSION = 1
+from kvlifecycle import validators as v
+
+WIRE_VERSION = 1  # what it covers, its history and when to bump it: docs/wire.md
 
 
 class MemoryKind(str, enum.Enum):
@@ -50,41 +53,42 @@ class Locality(str, enum.Enum):
     REMOTE = "remote"
 
 
-@dataclass(frozen=True, slots=True)
+@attrs.frozen
 class BlockView:
     """Which bytes of each block a descriptor covers.
 
     ``offset``/``length`` select a slice of every block (heterogeneous TP: a rank's heads, HND layout);
     ``split`` cuts that slice into equal sub-blocks (P block size ≠ D block size, NHD layout). ``length=0`` means
-    the whole block from ``offset``.
+    the whole block from ``offset``. Validated when made: a negative offset or a zero split is refused.
     """
 
-    offset: int = 0
-    length: int = 0
-    split: int = 1
+    offset: int = attrs.field(default=0, converter=v.plain_int, validator=v.integer(0))
+    length: int = attrs.field(default=0, converter=v.plain_int, validator=v.integer(0))
+    split: int = attrs.field(default=1, converter=v.plain_int, validator=v.integer(1))
 
 
 WHOLE_BLOCK = BlockView()
 
 
-@dataclass(frozen=True, slots=True)
+@attrs.frozen
 class KVLayout:
     """Where a worker's KV cache lives: ``len(base_addrs)`` regions (layer × K/V, or fused KV per layer), each
-    ``num_blocks`` blocks of ``block_bytes[r]`` bytes laid out back to back from ``base_addrs[r]``."""
+    ``num_blocks`` blocks of ``block_bytes[r]`` bytes laid out back to back from ``base_addrs[r]``.
 
-    kind: MemoryKind
-    device_id: int
-    num_blocks: int
-    base_addrs: tuple[int, ...]
-    block_bytes: tuple[int, ...]
+    Validated when made, naming the field: ``KVLayout(MemoryKind.DRAM, 0, -4, ...)`` is a ``ValueError`` about
+    ``num_blocks``; a float address a ``TypeError`` about ``base_addrs``."""
 
-    def __post_init__(self) -> None:
-        if self.num_blocks <= 0:
-            raise ValueError("num_blocks must be positive")
-        if not self.base_addrs or len(self.base_addrs) != len(self.block_bytes):
-            raise ValueError("base_addrs and block_bytes need one entry per region")
-        if min(self.block_bytes) <= 0:
-            raise ValueError("block_bytes must be positive")
+    kind: MemoryKind = attrs.field(converter=MemoryKind)
+    device_id: int = attrs.field(converter=v.plain_int, validator=v.integer(0))
+    num_blocks: int = attrs.field(converter=v.plain_int, validator=v.integer(1))
+    base_addrs: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(0))
+    block_bytes: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(1))
+
+    @block_bytes.validator
+    def _one_per_region(self, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]) -> None:
+        if len(value) != len(self.base_addrs):
+            raise ValueError(f"base_addrs and block_bytes need one entry per region, got {len(self.base_addrs)} "
+                             f"and {len(value)}")
 
     @property
     def num_regions(self) -> int:

@@ -1,16 +1,15 @@
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from kvlifecycle import envvars
 from kvlifecycle.clock import ManualClock
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 
 
 def require_all() -> bool:
     """CI sets KVL_REQUIRE_ALL=1: an optional part that this machine can run must not be skipped there."""
-    return os.environ.get("KVL_REQUIRE_ALL") == "1"
+    return bool(envvars.REQUIRE_ALL.read())
 
 
 def skip_or_fail(reason: str) -> None:

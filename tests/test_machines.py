@@ -1,14 +1,19 @@
-"""The compiled tables must say exactly what the ``transitions`` declaration says."""
+"""The declarations check themselves, the compiled tables say what ``transitions`` does with them, and every
+event is bound to its trigger and handled by the ledger, the telemetry and the timeline."""
 
 from __future__ import annotations
 
 import itertools
+import typing
 
+import msgspec
 import numpy as np
 import pytest
 from transitions import MachineError
 
+from kvlifecycle import events as ev
 from kvlifecycle import machines as m
+from kvlifecycle.ledger import SourceLedger, TargetLedger, open_ledger
 
 
 @pytest.mark.parametrize("spec", [m.SOURCE_MACHINE, m.TARGET_MACHINE], ids=lambda s: s.name)
@@ -50,27 +55,264 @@ def test_failed_load_never_reaches_ready() -> None:
     assert ready not in (failed.when_true.tolist() + failed.when_false.tolist())
 
 
-def test_bad_declarations_are_refused() -> None:
-    dup = m.MachineSpec("bad", m.TargetState, "FREE", (m.Edge("x", "FREE", "RESERVED"), m.Edge("x", "FREE", "LOADING")))
-    with pytest.raises(ValueError, match="two edges"):
-        m.compile_machine(dup)
-    undeclared = m.MachineSpec("bad", m.TargetState, "FREE", (m.Edge("x", "FREE", "RESERVED", guard="nope"),))
-    with pytest.raises((ValueError, AttributeError)):
-        m.compile_machine(undeclared)
+def _spec(edges: tuple[m.Edge, ...], *, guards: tuple[str, ...] = (), initial: str = "FREE",
+          records: tuple[m.Records, ...] | None = None) -> m.MachineSpec:
+    """A small target-state machine whose every trigger is recorded by ``TgtReserved`` unless told otherwise."""
+    if records is None:
+        records = (m.Records(ev.TgtReserved, tuple(dict.fromkeys(e.trigger for e in edges))),)
+    return m.MachineSpec("bad", m.TargetState, initial, edges, guards, records)
 
 
-def test_mermaid_lists_every_edge() -> None:
-    text = m.to_mermaid(m.SOURCE_MACHINE)
-    for edge in m.SOURCE_MACHINE.edges:
-        assert f"{edge.source} --> {edge.dest}: {edge.trigger}" in text
+BAD_DECLARATIONS = {
+    "unknown dest state": (lambda: _spec((m.Edge("x", "FREE", "RESERVD"),)), "unknown state 'RESERVD'"),
+    "unknown source state": (lambda: _spec((m.Edge("x", "FRE", "RESERVED"),)), "unknown state 'FRE'"),
+    "unknown initial state": (lambda: _spec((m.Edge("x", "FREE", "RESERVED"),), initial="NONE"), "initial state"),
+    "undeclared guard": (lambda: _spec((m.Edge("x", "FREE", "RESERVED", guard="nope"),)), "undeclared guard 'nope'"),
+    "declared guard no edge uses": (lambda: _spec((m.Edge("x", "FREE", "RESERVED"),), guards=("g",)), "no edge uses"),
+    "negation without a guard": (lambda: _spec((m.Edge("x", "FREE", "RESERVED", negate=True),)), "negates no guard"),
+    "duplicate edge": (
+        lambda: _spec((m.Edge("x", "FREE", "RESERVED"), m.Edge("x", "FREE", "LOADING"))),
+        "two edges from FREE under trigger 'x'",
+    ),
+    "the same edge twice": (
+        lambda: _spec((m.Edge("x", "FREE", "RESERVED"), m.Edge("x", "FREE", "RESERVED"))),
+        "two edges from FREE",
+    ),
+    "duplicate under one guard value": (
+        lambda: _spec(
+            (m.Edge("x", "FREE", "RESERVED", guard="g"), m.Edge("x", "FREE", "LOADING", guard="g")), guards=("g",)
+        ),
+        "two edges from FREE under trigger 'x' \\(guard True\\)",
+    ),
+    "unguarded beside guarded": (
+        lambda: _spec((m.Edge("x", "FREE", "RESERVED", guard="g"), m.Edge("x", "FREE", "LOADING")), guards=("g",)),
+        "two edges from FREE",
+    ),
+    "two guards on one trigger": (
+        lambda: _spec(
+            (m.Edge("x", "FREE", "RESERVED", guard="g"), m.Edge("x", "RESERVED", "LOADING", guard="h")),
+            guards=("g", "h"),
+        ),
+        "more than one guard",
+    ),
+    "trigger no event records": (
+        lambda: _spec((m.Edge("x", "FREE", "RESERVED"),), records=(m.Records(ev.Refused, why="refusals"),)),
+        "trigger 'x' is fired by no event",
+    ),
+    "event fires an unknown trigger": (
+        lambda: _spec((m.Edge("x", "FREE", "RESERVED"),), records=(m.Records(ev.TgtReserved, ("x", "y")),)),
+        "fires unknown trigger 'y'",
+    ),
+    "event bound twice": (
+        lambda: _spec(
+            (m.Edge("x", "FREE", "RESERVED"),),
+            records=(m.Records(ev.TgtReserved, ("x",)), m.Records(ev.TgtReserved, why="again")),
+        ),
+        "bound twice",
+    ),
+    "stateless event without a why": (
+        lambda: _spec((m.Edge("x", "FREE", "RESERVED"),), records=(m.Records(ev.TgtReserved, ("x",)),
+                                                                    m.Records(ev.Refused))),
+        "does not say why",
+    ),
+}
 
 
-def test_docs_diagram_is_generated_from_the_declaration() -> None:
-    from pathlib import Path
+@pytest.mark.parametrize("name", BAD_DECLARATIONS)
+def test_each_bad_declaration_is_refused_when_made(name: str) -> None:
+    make, message = BAD_DECLARATIONS[name]
+    with pytest.raises(ValueError, match=message):
+        make()
 
-    from kvlifecycle.cli.diagram import render
 
-    doc = Path(__file__).resolve().parents[1] / "docs" / "state-machines.md"
-    assert doc.read_text() == render(), (
-        "docs/state-machines.md is stale: run `kvlifecycle diagram -o docs/state-machines.md`"
-    )
+@pytest.mark.parametrize(
+    "edges",
+    [
+        [{"trigger": "x", "source": "FREE", "dest": "NOWHERE"}],
+        [{"trigger": "x", "source": "FREE", "dest": "RESERVED", "conditions": "undeclared"}],
+        [{"trigger": "x", "source": "FREE", "dest": "RESERVED"}, {"trigger": "x", "source": "FREE", "dest": "LOADING"}],
+    ],
+    ids=["unknown state", "undeclared guard", "duplicate edge"],
+)
+def test_transitions_alone_accepts_what_the_declaration_refuses(edges: list[dict[str, str]]) -> None:
+    """What machines.py says about ``transitions`` is true of the installed version: it checks none of these."""
+    from transitions import Machine
+
+    class Model:
+        pass
+
+    machine = Machine(model=Model(), states=[s.name for s in m.TargetState], transitions=edges, initial="FREE",
+                      auto_transitions=False, ignore_invalid_triggers=False)
+    assert "x" in machine.events
+
+
+# --- events bound to triggers ---------------------------------------------------------------------------------
+
+SPECS = {"source": m.SOURCE_MACHINE, "target": m.TARGET_MACHINE}
+
+
+def test_every_event_type_is_recorded_by_some_machine() -> None:
+    recorded = m.SOURCE_MACHINE.event_types | m.TARGET_MACHINE.event_types
+    assert recorded == set(typing.get_args(ev.AnyEvent))
+
+
+@pytest.mark.parametrize("side", SPECS)
+def test_the_ledger_handles_exactly_the_events_its_machine_records(side: str) -> None:
+    ledger = open_ledger(side, 8)
+    assert set(ledger._handlers) == SPECS[side].event_types
+
+
+@pytest.mark.parametrize("side", SPECS)
+def test_telemetry_handles_every_recorded_event_or_says_why_not(side: str) -> None:
+    from kvlifecycle.telemetry import NOT_OBSERVED, Instrumentation
+
+    handled = set(Instrumentation(open_ledger(side, 8))._handlers)
+    assert all(NOT_OBSERVED.values())
+    assert not handled & set(NOT_OBSERVED), "an event is both handled and declared not observed"
+    assert SPECS[side].event_types - set(NOT_OBSERVED) == handled
+
+
+def _sample(event_type: type[ev.Event]) -> ev.Event:
+    """One instance of ``event_type`` with plausible field values."""
+    values: dict[type, object] = {str: "r0", int: 1, float: 0.5, bool: False, bytes: ev.pack_blocks(np.arange(2))}
+    fields = msgspec.structs.fields(event_type)
+    return event_type(**{f.name: values[f.type] for f in fields})
+
+
+@pytest.mark.parametrize("event_type", typing.get_args(ev.AnyEvent), ids=lambda t: t.__name__)
+def test_the_timeline_renders_every_event(event_type: type[ev.Event]) -> None:
+    from kvlifecycle.timeline import _Builder
+
+    builder = _Builder()
+    builder.feed("w", "source" if event_type.__name__.startswith("Src") else "target", _sample(event_type), 1.0)
+    assert builder.unrendered == set()
+
+
+def test_an_event_without_a_rendering_still_shows_and_is_counted() -> None:
+    from kvlifecycle.timeline import _Builder
+
+    class Unknown(ev.Event, tag="zz-test"):
+        pass
+
+    builder = _Builder()
+    builder.feed("w", "target", Unknown(1, 1.0), 1.0)
+    assert builder.unrendered == {Unknown}
+    assert [i.name for i in builder.instants] == ["Unknown"]
+
+
+class _TriggerSpy:
+    """Wraps a ledger so that every trigger its event handlers fire is noted against the event being applied."""
+
+    def __init__(self, ledger: SourceLedger | TargetLedger) -> None:
+        self.fired: set[tuple[type, str]] = set()
+        self.current: type | None = None
+        scalar, step, machine = ledger._scalar, ledger._step, ledger._machine
+        spy = self
+
+        def noted(trigger: str) -> None:
+            if spy.current is not None:
+                spy.fired.add((spy.current, trigger))
+
+        def spied_scalar(trigger: str, *args: object) -> int:
+            noted(trigger)
+            return scalar(trigger, *args)
+
+        def spied_step(trigger: str, *args: object) -> np.ndarray:
+            noted(trigger)
+            return step(trigger, *args)
+
+        class _Machine:
+            triggers = machine.triggers
+
+            @staticmethod
+            def step(trigger: str, *args: object) -> np.ndarray:
+                noted(trigger)
+                return machine.step(trigger, *args)
+
+        ledger._scalar, ledger._step, ledger._machine = spied_scalar, spied_step, _Machine()
+        for event_type, handler in list(ledger._handlers.items()):
+            ledger._handlers[event_type] = self._around(event_type, handler)
+
+    def _around(self, event_type: type, handler: typing.Callable[[object], None]) -> typing.Callable[[object], None]:
+        def handle(event: object) -> None:
+            self.current = event_type
+            try:
+                handler(event)
+            finally:
+                self.current = None
+
+        return handle
+
+
+def _source_scenario(p: SourceLedger) -> None:
+    p.allocate("done", [0, 1])
+    p.prefill_done("done")
+    g = p.grant("done", consumers=1)
+    p.heartbeat(g.transfer, g.generation, peer="d0")
+    p.consumer_done(g.transfer, g.generation)
+    p.free("done")
+    p.allocate("cached", [2])
+    p.prefill_done("cached")
+    p.free("cached", cache=True)
+    p.evict([2])
+    p.allocate("aborted", [3])
+    p.cancel("aborted")
+    p.allocate("owner", [4, 5])
+    p.share("sharer", [4])
+    p.prefill_done("owner")
+    claimed = p.grant("owner")
+    p.heartbeat(claimed.transfer, claimed.generation, peer="d0")
+    p.cancel("owner")  # claimed: deferred until the consumer is done
+    p.consumer_done(claimed.transfer, claimed.generation)
+    p.peer_restarted("d0", 2)
+    p.prefill_done("sharer")
+    p.free("owner")
+    p.free("sharer")
+
+
+def _target_scenario(d: TargetLedger) -> None:
+    d.reserve("ok", [0])
+    d.start_load("ok", "t-ok")
+    d.part_done("t-ok")
+    d.finish("ok")
+    d.reserve("failed", [1])
+    d.start_load("failed", "t-failed")
+    d.fail("t-failed", "broken")
+    d.reserve("cancel-then-done", [2])
+    d.start_load("cancel-then-done", "t-cd")
+    d.cancel("cancel-then-done")
+    d.part_done("t-cd")  # discard
+    d.reserve("cancel-then-fail", [3])
+    d.start_load("cancel-then-fail", "t-cf")
+    d.cancel("cancel-then-fail")
+    d.fail("t-cf", "late")  # discard
+    d.reserve("local", [4])
+    d.cancel("local")
+    d.reserve("local", [4])
+    d.local_fill("local")
+
+
+def test_every_trigger_an_event_fires_is_the_one_it_is_bound_to() -> None:
+    """Applying each event, live and in an exact (not lazy) replay, fires only the triggers the declaration binds
+    to it, and the scenarios use every binding."""
+    for spec, make, scenario, uses_every_binding in (
+        (m.SOURCE_MACHINE, lambda: SourceLedger(8), _source_scenario, True),
+        (m.TARGET_MACHINE, lambda: TargetLedger(8), _target_scenario, True),
+        (m.TARGET_MACHINE, lambda: TargetLedger(8, failure_policy="recompute"), _target_scenario, False),
+    ):
+        live = make()
+        recorded: list[ev.Event] = []
+        live.listeners.append(recorded.append)
+        spy = _TriggerSpy(live)
+        scenario(live)
+        replayed = make()
+        replay_spy = _TriggerSpy(replayed)
+        replayed.begin_replay()
+        replayed._lazy = False  # the exact replay path: every handler steps the machine block by block
+        replayed.apply_all(recorded)
+        replayed.end_replay()
+        fired = spy.fired | replay_spy.fired
+        declared = {(r.event, t) for r in spec.records for t in r.triggers}
+        assert fired <= declared, fired - declared
+        if uses_every_binding:
+            assert fired == declared, f"the scenario never fired {declared - fired}"

@@ -1,58 +1,102 @@
 """The adapter's options, read once from ``kv_transfer_config.kv_connector_extra_config``.
 
-Documented in docs/vllm.md. Unknown keys are refused (a typo must not silently fall back to a default).
+Documented in docs/vllm.md. Unknown keys are refused (a typo must not silently fall back to a default), and so is
+a value of the wrong type or outside its set, with the option's name: the options are validated where they are
+made, whether from vLLM's JSON (:meth:`AdapterConfig.from_extra`) or in code.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
+
+import attrs
+
+from kvlifecycle import envvars
+from kvlifecycle import validators as v
+from kvlifecycle.choices import Choice, TransferMode
+from kvlifecycle.eventlog import FsyncPolicy
 
 DEFAULT_SIDE_CHANNEL_PORT = 5700
 
 
-@dataclass(frozen=True, slots=True)
+class FastPath(Choice):
+    """Whether KV in VRAM also registers a CUDA IPC transport, which D picks per P at connect when both are on one
+    node (NIXL stays the fallback)."""
+
+    AUTO = "auto"
+    OFF = "off"  # NIXL only
+
+
+def _fsync(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    FsyncPolicy.parse(value)  # 'always', 'never' or '<N>ms': refused here, not when the first log opens
+
+
+def _backends(value: Any) -> Any:
+    """One backend name or a list of them (vLLM's JSON has no tuples); anything else is left for the validator."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _mode(value: TransferMode | str) -> TransferMode:
+    return TransferMode.parse(value, "mode")
+
+
+def _fast_path(value: FastPath | str) -> FastPath:
+    return FastPath.parse(value, "fast_path")
+
+
+_str = v.text
+_optional_str = v.optional_text
+_seconds = v.positive
+
+
+@attrs.frozen(kw_only=True)
 class AdapterConfig:
-    mode: str = "pull"  # pull: D READs from P; push: P WRITEs into D's reserved blocks
-    transport: str = "nixl"
-    backends: tuple[str, ...] = ("UCX",)
-    lease_ttl_s: float = 30.0
-    log_dir: str | None = None  # event logs, one directory per ledger; None: no log
-    fsync: str = "10ms"  # event-log fsync policy (see kvlifecycle.eventlog)
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT  # P's side channel: port + DP index + TP rank
-    grant_wait_s: float = 10.0  # how long D waits for P to publish a grant
-    handshake_timeout_s: float = 5.0
-    load_timeout_s: float = 60.0
-    secret: str | None = None  # optional side-channel HMAC secret, shared by P and D
-    # "auto": KV in VRAM also registers a CUDA IPC transport, which D picks per P at connect when both are on one
-    # node (NIXL stays the fallback); "off": NIXL only
-    fast_path: str = "auto"
+    mode: TransferMode = attrs.field(default=TransferMode.PULL, converter=_mode)
+    """pull: D READs from P; push: P WRITEs into D's reserved blocks."""
+    transport: Literal["nixl"] = attrs.field(default="nixl")
+    backends: tuple[str, ...] = attrs.field(
+        default=("UCX",),
+        converter=_backends,
+        validator=attrs.validators.deep_iterable(_str, attrs.validators.instance_of(tuple)),
+    )
+    lease_ttl_s: float = attrs.field(default=30.0, validator=_seconds)
+    log_dir: str | None = attrs.field(default=None, validator=_optional_str)
+    """Event logs, one directory per ledger; None: no log."""
+    fsync: str = attrs.field(default="10ms", validator=[_str, _fsync])
+    """Event-log fsync policy: 'always', 'never' or '<N>ms' (see kvlifecycle.eventlog)."""
+    side_channel_host: str = attrs.field(default="127.0.0.1", validator=_str)
+    side_channel_port: int = attrs.field(default=DEFAULT_SIDE_CHANNEL_PORT, validator=v.port)
+    """P's side channel: port + DP index + TP rank."""
+    grant_wait_s: float = attrs.field(default=10.0, validator=_seconds)
+    """How long D waits for P to publish a grant."""
+    handshake_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    load_timeout_s: float = attrs.field(default=60.0, validator=_seconds)
+    secret: str | None = attrs.field(default=None, validator=_optional_str)
+    """Optional side-channel HMAC secret, shared by P and D."""
+    fast_path: FastPath = attrs.field(default=FastPath.AUTO, converter=_fast_path)
+
+    @transport.validator
+    def _only_nixl(self, attribute: attrs.Attribute[str], value: str) -> None:
+        if value != "nixl":
+            raise ValueError(f"transport {value!r} is not supported by the vLLM adapter (nixl only)")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> AdapterConfig:
+        """The options from vLLM's ``kv_connector_extra_config``; the side-channel port and the log directory fall
+        back to ``KVL_SIDE_CHANNEL_PORT`` and ``KVL_LOG_DIR`` (see docs/configuration.md)."""
         extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for KVLifecycleConnector; "
                              f"known: {sorted(known)}")
-        env_port = os.environ.get("KVL_SIDE_CHANNEL_PORT") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
-        if "side_channel_port" not in extra and env_port:
-            extra["side_channel_port"] = int(env_port)
-        if "log_dir" not in extra and os.environ.get("KVL_LOG_DIR"):
-            extra["log_dir"] = os.environ["KVL_LOG_DIR"]
-        if "backends" in extra:
-            backends = extra["backends"]
-            extra["backends"] = (backends,) if isinstance(backends, str) else tuple(backends)
-        config = cls(**extra)
-        if config.mode not in ("pull", "push"):
-            raise ValueError(f"mode must be 'pull' or 'push', got {config.mode!r}")
-        if config.transport != "nixl":
-            raise ValueError(f"transport {config.transport!r} is not supported by the vLLM adapter (nixl only)")
-        if config.fast_path not in ("auto", "off"):
-            raise ValueError(f"fast_path must be 'auto' or 'off', got {config.fast_path!r}")
-        if config.lease_ttl_s <= 0:
-            raise ValueError("lease_ttl_s must be positive")
-        return config
+        env_port = envvars.SIDE_CHANNEL_PORT.read()
+        if "side_channel_port" not in extra and env_port is not None:
+            extra["side_channel_port"] = env_port
+        env_log_dir = envvars.LOG_DIR.read()
+        if "log_dir" not in extra and env_log_dir is not None:
+            extra["log_dir"] = str(env_log_dir)
+        return cls(**extra)
+

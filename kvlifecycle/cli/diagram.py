@@ -11,7 +11,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def render() -> str:
-    from kvlifecycle.machines import SOURCE_MACHINE, TARGET_MACHINE, edges_table_markdown, to_mermaid
+    from kvlifecycle.machines import (
+        SOURCE_MACHINE,
+        TARGET_MACHINE,
+        edges_table_markdown,
+        events_table_markdown,
+        to_mermaid,
+    )
 
     parts = [
         "# Block state machines",
@@ -24,7 +30,8 @@ def render() -> str:
         (SOURCE_MACHINE, "Source block (prefill side)"),
         (TARGET_MACHINE, "Target block (decode side)"),
     ):
-        parts += [f"## {title}", "", "```mermaid", to_mermaid(spec).rstrip(), "```", "", edges_table_markdown(spec)]
+        parts += [f"## {title}", "", "```mermaid", to_mermaid(spec).rstrip(), "```", "", edges_table_markdown(spec),
+                  events_table_markdown(spec)]
     return "\n".join(parts)
 
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlifecycle import envvars
+
 POISON = 0xA5
 GOALS = {"large": 0.9, "small": 0.6}  # issue 7: one request end to end x the contiguous copy, 512 MiB / 16 blocks
 
@@ -697,8 +699,9 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
             return elapsed, kernel_s / count, roundtrip, exact, stats0
 
         profile = None
-        profile_batched = os.environ.get("KVL_BENCH_PROFILE") == "batched"  # else the lone small requests
-        if os.environ.get("KVL_BENCH_PROFILE"):
+        profile_what = envvars.BENCH_PROFILE.read()
+        profile_batched = profile_what == "batched"  # else the lone small requests
+        if profile_what:
             import cProfile
 
             profile = cProfile.Profile()

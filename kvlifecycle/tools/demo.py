@@ -107,7 +107,7 @@ class _Worker:
         self.ledger: Any = open_ledger(side, cfg.blocks, cfg.log_dir, fsync=cfg.fsync, worker=cfg.name, **extra)
         from kvlifecycle import logs, telemetry
 
-        # OTel spans/metrics (to files when $KVLIFECYCLE_OTEL_DIR is set; no-ops otherwise) and debug-level event logs
+        # OTel spans/metrics (to files when $KVL_OTEL_DIR is set; no-ops otherwise) and debug-level event logs
         self.telemetry = telemetry.instrument_from_env(self.ledger)
         logs.log_events(self.ledger)
         if side == "source":
@@ -345,8 +345,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=["nixl"], default="nixl")
 
 
+def _not_installed(*modules: str) -> list[str]:
+    """Which of ``modules`` cannot be imported here (looked up, not imported: the parent process needs neither)."""
+    import importlib.util
+
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
     from kvlifecycle.replay import check, check_pair, replay, summary
+
+    missing = _not_installed("nixl", "torch")  # both worker processes need them: say so here, not in a traceback
+    if missing:
+        print(f"kvlifecycle demo moves KV over NIXL and needs {' and '.join(missing)}, not installed here: "
+              "pip install 'kvlifecycle[transports]' torch (pin torch's CPU wheel, see README)", file=sys.stderr)
+        return 2
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvl-demo-"))
     out.mkdir(parents=True, exist_ok=True)

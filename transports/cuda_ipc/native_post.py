@@ -25,6 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvlifecycle import envvars
+
 log = logging.getLogger("kvlifecycle.transports.native_post")
 
 SOURCE = Path(__file__).with_name("_native_post.c")
@@ -132,8 +134,8 @@ def why_not() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVL_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                           os.path.expanduser("~/.cache"), "kvlifecycle")
+    root = envvars.CACHE_DIR.read() or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                    "kvlifecycle")
     return Path(root) / "native"
 
 

@@ -1,0 +1,223 @@
+"""Every environment variable kvlifecycle reads, in one registry: name, type, default, what it does, who reads it.
+
+One prefix, ``KVL_``. Python code reads a variable through its entry here (``envvars.LOG_DIR.read()``), which
+parses the value and refuses a malformed one naming the variable; scripts and the test harnesses read the same
+names from the shell. ``docs/configuration.md`` is generated from this registry (``python -m kvlifecycle.envvars
+> docs/configuration.md``) and ``tests/test_envvars.py`` checks that the table is in sync and that no file names
+a ``KVL_`` variable the registry does not list.
+
+A renamed variable keeps its old name as a deprecated alias: read when the new name is unset, with a one-line
+warning the first time. A variable of another project that kvlifecycle honours as a fallback (vLLM's side-channel
+port) is read without a warning.
+
+Only the CUDA IPC transport reads its variables itself (``KVL_CUDA_IPC_*``, once, into its options object); they
+are listed here all the same.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import attrs
+
+T = TypeVar("T")
+
+PREFIX = "KVL_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool(text: str) -> bool:
+    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case)."""
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"expected 1/0 (or true/false, yes/no, on/off), got {text!r}")
+
+
+_TYPE_NAMES: dict[Callable[[str], object], str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    parse_bool: "bool (1/0)",
+    Path: "path",
+}
+
+
+def _kvl_name(instance: object, attribute: attrs.Attribute[str], name: str) -> None:
+    if not name.startswith(PREFIX) or name != name.upper():
+        raise ValueError(f"{name!r}: every kvlifecycle variable is upper case and starts with {PREFIX}")
+
+
+@attrs.frozen
+class EnvVar(Generic[T]):
+    """One environment variable: ``parse`` turns its text into a value; unset (or empty) reads as ``default``."""
+
+    name: str = attrs.field(validator=_kvl_name)
+    parse: Callable[[str], T]
+    default: T | None
+    doc: str
+    read_by: tuple[str, ...]
+    default_doc: str = ""  # the default in words, where it is computed (e.g. "from the GPU's PCIe link")
+    deprecated: tuple[str, ...] = ()  # former names, still read (with a warning) when this one is unset
+    fallbacks: tuple[str, ...] = ()  # another project's variable with the same meaning, read silently
+
+    @property
+    def type_name(self) -> str:
+        return _TYPE_NAMES.get(self.parse, getattr(self.parse, "__name__", "string"))
+
+    def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The text set for this variable (or a deprecated or fallback name of it); ``None`` when unset or empty."""
+        env = os.environ if environ is None else environ
+        value = env.get(self.name)
+        if value:
+            return value
+        for old in self.deprecated:
+            value = env.get(old)
+            if value:
+                _warn_deprecated(old, self.name)
+                return value
+        for other in self.fallbacks:
+            value = env.get(other)
+            if value:
+                return value
+        return None
+
+    def read(self, environ: Mapping[str, str] | None = None) -> T | None:
+        """The parsed value, or ``default``; a value that does not parse is a ``ValueError`` naming the variable."""
+        text = self.raw(environ)
+        if text is None:
+            return self.default
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"${self.name}={text!r}: {exc}") from None
+
+
+_warned: set[str] = set()
+
+
+def _warn_deprecated(old: str, new: str) -> None:
+    if old not in _warned:
+        _warned.add(old)
+        warnings.warn(f"${old} is deprecated: set ${new} instead", FutureWarning, stacklevel=4)
+
+
+def _var(name: str, parse: Callable[[str], T], default: T | None, doc: str, *read_by: str, default_doc: str = "",
+         deprecated: tuple[str, ...] = (), fallbacks: tuple[str, ...] = ()) -> EnvVar[T]:
+    return EnvVar(name, parse, default, doc, read_by, default_doc, deprecated, fallbacks)
+
+
+# --- the library -------------------------------------------------------------------------------------------------
+LOG = _var("KVL_LOG", str, None, "log format and level of `kvlifecycle.logs.configure`: `json`, `console`, "
+           "`console:debug`, ...", "kvlifecycle.logs", default_doc="console, INFO", deprecated=("KVLIFECYCLE_LOG",))
+OTEL_DIR = _var("KVL_OTEL_DIR", Path, None, "`instrument_from_env` writes OpenTelemetry spans and metrics as JSON "
+                "lines here (needs `opentelemetry-sdk`); unset: the global providers", "kvlifecycle.telemetry",
+                default_doc="unset", deprecated=("KVLIFECYCLE_OTEL_DIR",))
+
+# --- the vLLM adapter --------------------------------------------------------------------------------------------
+SIDE_CHANNEL_PORT = _var("KVL_SIDE_CHANNEL_PORT", int, None, "P's side-channel base port when the connector's "
+                         "`side_channel_port` option is not given (+ DP index + TP rank)", "kvlifecycle.adapters.vllm",
+                         default_doc="5700", fallbacks=("VLLM_NIXL_SIDE_CHANNEL_PORT",))
+LOG_DIR = _var("KVL_LOG_DIR", Path, None, "event logs, one directory per ledger, when the connector's `log_dir` "
+               "option is not given", "kvlifecycle.adapters.vllm", default_doc="no log")
+
+# --- the SGLang adapter ------------------------------------------------------------------------------------------
+SGLANG_HEARTBEAT_S = _var("KVL_SGLANG_HEARTBEAT_S", float, 1.0, "seconds between heartbeats, both ways",
+                          "kvlifecycle.adapters.sglang")
+SGLANG_PEER_TIMEOUT_S = _var("KVL_SGLANG_PEER_TIMEOUT_S", float, 10.0, "a peer silent this long is dead: its rooms "
+                             "fail", "kvlifecycle.adapters.sglang")
+SGLANG_CLAIM_TIMEOUT_S = _var("KVL_SGLANG_CLAIM_TIMEOUT_S", float, 120.0, "a prefill room no decode receiver claimed "
+                              "by then fails", "kvlifecycle.adapters.sglang")
+SGLANG_LEASE_TTL_S = _var("KVL_SGLANG_LEASE_TTL_S", float, 30.0, "P's lease on the pages of a granted chunk, renewed "
+                          "by D's heartbeats", "kvlifecycle.adapters.sglang")
+SGLANG_WRITE_TIMEOUT_S = _var("KVL_SGLANG_WRITE_TIMEOUT_S", float, 60.0, "one write must settle within this",
+                              "kvlifecycle.adapters.sglang")
+SGLANG_LOG_DIR = _var("KVL_SGLANG_LOG_DIR", Path, None, "an event log per manager, in `<dir>/<agent>`",
+                      "kvlifecycle.adapters.sglang", default_doc="no log")
+
+# --- the transports ----------------------------------------------------------------------------------------------
+CUDA_IPC_HOST_IDS = _var("KVL_CUDA_IPC_HOST_IDS", parse_bool, None, "1: the copy kernel reads block ids from pinned "
+                         "host memory; 0: ids are copied to the device first", "kvlifecycle.transports.cuda_ipc",
+                         default_doc="0 (measured faster)")
+CUDA_IPC_REGION_GROUP = _var("KVL_CUDA_IPC_REGION_GROUP", int, None, "regions one kernel program copies",
+                             "kvlifecycle.transports.cuda_ipc", default_doc="1; more with host ids")
+CUDA_IPC_INLINE_IDS = _var("KVL_CUDA_IPC_INLINE_IDS", parse_bool, None, "1: small requests pass their block ids as "
+                           "launch parameters (compiled post only); 0: they stage them like large ones",
+                           "kvlifecycle.transports.cuda_ipc", default_doc="1")
+CUDA_IPC_TRACE = _var("KVL_CUDA_IPC_TRACE", parse_bool, False, "1: stamp each step of a post (`stage_times(handle)` "
+                      "gives µs per stage)", "kvlifecycle.transports.cuda_ipc")
+NATIVE_POST = _var("KVL_NATIVE_POST", parse_bool, True, "0: the CUDA IPC transport posts through Python, never its "
+                   "compiled post", "kvlifecycle.transports.native_post")
+TRITON_FAST_LAUNCH = _var("KVL_TRITON_FAST_LAUNCH", parse_bool, True, "0: every copy launches through Triton's JIT "
+                          "(no direct launch of the compiled kernel)", "kvlifecycle.transports.triton_copy")
+CACHE_DIR = _var("KVL_CACHE_DIR", Path, None, "where the compiled post is built and cached (`<dir>/native`)",
+                 "kvlifecycle.transports.native_post", default_doc="$XDG_CACHE_HOME/kvlifecycle, else "
+                 "~/.cache/kvlifecycle")
+
+# --- the tools ---------------------------------------------------------------------------------------------------
+BENCH_PROFILE = _var("KVL_BENCH_PROFILE", str, None, "`kvlifecycle bench-gpu` runs under cProfile: `batched` "
+                     "profiles the batched requests, any other value the lone small ones",
+                     "kvlifecycle.tools.bench_gpu", default_doc="no profile")
+
+# --- the tests and scripts (read from the shell or by the harnesses, not by the installed package) --------------
+REQUIRE_ALL = _var("KVL_REQUIRE_ALL", parse_bool, False, "1: a test that would skip for a missing engine, GPU or "
+                   "package fails instead (CI)", "tests/conftest.py", "tests/vllm/vllm_harness.py",
+                   "tests/sglang/sglang_harness.py", "scripts/test.sh")
+SKIP_ENGINES = _var("KVL_SKIP_ENGINES", parse_bool, False, "1: `scripts/test.sh` builds no engine environments "
+                    "(their tests skip)", "scripts/test.sh")
+VLLM_VENV = _var("KVL_VLLM_VENV", Path, None, "the vLLM virtual environment", "scripts/setup-vllm-env.sh",
+                 "bench/vllm_pd.sh", "tests/vllm/vllm_harness.py", default_doc="`<repo>/.venv-vllm`")
+SGLANG_VENV = _var("KVL_SGLANG_VENV", Path, None, "the SGLang virtual environment", "scripts/setup-sglang-env.sh",
+                   "bench/sglang_pd.sh", "tests/sglang/sglang_harness.py", default_doc="`<repo>/.venv-sglang`")
+PYTHON = _var("KVL_PYTHON", str, None, "the interpreter the SGLang environment is built from",
+              "scripts/setup-sglang-env.sh", default_doc="python3.11, else python3")
+MODEL_CACHE = _var("KVL_MODEL_CACHE", Path, None, "where the tiny test model is built once",
+                   "tests/vllm/vllm_harness.py", "bench/vllm_pd.py", default_doc="~/.cache/kvlifecycle/models")
+
+REGISTRY: Mapping[str, EnvVar[object]] = {
+    v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)
+}
+
+
+def known_names() -> frozenset[str]:
+    """Every name the registry reads: current, deprecated and fallback."""
+    return frozenset(n for v in REGISTRY.values() for n in (v.name, *v.deprecated, *v.fallbacks))
+
+
+def markdown_table(variables: Iterable[EnvVar[object]] | None = None) -> str:
+    """The docs page: one row per variable, grouped as the registry is."""
+    lines = [
+        "# Configuration: environment variables",
+        "",
+        "Generated by `python -m kvlifecycle.envvars > docs/configuration.md` from `kvlifecycle/envvars.py`; do not "
+        "edit by hand. Every variable starts with `KVL_`; an unset or empty variable takes its default, and a value "
+        "that does not parse is an error naming the variable. Bools are `1`/`0` (or true/false, yes/no, on/off).",
+        "",
+        "| variable | type | default | what it does | read by |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for v in REGISTRY.values() if variables is None else variables:
+        default = v.default_doc or ("unset" if v.default is None else _spell(v.default))
+        doc = v.doc
+        if v.deprecated:
+            doc += f" (formerly {', '.join(f'`{d}`' for d in v.deprecated)}, still read, with a warning)"
+        if v.fallbacks:
+            doc += f" (else {', '.join(f'`{f}`' for f in v.fallbacks)})"
+        readers = ", ".join(f"`{r}`" for r in v.read_by)
+        lines.append(f"| `{v.name}` | {v.type_name} | {default} | {doc} | {readers} |")
+    return "\n".join(lines) + "\n"
+
+
+def _spell(value: object) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
