@@ -135,6 +135,8 @@ SGLANG_PEER_TIMEOUT_S = _var("KVL_SGLANG_PEER_TIMEOUT_S", float, 10.0, "a peer s
                              "fail", "kvlifecycle.adapters.sglang")
 SGLANG_CLAIM_TIMEOUT_S = _var("KVL_SGLANG_CLAIM_TIMEOUT_S", float, 120.0, "a prefill room no decode receiver claimed "
                               "by then fails", "kvlifecycle.adapters.sglang")
+SGLANG_SERVE_TIMEOUT_S = _var("KVL_SGLANG_SERVE_TIMEOUT_S", float, 300.0, "a bootstrapped room the prefill has not "
+                              "served by then fails on both sides", "kvlifecycle.adapters.sglang")
 SGLANG_LEASE_TTL_S = _var("KVL_SGLANG_LEASE_TTL_S", float, 30.0, "P's lease on the pages of a granted chunk, renewed "
                           "by D's heartbeats", "kvlifecycle.adapters.sglang")
 SGLANG_WRITE_TIMEOUT_S = _var("KVL_SGLANG_WRITE_TIMEOUT_S", float, 60.0, "one write must settle within this",

@@ -16,8 +16,7 @@ SUFFIXES = {".py", ".sh", ".md", ""}
 NOT_VARIABLES = {"KVL_MAX_PARAMS", "KVL_MAX_KERNELS"}
 # modules that read their variables themselves, once, into an options object
 READ_DIRECTLY = {
-    "transports/cuda_ipc.py": "the CUDA IPC transport reads KVL_CUDA_IPC_* into its options",
-    "adapters/sglang/conn.py": "the SGLang backend reads KVL_SGLANG_* once, in Settings.from_env",
+    "transports/cuda_ipc/options.py": "the CUDA IPC transport reads KVL_CUDA_IPC_* into its options",
 }
 NAME = re.compile(r"\b(?:KVL|KVLIFECYCLE)_[A-Z0-9_]*[A-Z0-9]\b")
 DIRECT_READ = re.compile(

@@ -63,20 +63,13 @@ from sglang.srt.runtime_context import get_device
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import NetworkAddress
 
+from kvlifecycle import envvars
 from kvlifecycle.ledger import LedgerError, SourceLedger, TargetLedger, open_ledger
 from kvlifecycle.machines import SourceState, TargetState
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "kvlifecycle"
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        return float(raw) if raw else default
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,16 +86,21 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
-        d = cls()
+        """Read once, through the project's environment registry (``kvlifecycle.envvars``)."""
         return cls(
-            heartbeat_s=_env_float("KVL_SGLANG_HEARTBEAT_S", d.heartbeat_s),
-            peer_timeout_s=_env_float("KVL_SGLANG_PEER_TIMEOUT_S", d.peer_timeout_s),
-            claim_timeout_s=_env_float("KVL_SGLANG_CLAIM_TIMEOUT_S", d.claim_timeout_s),
-            serve_timeout_s=_env_float("KVL_SGLANG_SERVE_TIMEOUT_S", d.serve_timeout_s),
-            lease_ttl_s=_env_float("KVL_SGLANG_LEASE_TTL_S", d.lease_ttl_s),
-            write_timeout_s=_env_float("KVL_SGLANG_WRITE_TIMEOUT_S", d.write_timeout_s),
-            log_dir=os.environ.get("KVL_SGLANG_LOG_DIR", ""),
+            heartbeat_s=_float(envvars.SGLANG_HEARTBEAT_S.read()),
+            peer_timeout_s=_float(envvars.SGLANG_PEER_TIMEOUT_S.read()),
+            claim_timeout_s=_float(envvars.SGLANG_CLAIM_TIMEOUT_S.read()),
+            serve_timeout_s=_float(envvars.SGLANG_SERVE_TIMEOUT_S.read()),
+            lease_ttl_s=_float(envvars.SGLANG_LEASE_TTL_S.read()),
+            write_timeout_s=_float(envvars.SGLANG_WRITE_TIMEOUT_S.read()),
+            log_dir=str(envvars.SGLANG_LOG_DIR.read() or ""),
         )
+
+
+def _float(value: float | None) -> float:
+    assert value is not None  # every SGLang timeout has a default in the registry
+    return float(value)
 
 
 def new_epoch() -> int:
