@@ -408,6 +408,7 @@ class WorkerPart:
 
     worker: str
     side: str
+    request: str = ""  # the worker's own id for the request (vLLM's D names it differently from P)
     blocks: str = ""
     epoch: int = 0
     state: str = ""  # the blocks' state now, or how the worker let them go (freed, cached, finished, ...)
@@ -443,15 +444,29 @@ def requests_of(trace: Trace) -> dict[str, list[Step]]:
     return out
 
 
+def linked_steps(trace: Trace, request: str) -> list[Step]:
+    """The steps of ``request`` and of the requests other workers moved its KV under: the ids an engine gives
+    one request can differ per side (vLLM's D names it anew), the transfers they share cannot."""
+    own = [s for s in trace.steps if s.request == request]
+    transfers = {t for s in own if s.transfer for t in (s.transfer, *source_transfers(s.transfer))}
+    if not transfers:
+        return own
+    linked = {s.request for s in trace.steps if s.request and s.request != request and s.transfer
+              and (s.transfer in transfers or not transfers.isdisjoint(source_transfers(s.transfer)))}
+    if not linked:
+        return own
+    return [s for s in trace.steps if s.request == request or s.request in linked]
+
+
 def request_story(trace: Trace, request: str, steps: list[Step] | None = None) -> RequestStory:
     """Every step of ``request`` on every worker (including refusals of its transfers) and what each worker holds
     of it where the trace ends. ``steps``: the request's steps, when already picked out (:func:`requests_of`)."""
     if steps is None:
-        steps = [s for s in trace.steps if s.request == request]
+        steps = linked_steps(trace, request)
     parts: dict[str, WorkerPart] = {}
     cancelled: set[str] = set()  # workers where the request was cancelled while its load was in flight
     for s in steps:
-        part = parts.setdefault(s.worker, WorkerPart(s.worker, s.side))
+        part = parts.setdefault(s.worker, WorkerPart(s.worker, s.side, s.request))
         e = s.event
         if isinstance(e, ev.SrcAllocated | ev.SrcShared | ev.TgtReserved):
             part.blocks, part.epoch, part.leases, part.loads = block_ranges(s.blocks), s.epoch, [], []
@@ -490,7 +505,7 @@ def request_story(trace: Trace, request: str, steps: list[Step] | None = None) -
             part.refusals.append(f"{e.command}: {e.reason}")
     for part in parts.values():
         log = trace.logs[part.worker]
-        held = log.ledger.requests.get(request)
+        held = log.ledger.requests.get(part.request or request)
         if held is not None:
             states = {log.state_name(int(v)) for v in log.ledger.block_states(held.blocks).tolist()}
             cancel_pending = bool(getattr(held, "cancel_pending", False))
@@ -498,7 +513,7 @@ def request_story(trace: Trace, request: str, steps: list[Step] | None = None) -
             # D decoding from READY_FOR_ATTENTION blocks is the handoff's end; anything else is still in flight
             part.settled = part.side == "target" and states <= {"READY_FOR_ATTENTION"} and not cancel_pending
         else:
-            part.state = _let_go(trace, steps, part.worker, request)
+            part.state = _let_go(trace, steps, part.worker, part.request or request)
             part.settled = True
     return RequestStory(request, steps, list(parts.values()))
 

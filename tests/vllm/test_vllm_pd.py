@@ -173,6 +173,46 @@ def test_prefix_shared_with_a_handoff_still_pinned(cluster: Cluster) -> None:
     assert any(e["kind"] == "SrcAllocated" and e["request"].startswith(b_request) for e in events)
 
 
+def _story(cluster: Cluster, request: str) -> dict:
+    """``kvlifecycle replay P D --request ID --json``, as a person on call would run it (without the --json)."""
+    import subprocess
+    import sys
+
+    dirs = [*event_dirs(cluster.events, "source"), *event_dirs(cluster.events, "target")]
+    out = subprocess.run([sys.executable, "-m", "kvlifecycle", "replay", *map(str, dirs), "--request", request,
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode in (0, 1), out.stderr
+    return json.loads(out.stdout)
+
+
+def test_request_story_follows_one_handoff_across_p_and_d(cluster: Cluster) -> None:
+    """The story of P's request id shows P's and D's events of that handoff in causal order, although vLLM's D
+    gives the request an id of its own: the transfer links them."""
+    prompt = h.prompt_of_length(48, offset=8100)
+    params = prefill_only(cluster, prompt)
+    status, answer = h.post_json(cluster.decode.port, "/v1/completions",
+                                 h.completion_body(prompt, MAX_TOKENS, kv_transfer_params=params))
+    assert status == 200, answer
+    request = params["remote_request_id"]
+    want = ["allocate", "prefill done", "grant", "reserve", "load start", "part done", "consumer done", "release"]
+    deadline = time.monotonic() + 60
+    while True:  # the logs are group-committed once per scheduler step: wait (bounded) for D's to land
+        story = _story(cluster, request)
+        events = [s["event"] for s in story["steps"]]
+        if all(e in events for e in want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(e in events for e in want), events
+    by_event = {s["event"]: s for s in story["steps"]}
+    assert by_event["grant"]["side"] == "source" and by_event["load start"]["side"] == "target"
+    assert by_event["load start"]["request"] != request  # D's own id, linked through the transfer
+    assert by_event["load start"]["transfer"] == by_event["grant"]["transfer"]
+    assert [t["after"] for t in by_event["part done"]["transitions"]] == ["READY_FOR_ATTENTION"]
+    order = [s["event"] for s in story["steps"] if s["event"] in ("grant", "load start", "part done", "release")]
+    assert order.index("grant") < order.index("load start") < order.index("part done")
+    assert {p["side"] for p in story["parts"]} == {"source", "target"}
+
+
 def test_block_size_mismatch_is_refused_at_handshake(cluster: Cluster) -> None:
     prompt = h.prompt_of_length(64, offset=3333)
     params = prefill_only(cluster, prompt)
