@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -16,3 +17,39 @@ def test_bench_lifecycle_json_keys(capsys: pytest.CaptureFixture[str]) -> None:
         assert out[key] > 0
     assert out["replay_clean"] is True
     assert out["events_p"] == 300 * 7 and out["events_d"] == 300 * 4
+
+
+SMALL = ["bench", "lifecycle", "--requests", "200", "--blocks", "8", "--rounds", "2"]
+
+
+def _on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both streams claim to be terminals, as when a person runs the verb (capsys still captures them)."""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+
+
+def test_with_json_the_output_is_one_json_object_line_even_on_a_terminal(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_a_terminal(monkeypatch)
+    assert main([*SMALL, "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1 and captured.out == lines[0] + "\n"
+    assert isinstance(json.loads(lines[0]), dict)
+    assert captured.err == ""  # no bar, no progress text
+
+
+def test_on_a_terminal_the_bar_goes_to_stderr_and_the_table_to_stdout(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_a_terminal(monkeypatch)
+    assert main(SMALL) == 0
+    captured = capsys.readouterr()
+    assert "bench lifecycle" in captured.err and "round 2 of 2 done" in captured.err
+    assert captured.out.startswith("lifecycle benchmark:") and "bench lifecycle" not in captured.out
+
+
+def test_without_a_terminal_the_verb_prints_its_table_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(SMALL) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert captured.out.startswith("lifecycle benchmark:")

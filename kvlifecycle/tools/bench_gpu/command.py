@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlifecycle.tools.progress import Ticker, progress
+
 from .shapes import Shape, id_sets
 from .summary import summarise
 from .table import print_table
@@ -65,18 +67,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError:
         res["triton"] = None
     sets = {label: id_sets(rng, pool, shape.blocks, args.reps) for label, shape in shapes.items()}
-    for label, shape in shapes.items():
-        res[label] = bench_in_process(torch, ip, shape, sets[label], args.sweep, args.pipeline)
     two_gpus = args.peer_device is not None and args.peer_device != args.device
-    if two_gpus:
-        _peer_ceilings(torch, ip, shapes, args, res)
-    if not args.no_e2e:
-        _e2e_runs(torch, ip, shapes, args, res)
-    if args.sweep and two_gpus:
-        _peer_kernels(torch, ip, shapes, sets, args, res)
-    if not args.no_nixl:  # last: NIXL's UCX progress threads spin cores while its agents live
-        _nixl(torch, ip, shapes, sets, args, res)
+    with progress("bench gpu", _steps(args, two_gpus), json_output=getattr(args, "json", False)) as tick:
+        for label, shape in shapes.items():
+            res[label] = bench_in_process(torch, ip, shape, sets[label], args.sweep, args.pipeline)
+            tick(f"{label}: in-process paths")
+        if two_gpus:
+            _peer_ceilings(torch, ip, shapes, args, res)
+            tick("peer copy")
+        if not args.no_e2e:
+            _e2e_runs(torch, ip, shapes, args, res, tick)
+        if args.sweep and two_gpus:
+            _peer_kernels(torch, ip, shapes, sets, args, res)
+            tick("kernels across the peer link")
+        if not args.no_nixl:  # last: NIXL's UCX progress threads spin cores while its agents live
+            _nixl(torch, ip, shapes, sets, args, res, tick)
     return summarise(res, shapes, args.pipeline)
+
+
+def _steps(args: argparse.Namespace, two_gpus: bool) -> int:
+    """How many times :func:`measure` ticks: one per stage below."""
+    e2e = 0 if args.no_e2e else (2 if args.no_ab else 3)
+    return 2 + two_gpus + e2e + (args.sweep and two_gpus) + (0 if args.no_nixl else 2)
 
 
 def _peer_ceilings(torch: Any, ip: Any, shapes: dict[str, Shape], args: argparse.Namespace,
@@ -92,7 +104,8 @@ def _peer_ceilings(torch: Any, ip: Any, shapes: dict[str, Shape], args: argparse
             res[label]["peer_ceiling_error"] = f"{type(exc).__name__}: {exc}"
 
 
-def _e2e_runs(torch: Any, ip: Any, shapes: dict[str, Shape], args: argparse.Namespace, res: dict[str, Any]) -> None:
+def _e2e_runs(torch: Any, ip: Any, shapes: dict[str, Shape], args: argparse.Namespace, res: dict[str, Any],
+              tick: Ticker) -> None:
     """The ledger's hot cost, then the e2e: with the compiled post (the default) and, the A/B in one run, with the
     Python post."""
     from .budget import ledger_hot_us
@@ -100,6 +113,7 @@ def _e2e_runs(torch: Any, ip: Any, shapes: dict[str, Shape], args: argparse.Name
 
     log_dir = args.dir or tempfile.mkdtemp(prefix="kvl-bench-gpu-")
     res["ledger_hot_us"] = ledger_hot_us(args.small_blocks, max(200, 10 * args.reps), f"{log_dir}/hot")
+    tick("the ledger, hot")
     peer = args.device if args.peer_device is None else args.peer_device
     for key, compiled in (("e2e", True), ("e2e_python_post", False)):
         if key != "e2e" and args.no_ab:
@@ -110,6 +124,7 @@ def _e2e_runs(torch: Any, ip: Any, shapes: dict[str, Shape], args: argparse.Name
         except Exception as exc:
             e2e = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         res[key] = e2e
+        tick(f"{key}: two processes")
     res["log_dir"] = log_dir
 
 
@@ -125,7 +140,7 @@ def _peer_kernels(torch: Any, ip: Any, shapes: dict[str, Shape], sets: dict[str,
 
 
 def _nixl(torch: Any, ip: Any, shapes: dict[str, Shape], sets: dict[str, Any], args: argparse.Namespace,
-          res: dict[str, Any]) -> None:
+          res: dict[str, Any], tick: Ticker) -> None:
     from .raw_nixl import bench_nixl
 
     for label, shape in shapes.items():
@@ -135,6 +150,7 @@ def _nixl(torch: Any, ip: Any, shapes: dict[str, Shape], sets: dict[str, Any], a
         except Exception as exc:  # reported, not fatal: NIXL is a comparison here
             res[label]["nixl_error"] = f"{type(exc).__name__}: {exc}"
         gc.collect()
+        tick(f"{label}: raw NIXL")
 
 
 def run(args: argparse.Namespace) -> int:
