@@ -11,7 +11,7 @@ from .shapes import POISON, Shape, gbps, median, pinned_id_sets
 
 # Kernel shapes tried across the peer link (--sweep with --peer-device): a read over NVLink waits longer than one
 # from the GPU's own memory, so more bytes per program might pay there (on the H200 pair they all move at the
-# link's rate: docs/gpu.md, "Two GPUs").
+# link's rate: docs/benchmarks/2026-11-29-gpu-two-gpus.md).
 PEER_VARIANTS = ((4096, 4), (8192, 4), (8192, 8), (16384, 4), (16384, 8), (32768, 8), (2048, 2), (4096, 8))
 
 
