@@ -168,11 +168,12 @@ class DecodeLoop:
         return ceiling_s
 
     def _issue(self, rnd: Round, batched: bool) -> None:
-        ledger, peer, peer_epoch = self.ledger, self.peer, self.peer_epoch
+        # on the timed path: attributes read once into locals, as the closures this loop was written with did
+        ledger, peer, peer_epoch, names, marks = self.ledger, self.peer, self.peer_epoch, rnd.names, rnd.marks
         with ledger.step():  # the gates act now; their log records are appended after the launch
             for i, (_, transfer, generation, _) in enumerate(rnd.grants):
-                ledger.start_load(rnd.names[i], transfer, generation=generation, peer=peer, peer_epoch=peer_epoch)
-                rnd.marks.append(time.perf_counter())
+                ledger.start_load(names[i], transfer, generation=generation, peer=peer, peer_epoch=peer_epoch)
+                marks.append(time.perf_counter())
                 if not batched:
                     self._post_one(rnd, i)
             if batched:
@@ -202,7 +203,7 @@ class DecodeLoop:
 
     def _wait_ready(self, rnd: Round) -> None:
         """Poll until every request is done; each completion's part_done in a ledger step of its own."""
-        transport, ledger, handles = self.transport, self.ledger, rnd.handles
+        transport, ledger, handles, marks = self.transport, self.ledger, rnd.handles, rnd.marks
         deadline = time.perf_counter() + 60
         while handles:
             done = []
@@ -218,7 +219,7 @@ class DecodeLoop:
                 continue
             t_seen = time.perf_counter()
             rnd.first_seen = rnd.first_seen or t_seen
-            rnd.marks.append(t_seen)
+            marks.append(t_seen)
             # The blocks are READY_FOR_ATTENTION once part_done returns: that ends a request's latency (the
             # step's log records follow, at its end).
             with ledger.step():
@@ -227,7 +228,7 @@ class DecodeLoop:
                 t_ready = time.perf_counter()
             rnd.t_ready = t_ready
             rnd.part_done_s += t_ready - t_seen
-            rnd.marks.append(t_ready)
+            marks.append(t_ready)
             rnd.ready += [(transfer, handles.pop(transfer)[0], t_seen) for transfer in done]
 
     def _observe_and_release(self, rnd: Round, single: bool) -> dict[str, Any]:
