@@ -37,10 +37,10 @@ def _stub_cuda() -> None:
     torch.cuda.get_device_name = lambda *args: "CPU (bench_gpu_on_cpu)"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.set_device = lambda *args, **kwargs: None
-    torch.cuda.current_stream = lambda *args, **kwargs: SimpleNamespace(cuda_stream=0)
-    torch.cuda.Event = _Event  # type: ignore[misc]
+    torch.cuda.current_stream = lambda *args, **kwargs: SimpleNamespace(cuda_stream=0)  # type: ignore[assignment]
+    torch.cuda.Event = _Event  # type: ignore[misc,assignment]
     torch.cuda._sleep = lambda cycles: None
-    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
     torch.zeros = lambda *args, pin_memory=False, **kwargs: zeros(*args, **kwargs)
 
 
