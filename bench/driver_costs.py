@@ -16,8 +16,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from kvlifecycle.tools.progress import progress
 
 METRICS = ("event_record_timing", "event_record_plain", "stream_wait_event", "memcpy_ids", "launch_kernel",
            "stream_query_idle", "compiled_post_call", "lone_compiled_post", "graph_launch", "lone_order_graph",
@@ -138,7 +141,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=400)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    res = {"python": python_costs(max(args.reps, 2000)), "driver": driver_costs(args.reps)}
+    with progress("driver costs", 2, json_output=args.json) as tick:
+        res: dict[str, Any] = {"python": python_costs(max(args.reps, 2000))}
+        tick("Python")
+        res["driver"] = driver_costs(args.reps)
+        tick("driver")
     if args.json:
         print(json.dumps(res))
     else:

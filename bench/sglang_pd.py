@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvlifecycle.tools.progress import progress
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,14 +78,16 @@ def main() -> int:
     args.num_pages = (2 * args.rooms + 8) * args.pages_per_room
     runs: dict[str, list[dict]] = {"nixl": [], "kvlifecycle": []}
     t0 = time.monotonic()
-    for i in range(args.repeat):
-        for backend in ("nixl", "kvlifecycle") if i % 2 == 0 else ("kvlifecycle", "nixl"):
-            with tempfile.TemporaryDirectory(prefix=f"sglang-bench-{backend}-") as tmp:
-                runs[backend].append(one_run(backend, args, Path(tmp)))
-            if not args.json:
-                r = runs[backend][-1]
-                print(f"  run {i + 1} {backend:12s} {r['seconds'] * 1e3:9.2f} ms  "
-                      f"{r['bytes'] / r['seconds'] / 1e9:6.2f} GB/s  bytes_equal={r['bytes_equal']}", flush=True)
+    with progress("SGLang P/D", 2 * args.repeat, json_output=args.json) as tick:
+        for i in range(args.repeat):
+            for backend in ("nixl", "kvlifecycle") if i % 2 == 0 else ("kvlifecycle", "nixl"):
+                with tempfile.TemporaryDirectory(prefix=f"sglang-bench-{backend}-") as tmp:
+                    runs[backend].append(one_run(backend, args, Path(tmp)))
+                tick(f"run {i + 1}, {backend}")
+                if not args.json:
+                    r = runs[backend][-1]
+                    print(f"  run {i + 1} {backend:12s} {r['seconds'] * 1e3:9.2f} ms  "
+                          f"{r['bytes'] / r['seconds'] / 1e9:6.2f} GB/s  bytes_equal={r['bytes_equal']}", flush=True)
     med = {b: statistics.median(r["seconds"] for r in rs) for b, rs in runs.items()}
     nbytes = runs["kvlifecycle"][0]["bytes"]
     out = {

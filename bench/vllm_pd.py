@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
 import vllm_harness as h
 
+from kvlifecycle.tools.progress import progress
+
 P_CORES, D_CORES = [0], [1]
 
 
@@ -116,9 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvl-bench-vllm-"))
     model = h.build_tiny_model(Path(args.model_cache))
     prompts = [h.prompt_of_length(args.prompt_tokens, offset=1 + 131 * i) for i in range(args.requests)]
-    nixl = run_pair("nixl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
-    kvl = run_pair("kvl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
-    single = None if args.skip_single else single_outputs(model, prompts, args.output_tokens, log_dir)
+    with progress("vLLM P/D", 2 + (not args.skip_single), json_output=args.json) as tick:
+        nixl = run_pair("nixl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
+        tick("NixlConnector pair")
+        kvl = run_pair("kvl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
+        tick("KVLifecycleConnector pair")
+        single = None if args.skip_single else single_outputs(model, prompts, args.output_tokens, log_dir)
+        tick("single instance")
     report = {
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,

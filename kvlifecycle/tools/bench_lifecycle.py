@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvlifecycle.tools.progress import SILENT, Ticker, progress
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=10_000)
@@ -79,9 +81,10 @@ def run_target(ledger, requests: int, blocks: int, window: int) -> float:
     return time.process_time() - start
 
 
-def measure(requests: int, blocks: int, window: int, fsync: str, root: Path, rounds: int = 3) -> dict:
+def measure(requests: int, blocks: int, window: int, fsync: str, root: Path, rounds: int = 3,
+            tick: Ticker = SILENT) -> dict:
     """Each figure is the best of ``rounds`` (noise on a shared machine only ever adds time); every round's value
-    is kept under ``rounds_*``."""
+    is kept under ``rounds_*``. ``tick`` is called once a round is done."""
     from kvlifecycle.eventlog import EventLog, LogReader
     from kvlifecycle.invariants import check_quiescent
     from kvlifecycle.ledger import open_ledger
@@ -113,6 +116,7 @@ def measure(requests: int, blocks: int, window: int, fsync: str, root: Path, rou
         replayed = [replay(here / "p"), replay(here / "d")]
         replay_rounds.append(sum(len(x.events) for x in replayed) / (time.process_time() - t0))
         violations += [str(v) for x in replayed for v in check(x, quiescent=True)]
+        tick(f"round {r + 1} of {rounds} done")
     return {
         "requests": requests,
         "blocks_per_request": blocks,
@@ -137,7 +141,8 @@ def measure(requests: int, blocks: int, window: int, fsync: str, root: Path, rou
 def run(args: argparse.Namespace) -> int:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvl-bench-"))
     try:
-        result = measure(args.requests, args.blocks, args.window, args.fsync, root, args.rounds)
+        with progress("bench lifecycle", args.rounds, json_output=args.json) as tick:
+            result = measure(args.requests, args.blocks, args.window, args.fsync, root, args.rounds, tick)
         try:
             from kvlifecycle.telemetry import measure_tracing_overhead
         except ImportError:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from kvlifecycle.tools.progress import progress
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=21, help="transfers per side (first one included)")
@@ -149,46 +151,51 @@ def run(args: argparse.Namespace) -> int:
     logs = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kvl-bench-"))
     blocks = list(range(args.blocks))
     workers: list[WorkerProcess] = []
-    try:
-        rp = WorkerProcess(WorkerConfig("raw_producer", "raw-p", seed=11, **size))
-        rd = WorkerProcess(WorkerConfig("raw_consumer", "raw-d", **size))
-        kp = WorkerProcess(WorkerConfig("producer", "kvl-p", seed=11, log_dir=str(logs / "p"), fsync="10ms", **size))
-        kd = WorkerProcess(WorkerConfig("consumer", "kvl-d", log_dir=str(logs / "d"), fsync="10ms", **size))
-        workers += [rp, rd, kp, kd]
-        rd.call("connect", rp.hello["blob"], rp.hello["layout"])
-        addr = kp.hello["address"]
-        kd.call("connect", addr)
-        raw: list[dict[str, Any]] = []
-        kvl: list[dict[str, Any]] = []
-        for i in range(iters):
-            grant = kp.call("alloc_grant", f"bench-{i}", blocks)
-            if i % 2:  # alternate which side goes first, so an ordering effect cancels out
-                raw.append(rd.call("bench_one", blocks))
-                kvl.append(kd.call("bench_one", f"bench-{i}", addr, grant, blocks))
-            else:
-                kvl.append(kd.call("bench_one", f"bench-{i}", addr, grant, blocks))
-                raw.append(rd.call("bench_one", blocks))
-            deadline = time.monotonic() + 30
-            while not kp.call("free_released") and time.monotonic() < deadline:
-                time.sleep(0.001)
-        exact = (rp.call("digest", blocks) == rd.call("digest", blocks)
-                 and kp.call("digest", blocks) == kd.call("digest", blocks))
-        idle_off = kp.call("idle_cpu", args.idle_seconds)
-        idle_raw_d = rd.call("idle_cpu", args.idle_seconds)
-        for w in workers:
-            w.stop()
-        workers.clear()
-        # the same kvlifecycle worker with UCX's progress thread on, connected, idle
-        pon = WorkerProcess(WorkerConfig("producer", "on-p", prog_thread=True, **size))
-        don = WorkerProcess(WorkerConfig("consumer", "on-d", prog_thread=True, **size))
-        workers += [pon, don]
-        don.call("connect", pon.hello["address"])
-        idle_on = pon.call("idle_cpu", args.idle_seconds)
-    finally:
-        for w in workers:
-            w.stop()
-        if not args.keep:
-            shutil.rmtree(logs, ignore_errors=True)
+    with progress("bench transport", iters + 2, json_output=args.json) as tick:
+        try:
+            rp = WorkerProcess(WorkerConfig("raw_producer", "raw-p", seed=11, **size))
+            rd = WorkerProcess(WorkerConfig("raw_consumer", "raw-d", **size))
+            kp = WorkerProcess(WorkerConfig("producer", "kvl-p", seed=11, log_dir=str(logs / "p"), fsync="10ms",
+                                            **size))
+            kd = WorkerProcess(WorkerConfig("consumer", "kvl-d", log_dir=str(logs / "d"), fsync="10ms", **size))
+            workers += [rp, rd, kp, kd]
+            rd.call("connect", rp.hello["blob"], rp.hello["layout"])
+            addr = kp.hello["address"]
+            kd.call("connect", addr)
+            raw: list[dict[str, Any]] = []
+            kvl: list[dict[str, Any]] = []
+            for i in range(iters):
+                grant = kp.call("alloc_grant", f"bench-{i}", blocks)
+                if i % 2:  # alternate which side goes first, so an ordering effect cancels out
+                    raw.append(rd.call("bench_one", blocks))
+                    kvl.append(kd.call("bench_one", f"bench-{i}", addr, grant, blocks))
+                else:
+                    kvl.append(kd.call("bench_one", f"bench-{i}", addr, grant, blocks))
+                    raw.append(rd.call("bench_one", blocks))
+                tick(f"transfer {i + 1} of {iters}")
+                deadline = time.monotonic() + 30
+                while not kp.call("free_released") and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            exact = (rp.call("digest", blocks) == rd.call("digest", blocks)
+                     and kp.call("digest", blocks) == kd.call("digest", blocks))
+            idle_off = kp.call("idle_cpu", args.idle_seconds)
+            idle_raw_d = rd.call("idle_cpu", args.idle_seconds)
+            tick("idle CPU, progress thread on")
+            for w in workers:
+                w.stop()
+            workers.clear()
+            # the same kvlifecycle worker with UCX's progress thread on, connected, idle
+            pon = WorkerProcess(WorkerConfig("producer", "on-p", prog_thread=True, **size))
+            don = WorkerProcess(WorkerConfig("consumer", "on-d", prog_thread=True, **size))
+            workers += [pon, don]
+            don.call("connect", pon.hello["address"])
+            idle_on = pon.call("idle_cpu", args.idle_seconds)
+            tick()
+        finally:
+            for w in workers:
+                w.stop()
+            if not args.keep:
+                shutil.rmtree(logs, ignore_errors=True)
     steady_raw = [r["wall_s"] for r in raw[1:]]
     steady_kvl = [r["wall_s"] for r in kvl[1:]]
     raw_s, kvl_s = float(np.median(steady_raw)), float(np.median(steady_kvl))

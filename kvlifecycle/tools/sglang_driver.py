@@ -35,14 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-for _key, _value in (("UCX_TLS", "self,sm,tcp"), ("UCX_NET_DEVICES", "lo"), ("SGLANG_HOST_IP", "127.0.0.1"),
-                     ("HOST_IP", "127.0.0.1")):
-    os.environ.setdefault(_key, _value)
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 SENTINEL = 0xA5
 ROOM_BASE = 7_000_000
+# Loopback only, unless the caller's environment says otherwise: UCX over shared memory and TCP on ``lo``, SGLang's
+# bootstrap on 127.0.0.1. Set by main() before SGLang (and through it UCX) is first imported, in run_prefill or
+# run_decode; importing this module changes no environment.
+LOOPBACK_DEFAULTS = (("UCX_TLS", "self,sm,tcp"), ("UCX_NET_DEVICES", "lo"), ("SGLANG_HOST_IP", "127.0.0.1"),
+                     ("HOST_IP", "127.0.0.1"))
 
 
 @dataclass
@@ -490,6 +491,8 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for key, value in LOOPBACK_DEFAULTS:
+        os.environ.setdefault(key, value)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--backend", default="kvlifecycle")
