@@ -174,7 +174,7 @@ def _plug_in_the_double() -> None:
     fastpath.done_at = lambda transport, handle_id: transport.live[handle_id].t_done
     fastpath.BlockCopier.launch_ptrs = lambda self, *args: True  # no direct launch on the CPU: a no-op
     # the copy kernel's torch fallback views its regions through __cuda_array_interface__: on the CPU, directly
-    from kvlifecycle.transports import triton_copy
+    from kvlifecycle.transports.cuda_ipc import triton_copy
 
     triton_copy._RawCudaArray = _view  # type: ignore[assignment,misc]
 

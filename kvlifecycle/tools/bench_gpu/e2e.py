@@ -44,7 +44,7 @@ def bench_e2e(torch: Any, ip: InProcess, shapes: dict[str, Shape], reps: int, pi
     out: dict[str, Any] = {}
     transport = None
     try:
-        layout = KVLayout(MemoryKind.VRAM, ip.device.index, ip.pool,
+        layout = KVLayout(MemoryKind.VRAM, ip.device.index or 0, ip.pool,  # an unindexed device is device 0
                           tuple(ip.dst[r].data_ptr() for r in range(ip.regions)),
                           tuple(ip.block_bytes for _ in range(ip.regions)))
         transport = fastpath.CudaIpcTransport(f"bench-d-{os.getpid()}", compiled_post=compiled_post)

@@ -47,7 +47,7 @@ def _p_connect(conn: Any, cfg: dict[str, Any]) -> tuple[Any, Any, list[Any]]:
     regions = [torch.randint(0, 256, (pool, bb), dtype=torch.uint8, device=device, generator=gen)
                for _ in range(cfg["regions"])]
     torch.cuda.synchronize(device)
-    layout = KVLayout(MemoryKind.VRAM, device.index, pool, tuple(t.data_ptr() for t in regions),
+    layout = KVLayout(MemoryKind.VRAM, device.index or 0, pool, tuple(t.data_ptr() for t in regions),
                       tuple(bb for _ in regions))
     transport = CudaIpcTransport(f"bench-p-{os.getpid()}")
     transport.register(layout)
