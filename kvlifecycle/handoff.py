@@ -27,13 +27,19 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvlifecycle.claims import TOKEN_BYTES, ClaimBook
+from kvlifecycle.control import REPLY_TYPES as _CONTROL_REPLIES
+from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFailed, PushRequest
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
     EpochTracker,
     GetMeta,
     HandshakePlan,
+    MalformedHandshakeError,
     MetaReply,
+    check_get_meta,
+    check_meta_reply,
     negotiate,
     scale_view,
 )
@@ -51,37 +57,14 @@ from kvlifecycle.transport import (
     XferOp,
     XferStatus,
 )
+from kvlifecycle.untrusted import check_msgpack
 
 log = logging.getLogger("kvlifecycle.handoff")
 
 
-# --- control messages ---------------------------------------------------------------------------------------------
-
-
-class GetGrant(msgspec.Struct, frozen=True, tag=True):
-    request: str
-
-
-class GrantReply(msgspec.Struct, frozen=True, tag=True):
-    """A published grant (what vLLM carries in ``kv_transfer_params``)."""
-
-    request: str
-    transfer: str
-    generation: int
-    worker: str
-    block_ids: list[int]
-    consumers: int
-    ttl_s: float
-    agent: str
-    epoch: int
-    tp_rank: int = 0
-
-
-class Heartbeat(msgspec.Struct, frozen=True, tag=True):
-    transfer: str
-    generation: int
-    agent: str = ""  # the consumer's agent: P binds the lease to it, so the consumer's restart releases it
-    hlc: int = 0  # the sender's hybrid logical clock (0: unknown): what P records next sorts after it
+# --- block mapping ----------------------------------------------------------------------------------------------
+# (the control messages — GetGrant, GrantReply, Heartbeat, Claimed, PushRequest, LoadFailed — live in
+# kvlifecycle.control and are imported here for the callers that know them as kvlifecycle.handoff's)
 
 
 class BlockMappingError(ValueError):
@@ -106,28 +89,19 @@ def map_blocks(target: np.ndarray, source: np.ndarray, target_split: int = 1,
     return target[:n], source[-n:] if source.size > n else source
 
 
-class PushRequest(msgspec.Struct, frozen=True, tag=True):
-    """D → P: write the granted blocks into mine (``blocks``), then notify ``target_request`` part ``part``."""
+REPLY_TYPES = (MetaReply, *_CONTROL_REPLIES)
 
-    transfer: str
-    generation: int
-    agent: str
-    epoch: int
-    blocks: list[int]
-    target_request: str
-    part: int = 0
+_Scalar = str | int | float | bool | None
+_fields_decoder = msgspec.msgpack.Decoder(list[tuple[str, _Scalar, _Scalar]])
 
 
-class LoadFailed(msgspec.Struct, frozen=True, tag=True):
-    """D → P: my read of this grant failed; release it now rather than at lease expiry."""
-
-    transfer: str
-    generation: int
-    reason: str
-    hlc: int = 0
-
-
-REPLY_TYPES = (MetaReply, GrantReply)
+def compat_fields(detail: bytes) -> list[tuple[str, object, object]]:
+    """The (field, D's value, P's value) list P attached to its compat refusal; [] if it attached none usable."""
+    try:
+        check_msgpack(detail, max_depth=3)
+        return [(name, mine, theirs) for name, mine, theirs in _fields_decoder.decode(detail)]
+    except Exception:  # an older or hostile peer: the message still says what differs
+        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +163,7 @@ class Producer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.notifications_seen = 0
+        self.claims = ClaimBook()  # per-claim tokens: only a lease's claimant may renew, fail or complete it
         self.server = SideChannelServer(
             {
                 GetMeta: self._on_get_meta,
@@ -231,9 +206,13 @@ class Producer:
     # -- side-channel handlers (side-channel thread: short) ---------------------------------------------------------
     def _on_get_meta(self, msg: GetMeta, _peer: bytes) -> MetaReply:
         try:
+            check_get_meta(msg)
+        except MalformedHandshakeError as exc:
+            raise SideChannelRefused("malformed", str(exc)) from exc
+        try:
             negotiate(msg.compat, self.compat, d_rank=msg.tp_rank)
-        except CompatMismatchError as exc:
-            raise SideChannelRefused("compat", str(exc)) from exc
+        except CompatMismatchError as exc:  # the fields travel too: D's error lists them like P's
+            raise SideChannelRefused("compat", str(exc), msgspec.msgpack.encode(exc.fields)) from exc
         change = self.epochs.observe(msg.agent, msg.epoch)
         if change.kind == "stale":
             raise SideChannelRefused("stale_epoch", f"{msg.agent}: epoch {msg.epoch} < known {change.previous}")
@@ -269,16 +248,61 @@ class Producer:
             raise SideChannelRefused("unknown_request", f"no grant published for {msg.request!r}")
         return reply
 
-    def _on_heartbeat(self, msg: Heartbeat, _peer: bytes) -> Ack:
+    def _check_claim(self, transfer: str, generation: int, token: bytes, *, consumer: int | None = None,
+                     unclaimed_ok: bool = False) -> str:
+        """The claim-token check of a live lease; a lease that ended is the ledger's to refuse (stale token)."""
+        if not self._lease_is_live(transfer, generation):
+            return ""
+        return self.claims.check(transfer, generation, token, consumer=consumer, unclaimed_ok=unclaimed_ok)
+
+    def _lease_is_live(self, transfer: str, generation: int) -> bool:
+        lease = self.ledger.leases.get(transfer)
+        return lease is not None and lease.generation == generation
+
+    def _refuse_token(self, command: str, transfer: str, why: str) -> str:
+        """A wrong or missing claim token: recorded as the ledger's refusal of ``command``; nothing changes."""
+        lease = self.ledger.leases.get(transfer)
+        self.ledger.refuse(command, why, lease.request if lease is not None else "", transfer)
+        return why
+
+    def _on_heartbeat(self, msg: Heartbeat, _peer: bytes) -> Ack | Claimed:
         if msg.hlc:
             self.ledger.hlc.observe(msg.hlc)
-        ok = self.ledger.heartbeat(msg.transfer, msg.generation, peer=msg.agent)
+        if msg.token or not msg.agent:  # a renewal by the claimant, or a keepalive of a lease nobody claimed yet
+            why = self._check_claim(msg.transfer, msg.generation, msg.token, unclaimed_ok=not msg.token)
+            if why:
+                return Ack(False, self._refuse_token("heartbeat", msg.transfer, why))
+            ok = self._renew(msg.transfer, msg.generation, msg.agent)
+            return Ack(ok, "" if ok else "lease is gone (released, expired or stale)")
+        return self._claim(msg)
+
+    def _claim(self, msg: Heartbeat) -> Claimed:
+        lease = self.ledger.leases.get(msg.transfer)
+        if lease is not None and lease.generation == msg.generation and not 0 <= msg.consumer < lease.consumers:
+            why = f"claim token: consumer {msg.consumer} not in [0, {lease.consumers})"
+            return Claimed(False, self._refuse_token("heartbeat", msg.transfer, why))
+        token = self.claims.claim(msg.transfer, msg.generation, msg.consumer)
+        if token is None:
+            why = f"claim token: consumer {msg.consumer} of this lease is claimed already"
+            return Claimed(False, self._refuse_token("heartbeat", msg.transfer, why))
+        if not self._renew(msg.transfer, msg.generation, msg.agent):
+            self.claims.unclaim(msg.transfer, msg.generation, msg.consumer)
+            return Claimed(False, "lease is gone (released, expired or stale)")
+        return Claimed(True, "", token)
+
+    def _renew(self, transfer: str, generation: int, agent: str) -> bool:
+        ok = self.ledger.heartbeat(transfer, generation, peer=agent)
         expect = getattr(self.transport, "expect_activity", None)
         if ok and expect is not None:  # a claim precedes a read: let the data plane poll tightly meanwhile
             expect(1.0)
-        return Ack(ok, "" if ok else "lease is gone (released, expired or stale)")
+        return ok
 
     def _on_load_failed(self, msg: LoadFailed, _peer: bytes) -> Ack:
+        # Without a token only a lease nobody claimed can be handed back (an engine that never started the load);
+        # a claimed lease is the claimant's to fail.
+        why = self._check_claim(msg.transfer, msg.generation, msg.token, unclaimed_ok=True)
+        if why:
+            return Ack(False, self._refuse_token("fail", msg.transfer, why))
         if msg.hlc:  # D settled its load before telling us: our release must sort after that
             self.ledger.hlc.observe(msg.hlc)
         return Ack(self.ledger.fail(msg.transfer, msg.generation, f"consumer: {msg.reason}"))
@@ -289,7 +313,10 @@ class Producer:
         if lease is None or plan is None:
             why = self._push_refusals.get((msg.agent, msg.epoch), "handshake with push metadata first")
             return Ack(False, "no live lease" if lease is None else f"push unavailable: {why}")
-        if not self.ledger.heartbeat(msg.transfer, msg.generation):  # claim before the write
+        why = self._check_claim(msg.transfer, msg.generation, msg.token)  # only the claimant has P write for it
+        if why:
+            return Ack(False, self._refuse_token("push", msg.transfer, why))
+        if not self.ledger.heartbeat(msg.transfer, msg.generation):  # renew before the write
             return Ack(False, "lease is gone (released, expired or stale)")
         try:  # D may hold a prefix already: it then gets P's tail; a D block left empty is refused
             dst, src = map_blocks(np.asarray(msg.blocks, dtype=np.int32), lease.blocks)
@@ -364,12 +391,21 @@ class Producer:
             notes += self.fast_transport.notifications()
         for _sender, note in notes:
             self.notifications_seen += 1
+            if note.kind not in ("done", "failed"):
+                continue
+            # the claimant's token opens the payload; a failure's reason follows it
+            token, rest = note.payload[:TOKEN_BYTES], note.payload[TOKEN_BYTES:]
+            consumer = note.part if note.kind == "done" else None
+            why = self._check_claim(note.transfer, note.generation, token, consumer=consumer)
+            if why:
+                self._refuse_token("consumer_done" if note.kind == "done" else "fail", note.transfer, why)
+                continue
             if note.hlc:
                 self.ledger.hlc.observe(note.hlc)
             if note.kind == "done":
                 self.ledger.consumer_done(note.transfer, note.generation, note.part)
-            elif note.kind == "failed":
-                self.ledger.fail(note.transfer, note.generation, f"consumer: {note.payload.decode(errors='replace')}")
+            else:
+                self.ledger.fail(note.transfer, note.generation, f"consumer: {rest.decode(errors='replace')}")
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -386,6 +422,8 @@ class Producer:
                     self._poll_pushes()
                 self._drain()
                 self.ledger.sweep()
+                if len(self.claims):
+                    self.claims.prune(self._lease_is_live)
                 self.ledger.commit()
             except Exception:
                 log.exception("producer service step failed")
@@ -434,6 +472,7 @@ class _Load:
     failed: bool = False
     claimed: int = 0
     live: bool = False  # claimed and started in the ledger
+    tokens: dict[int, bytes] = field(default_factory=dict)  # part -> P's claim token for it
 
 
 class Consumer:
@@ -497,8 +536,14 @@ class Consumer:
             if old is None:
                 client.close()
             if exc.code == "compat":
-                raise CompatMismatchError(exc.message, []) from exc
+                raise CompatMismatchError(exc.message, compat_fields(exc.detail)) from exc
             raise
+        try:
+            check_meta_reply(reply, address)
+        except MalformedHandshakeError as exc:
+            if old is None:
+                client.close()
+            raise SideChannelRefused("malformed", str(exc)) from exc
         plan = negotiate(self.compat, reply.compat, d_rank=self.tp_rank)  # D refuses too, field by field
         change = self.epochs.observe(address, reply.meta.epoch)
         if change.kind == "stale":
@@ -643,11 +688,12 @@ class Consumer:
             except BlockMappingError as exc:
                 self._abandon(load, str(exc), hand_back_all=True)  # P's lease is of no use: release it now
                 return
-        for link, grant, _ in load.parts:
+        for link, grant, part in load.parts:
             try:
-                # claim first: the claim binds the lease to this agent
+                # claim first: the claim binds the lease to this agent, and its token to this load
                 beat = link.client.request(
-                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick())
+                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
+                              consumer=self._consumer_index(link))
                 )
             except SideChannelError as exc:
                 self._abandon(load, f"claim failed: {exc}")
@@ -655,6 +701,7 @@ class Consumer:
             if not beat.ok:
                 self._abandon(load, f"lease refused: {beat.detail}")
                 return
+            load.tokens[part] = getattr(beat, "token", b"")
             load.claimed += 1
         # One ledger step: start_load gates the posts at once, and its record joins the log after the launch.
         with self.ledger.step():
@@ -689,6 +736,7 @@ class Consumer:
                             blocks.tolist(),
                             load.request,
                             part,
+                            load.tokens.get(part, b""),
                         )
                     )
                 except SideChannelError as exc:
@@ -708,6 +756,7 @@ class Consumer:
                 data.epoch,
                 "done",
                 self._consumer_index(link),
+                load.tokens.get(part, b""),  # P completes only the claimant's consumer
                 hlc=self.ledger.hlc.tick(),
             )
             try:
@@ -743,10 +792,12 @@ class Consumer:
                 self.options.on_abandoned(load.request, reason)
             except Exception:
                 log.exception("on_abandoned hook failed")
-        for link, grant, _ in load.parts if hand_back_all else load.parts[: load.claimed]:
+        for link, grant, part in load.parts if hand_back_all else load.parts[: load.claimed]:
             try:
                 link.client.request(
-                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick()), timeout_s=1.0
+                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
+                               load.tokens.get(part, b"")),
+                    timeout_s=1.0,
                 )
             except SideChannelError as exc:
                 log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
@@ -763,10 +814,12 @@ class Consumer:
                 load.via.get(part, self.transport).release(handle)
         if load.transfer in self.ledger.loads:
             self.ledger.fail(load.transfer, reason)
-        for link, grant, _ in load.parts:  # tell P now rather than at lease expiry
+        for link, grant, part in load.parts:  # tell P now rather than at lease expiry
             try:
                 link.client.request(
-                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick()), timeout_s=1.0
+                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
+                               load.tokens.get(part, b"")),
+                    timeout_s=1.0,
                 )
             except SideChannelError as exc:
                 log.info("could not tell %s that %s failed: %s", link.address, grant.transfer, exc)
@@ -831,10 +884,11 @@ class Consumer:
         if now - load.last_beat < every:
             return
         load.last_beat = now
-        for link, grant, _ in load.parts:
+        for link, grant, part in load.parts:
             try:
                 beat = link.client.request(
-                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick()),
+                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
+                              consumer=self._consumer_index(link), token=load.tokens.get(part, b"")),
                     timeout_s=every,
                 )
             except SideChannelError as exc:

@@ -1,9 +1,9 @@
 """The side channel: pyzmq ROUTER (server) / DEALER (client), msgspec messages, never pickle.
 
-A frame (wire version 2, see :data:`kvlifecycle.transport.WIRE_VERSION`) is a fixed binary header (wire version
-``u16``, flags ``u8``, request id ``u64``, big-endian), a msgpack body (a tagged msgspec struct from the set the
-server was built with) and, under a shared secret, an HMAC-SHA256 trailer over header and body. With a secret the
-trailer is checked before a single byte is parsed; the body's size and nesting depth are checked
+A frame (wire version 2, see :data:`kvlifecycle.transport.WIRE_VERSION`) is a fixed binary header (``b"KV"``,
+wire version ``u16``, flags ``u8``, request id ``u64``, big-endian), a msgpack body (a tagged msgspec struct from
+the set the server was built with) and, under a shared secret, an HMAC-SHA256 trailer over header and body. With a
+secret the trailer is checked before a single byte is parsed; the body's size and nesting depth are checked
 (:func:`kvlifecycle.untrusted.check_msgpack`) before it is decoded. A message that is oversized, malformed, too
 deep, of an unknown kind or unauthenticated is answered with an :class:`ErrorReply` saying so, counted
 (``refused``, and each listener added with :meth:`SideChannelServer.add_refusal_listener`), logged at a bounded rate
@@ -34,14 +34,16 @@ log = logging.getLogger("kvlifecycle.sidechannel")
 DEFAULT_MAX_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 5.0
 
-HEADER = struct.Struct(">HBQ")  # wire version, flags, request id
+MAGIC = b"KV"
+HEADER = struct.Struct(">2sHBQ")  # magic, wire version, flags, request id
 FLAG_MAC = 0x01  # an HMAC-SHA256 trailer follows the body
 MAC_BYTES = 32
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag=True):
-    code: str  # oversized | malformed | unknown_kind | unauthenticated | version | refused | internal
+    code: str  # oversized | malformed | unknown_kind | unauthenticated | version | refused | internal | a handler's
     message: str
+    detail: bytes = b""  # msgpack the refusing handler attached for the caller (e.g. the mismatching fields)
 
 
 class Ack(msgspec.Struct, frozen=True, tag=True):
@@ -64,10 +66,11 @@ class SideChannelTimeout(SideChannelError):
 class SideChannelRefused(SideChannelError):
     """The server refused the message; ``code`` says why (see :class:`ErrorReply`)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, detail: bytes = b"") -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.detail = detail
 
 
 def _mac(secret: bytes, signed: bytes) -> bytes:
@@ -84,7 +87,7 @@ _encoder = msgspec.msgpack.Encoder()
 
 def encode_frame(body: bytes, rid: int, secret: bytes | None = None, *, version: int = WIRE_VERSION) -> bytes:
     """One side-channel frame around an encoded ``body``: header, body, and the HMAC trailer under ``secret``."""
-    signed = HEADER.pack(version, FLAG_MAC if secret else 0, rid) + body
+    signed = HEADER.pack(MAGIC, version, FLAG_MAC if secret else 0, rid) + body
     return signed + _mac(secret, signed) if secret else signed
 
 
@@ -111,9 +114,11 @@ def open_frame(frame: bytes, secret: bytes | None, *, max_bytes: int, max_depth:
             raise FrameError("unauthenticated", "missing or wrong HMAC")
     else:
         signed = frame
-    if len(signed) < HEADER.size:
-        raise FrameError("malformed", f"{len(signed)} bytes: shorter than a frame header")
-    version, flags, rid = HEADER.unpack_from(signed)
+    if len(signed) < HEADER.size or signed[:2] != MAGIC:
+        if signed[:2] in (b"\x93\x01", b"\x94\x01"):  # the msgpack array [1, rid, body, mac] of wire version 1
+            raise FrameError("version", f"a wire version 1 frame; this side speaks {WIRE_VERSION}")
+        raise FrameError("malformed", "not a side-channel frame (no header)")
+    _, version, flags, rid = HEADER.unpack_from(signed)
     if version != WIRE_VERSION:
         raise FrameError("version", f"wire version {version}, this side speaks {WIRE_VERSION}", rid)
     body = signed[HEADER.size :]
@@ -201,7 +206,7 @@ class SideChannelServer:
         ``add``); its exceptions are logged and swallowed."""
         self._refusal_listeners.append(listener)
 
-    def _refuse(self, code: str, message: str) -> ErrorReply:
+    def _refuse(self, code: str, message: str, detail: bytes = b"") -> ErrorReply:
         self.refused[code] = self.refused.get(code, 0) + 1
         self._log_refusal("side channel refused a message (%s): %.200s", code, message)
         for listener in self._refusal_listeners:
@@ -209,7 +214,7 @@ class SideChannelServer:
                 listener(code)
             except Exception:
                 self._log_error("side-channel refusal listener failed", exc_info=True)
-        return ErrorReply(code, message[:1000])
+        return ErrorReply(code, message[:4000], detail)
 
     def handle_frame(self, payload: bytes, peer: bytes) -> tuple[int, msgspec.Struct]:
         """Authenticate, decode and dispatch one frame. Returns (request id, reply); never raises."""
@@ -221,7 +226,7 @@ class SideChannelServer:
         try:
             reply = self.handlers[type(message)](message, peer)
         except SideChannelRefused as exc:
-            return rid, self._refuse(exc.code, exc.message)
+            return rid, self._refuse(exc.code, exc.message, exc.detail)
         except Exception as exc:
             self._log_error("side-channel handler for %s failed", type(message).__name__, exc_info=True)
             return rid, self._refuse("internal", f"{type(exc).__name__}: {exc}")
@@ -361,7 +366,7 @@ class SideChannelClient:
             except FrameError as exc:
                 raise SideChannelError(f"unexpected reply from {self.address}: {exc.message}") from exc
             if isinstance(reply, ErrorReply):
-                raise SideChannelRefused(reply.code, reply.message)
+                raise SideChannelRefused(reply.code, reply.message, reply.detail)
             return reply
 
     def close(self) -> None:

@@ -32,8 +32,9 @@ from kvlifecycle.untrusted import check_msgpack
 # each other at the handshake, with a message naming it.
 #   1  a frame is one msgpack array [version, rid, body, mac]; the HMAC covers the body only and is checked after
 #      the envelope was decoded.
-#   2  a frame is a binary header (version u16, flags u8, rid u64) | msgpack body | HMAC-SHA256 trailer over header
-#      and body, checked before any byte is parsed; bodies nested deeper than 32 levels are refused undecoded.
+#   2  a frame is a binary header (b"KV", version u16, flags u8, rid u64) | msgpack body | HMAC-SHA256 trailer
+#      over header and body, checked before any byte is parsed; bodies nested deeper than 32 levels are refused
+#      undecoded.
 #      Claim tokens: the claiming Heartbeat is answered by ``Claimed`` with a per-claim token; renewals,
 #      ``LoadFailed``, ``PushRequest`` and the payload of the consumer's ``done`` notification carry it.
 WIRE_VERSION = 2
@@ -173,8 +174,8 @@ def encode_notification(note: Notification) -> bytes:
 
 def decode_notification(raw: bytes) -> Notification:
     """Total: any input either decodes to a :class:`Notification` or raises :class:`MalformedNotificationError`
-    (oversized, not bytes, nested too deep, not msgpack, wrong shape, counters out of range). The caller counts and drops
-    it; nothing else can come out of here into a transport's service thread."""
+    (oversized, not bytes, nested too deep, not msgpack, wrong shape, counters out of range). The caller counts and
+    drops it; nothing else can come out of here into a transport's service thread."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise MalformedNotificationError(f"a notification is bytes, not {type(raw).__name__}")
     if len(raw) > NOTIFICATION_MAX_BYTES:

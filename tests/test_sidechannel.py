@@ -7,14 +7,15 @@ import pytest
 import zmq
 
 from kvlifecycle.sidechannel import (
+    MAC_BYTES,
     Ack,
-    Envelope,
     Ping,
     SideChannelClient,
     SideChannelRefused,
     SideChannelServer,
     SideChannelTimeout,
     encode_envelope,
+    encode_frame,
 )
 from kvlifecycle.transport import WIRE_VERSION
 
@@ -68,10 +69,12 @@ def test_round_trip(server: SideChannelServer) -> None:
     ("frame", "code"),
     [
         (b"\xc1not msgpack", "malformed"),
-        (msgspec.msgpack.encode([1, 2, 3]), "malformed"),
-        (msgspec.msgpack.encode(Envelope(WIRE_VERSION, 1, b"\x93\x01\x02\x03")), "malformed"),
-        (msgspec.msgpack.encode(Envelope(WIRE_VERSION, 1, msgspec.msgpack.encode({"type": "Nope"}))), "unknown_kind"),
-        (msgspec.msgpack.encode(Envelope(WIRE_VERSION + 9, 1, b"")), "version"),
+        (msgspec.msgpack.encode(["x", 2, 3]), "malformed"),
+        (msgspec.msgpack.encode([1, 1, b"", b""]), "version"),  # a wire version 1 envelope: told, not guessed
+        (encode_frame(b"\x93\x01\x02\x03", 1), "malformed"),
+        (encode_frame(msgspec.msgpack.encode({"type": "Nope"}), 1), "unknown_kind"),
+        (encode_frame(b"", 1, version=WIRE_VERSION + 9), "version"),
+        (encode_frame(b"\x91" * 40 + b"\xc0", 1), "malformed"),  # deeper than the cap: refused undecoded
         (b"x" * 5000, "oversized"),
     ],
 )
@@ -113,8 +116,8 @@ def test_hmac_required_when_configured(secret_server: SideChannelServer) -> None
     right = client(secret_server, secret=b"s3cret")
     assert right.request(Echo("x")) == EchoReply("x")
     # a correctly signed frame with a tampered body is refused
-    frame = msgspec.msgpack.decode(encode_envelope(Echo("a"), secret=b"s3cret"), type=Envelope)
-    tampered = msgspec.msgpack.encode(Envelope(frame.version, frame.rid, msgspec.msgpack.encode(Echo("b")), frame.mac))
+    frame = encode_envelope(Echo("a"), secret=b"s3cret")
+    tampered = encode_frame(msgspec.msgpack.encode(Echo("b")), 1) + frame[-MAC_BYTES:]
     with pytest.raises(SideChannelRefused) as info:
         right.request_raw(tampered)
     assert info.value.code == "unauthenticated"

@@ -55,7 +55,6 @@ from kvlifecycle.transport import (
     decode_notification,
     encode_notification,
 )
-
 from kvlifecycle.untrusted import RateLimitedLog
 
 from ._common import HandleTable, XferRecord, check_pairing, new_epoch, plan_descs
