@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -163,3 +164,19 @@ def test_d_reserving_more_blocks_than_granted_is_refused_before_any_is_ready(pd,
     assert cons.ledger.counts()["READY_FOR_ATTENTION"] == 0
     assert int(dst[0][[12, 13, 14]].sum()) == 0  # nothing was read or written
     assert until(lambda: g.transfer not in prod.ledger.leases)  # P is told, and releases the lease
+
+
+def test_connect_refused_for_compat_lists_the_real_fields(pd) -> None:
+    """P refuses the handshake; D's error still names every mismatching field (not an empty list)."""
+    from kvlifecycle.handshake import CompatMismatchError
+
+    prod, cons, _, _, _, _ = pd
+    other = Consumer(TargetLedger(BLOCKS, worker="d2"), cons.transport,
+                     msgspec.structs.replace(COMPAT, dtype="float32", num_layers=5))
+    try:
+        with pytest.raises(CompatMismatchError) as info:
+            other.connect(prod.address)
+    finally:
+        other.close()
+    assert info.value.fields == [("dtype", "float32", "bfloat16"), ("num_layers", 5, 3)]
+    assert "dtype: local='float32'" in str(info.value)
