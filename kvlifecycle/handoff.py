@@ -16,6 +16,7 @@ transport's own thread does the NIXL calls; the side channel has its thread.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import queue
 import threading
@@ -57,7 +58,7 @@ from kvlifecycle.transport import (
     XferOp,
     XferStatus,
 )
-from kvlifecycle.untrusted import check_msgpack
+from kvlifecycle.untrusted import RateLimitedLog, check_msgpack
 
 log = logging.getLogger("kvlifecycle.handoff")
 
@@ -329,6 +330,7 @@ class Producer:
             self.transport.epoch,
             "done",
             msg.part,
+            msg.token,  # the claim's token: D takes this completion (or failure) only from the P it claimed
             hlc=self.ledger.hlc.tick(),
         )
         self._jobs.put(lambda: self._start_push(plan, src, dst, msg, note))
@@ -352,7 +354,7 @@ class Producer:
         log.warning("push %s to %s failed: %s", transfer, peer, reason)
         try:
             failed = msgspec.structs.replace(
-                note, kind="failed", payload=reason.encode()[:512], hlc=self.ledger.hlc.tick()
+                note, kind="failed", payload=note.payload + reason.encode()[:512], hlc=self.ledger.hlc.tick()
             )
             self.transport.send_notification(peer, failed)
         except TransportError as exc:
@@ -500,6 +502,8 @@ class Consumer:
         self._loads: dict[str, _Load] = {}
         self._by_p_transfer: dict[str, str] = {}
         self.abandoned: dict[str, str] = {}  # request -> why its load never started (claim refused, ...)
+        self.forged_notifications = 0  # push completions / failures that lacked the load's claim token
+        self._log_forged = RateLimitedLog(log)
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)  # notified whenever a load leaves ``_loads``
@@ -871,12 +875,17 @@ class Consumer:
                 self.ledger.hlc.observe(note.hlc)
             transfer = self._by_p_transfer.get(note.transfer)
             load = self._loads.get(transfer) if transfer else None
-            if load is None:
+            if load is None or note.kind not in ("done", "failed"):
+                continue
+            token, reason = note.payload[:TOKEN_BYTES], note.payload[TOKEN_BYTES:]
+            if not hmac.compare_digest(token, load.tokens.get(note.part, b"\0")):
+                self.forged_notifications += 1  # not from the P that issued this load's claim: it changes nothing
+                self._log_forged("dropped a %s notification for %s without its claim token", note.kind, transfer)
                 continue
             if note.kind == "done":
                 self._part_done(load, note.part)
-            elif note.kind == "failed":
-                self._fail(load, f"producer: {note.payload.decode(errors='replace')}")
+            else:
+                self._fail(load, f"producer: {reason.decode(errors='replace')}")
 
     def _heartbeat(self, load: _Load, now: float) -> None:
         ttl = min(g.ttl_s for _, g, _ in load.parts)

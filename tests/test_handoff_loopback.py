@@ -180,3 +180,28 @@ def test_connect_refused_for_compat_lists_the_real_fields(pd) -> None:
         other.close()
     assert info.value.fields == [("dtype", "float32", "bfloat16"), ("num_layers", 5, 3)]
     assert "dtype: local='float32'" in str(info.value)
+
+
+def test_push_completion_without_the_claim_token_is_dropped_by_d(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forged "done" for a push would mark D's blocks ready without their bytes: D needs the claim's token."""
+    from kvlifecycle.transport import Notification
+
+    prod, cons, src, dst, _, _ = pd
+    real_start = prod._start_push
+    held: list = []
+    monkeypatch.setattr(prod, "_start_push", lambda *args: held.append(args))  # P accepts, then waits
+    g = grant(prod, "forged", [2])
+    cons.ledger.reserve("forged", [3])
+    cons.request_push("forged", g, address=prod.address)
+    assert until(lambda: held)
+    for payload in (b"", b"\0" * 16):
+        prod.transport.send_notification(cons.transport.agent,
+                                         Notification("forged", g.transfer, g.generation, payload=payload))
+    assert until(lambda: cons.forged_notifications == 2)
+    assert cons.pending() == 1 and cons.ledger.stats["loaded"] == 0  # still waiting for the real write
+    prod._jobs.put(lambda: real_start(*held[0]))  # the write happens (on P's thread); its completion has the token
+    assert cons.wait_idle(10)
+    assert cons.ledger.stats["loaded"] == 1
+    assert np.array_equal(dst[0][[3]].numpy(), src[0][[2]].numpy())
+    assert until(lambda: g.transfer not in prod.ledger.leases)
+    cons.ledger.finish("forged")
