@@ -14,6 +14,7 @@ lines and a count of the rest, never 10,000 lines.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -51,6 +52,15 @@ def _lead_table() -> tuple[int, ...]:
 _LEAD = _lead_table()
 
 
+# One fixed-size scalar (fixints, nil, booleans, ints, floats): a run of N of them is matched in C, not walked item
+# by item in Python. Block id lists are such runs, of mixed integer widths.
+_SCALAR = (rb"(?:[\x00-\x7f\xc0\xc2\xc3\xe0-\xff]|[\xcc\xd0].|[\xcd\xd1].{2}|[\xce\xd2\xca].{4}"
+           rb"|[\xcf\xd3\xcb].{8})")
+_SCALAR_RUNS = tuple((n, re.compile(_SCALAR + b"{%d}" % n, re.DOTALL)) for n in (32, 4))
+# the typed integers' lead bytes and sizes: a run of one of them has that byte every ``size`` bytes
+_SAME_WIDTH = {lead: (bytes([lead]), size) for lead, size in ((0xCC, 2), (0xCD, 3), (0xCE, 5), (0xCF, 9))}
+
+
 class UntrustedInputError(ValueError):
     """Bytes that must not reach a decoder: too deep, truncated, trailing bytes, or not msgpack at all."""
 
@@ -68,6 +78,33 @@ def check_msgpack(raw: bytes, *, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
     _scan(raw, max_depth)
 
 
+def _skip_scalar_run(raw: bytes, pos: int, remaining: int) -> tuple[int, int]:
+    """Past as many of the container's next ``remaining`` items as are fixed-size scalars (at least a few):
+    (new position, items left). One integer width for a while is skipped by a strided slice and ``lstrip``, mixed
+    widths by a regular expression that counts out a fixed number of scalars; both run in C."""
+    end, window = len(raw), 64
+    while remaining >= 4 and pos < end:
+        same = _SAME_WIDTH.get(raw[pos])
+        if same is not None and raw[pos + 8 * same[1] : pos + 8 * same[1] + 1] == same[0]:  # 9th ahead: same width
+            leads, width = same
+            take = min(remaining, window)
+            heads = raw[pos : min(end, pos + take * width) : width]
+            items = len(heads) - len(heads.lstrip(leads))
+            if pos + items * width > end:  # the last one is cut short: the caller's step finds it
+                items -= 1
+            if items >= 4:
+                pos, remaining = pos + items * width, remaining - items
+                window = window * 4 if items == take else 64
+                continue
+        for n, run in _SCALAR_RUNS:
+            if remaining >= n and (found := run.match(raw, pos)) is not None:
+                pos, remaining = found.end(), remaining - n
+                break
+        else:
+            break  # not a run of scalars here: the caller takes the next item step by step
+    return pos, remaining
+
+
 def _scan(raw: bytes, max_depth: int) -> None:
     end, pos = len(raw), 0
     open_levels: list[int] = []  # for each open container, the items still to come in the one around it
@@ -82,10 +119,16 @@ def _scan(raw: bytes, max_depth: int) -> None:
         if pos >= end:
             raise UntrustedInputError(f"truncated msgpack at byte {pos}")
         kind = lead[raw[pos]]
-        remaining -= 1
         if kind >= 0:
+            start = pos
+            if remaining >= 4:  # e.g. a list of block ids: skip runs of scalars at C speed
+                pos, remaining = _skip_scalar_run(raw, pos, remaining)
+                if pos > start:
+                    continue
             pos += 1 + kind
+            remaining -= 1
             continue
+        remaining -= 1
         if kind == _FIXSTR:
             pos += 1 + (raw[pos] & 0x1F)
             continue
