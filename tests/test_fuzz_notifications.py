@@ -43,8 +43,12 @@ def test_decode_notification_is_total(raw: bytes) -> None:
 
 
 def test_decode_notification_refuses_deep_values_undecoded() -> None:
+    """A ninth, unknown element is skipped by msgspec recursively: RecursionError, unless refused before."""
+    hidden = b"\x99" + encode_notification(Notification("r", "t", 1))[1:] + b"\x91" * 3000 + b"\xc0"
+    with pytest.raises(RecursionError):
+        msgspec.msgpack.decode(hidden, type=Notification)
     with pytest.raises(MalformedNotificationError, match="deeper"):
-        decode_notification(b"\x98" + b"\x01" * 7 + b"\x91" * 3000 + b"\xc0")
+        decode_notification(hidden)
 
 
 def receiving_end(transport, sender: str) -> None:
@@ -125,7 +129,8 @@ def test_nixl_junk_over_the_real_wire_is_dropped_and_the_next_note_arrives() -> 
     try:
         peer = a.add_peer(b.local_metadata())
         b.add_peer(a.local_metadata())
-        junk = [b"\x91" * 3000 + b"\xc0", b"\xc1\xc1", b"", msgspec.msgpack.encode([1, 2, 3])]
+        hidden = b"\x99" + encode_notification(LEGIT)[1:] + b"\x91" * 3000 + b"\xc0"  # RecursionError in msgspec
+        junk = [hidden, b"\xc1\xc1", b"", msgspec.msgpack.encode([1, 2, 3])]
         for raw in junk:
             a._call(lambda raw=raw: a._nixl.send_notif(peer, raw), "send junk")
         a.send_notification(peer, LEGIT)

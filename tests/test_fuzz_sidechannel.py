@@ -125,8 +125,12 @@ def deep(levels: int) -> bytes:
 
 
 def test_twenty_thousand_levels_deep_does_not_stop_the_producer(pair: Pair) -> None:
-    """The reviewer's repro: on a side channel that decodes first, this kills the serving thread for good."""
-    for frame in (deep(20_000), encode_frame(deep(20_000), 1), encode_frame(b"\x81\xa4type" + deep(20_000), 2)):
+    """The reviewer's repro: a message whose unknown field holds a value nested 20,000 levels deep. msgspec skips
+    unknown fields recursively and raises RecursionError; decoded first, it killed the serving thread for good."""
+    hidden = b"\x82\xa4type\xa4Ping\xa1x" + deep(20_000)  # {"type": "Ping", "x": [[[...]]]}
+    with pytest.raises(RecursionError):
+        msgspec.msgpack.decode(hidden, type=Ping)  # what the side channel must never hand the decoder
+    for frame in (deep(20_000), encode_frame(deep(20_000), 1), encode_frame(hidden, 2)):
         with pytest.raises(SideChannelRefused) as info:
             pair.rogue.request_raw(frame)
         assert info.value.code == "malformed"
