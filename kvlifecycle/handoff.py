@@ -2,11 +2,13 @@
 
 Flow (pull, the vLLM way): P's engine allocates and prefills (``SourceLedger.allocate`` / ``prefill_done``), then
 :meth:`Producer.grant` pins the blocks under a lease and publishes a :class:`GrantReply`. D reserves target blocks
-(``TargetLedger.reserve``) and calls :meth:`Consumer.pull`: the load starts in D's ledger, D claims the lease with a
-heartbeat, posts one READ for all regions, and its completion notification tells P (``consumer_done``); the last
-consumer releases the lease. Push (the SGLang way): :meth:`Consumer.request_push` asks P to WRITE into D's blocks;
-P's completion is P's ``consumer_done`` and a notification to D (``part_done``). Failures travel both ways (a
-failed write tells D; a failed read tells P) and every end goes through the ledgers' one release path.
+(``TargetLedger.reserve``) and calls :meth:`Consumer.pull`: D claims the lease with a heartbeat (P answers with a
+per-claim token, :mod:`kvlifecycle.claims`), the load starts in D's ledger, D posts one READ for all regions, and
+its completion notification (carrying the token) tells P (``consumer_done``); the last consumer releases the
+lease. Renewals, failures and push requests carry the token too: only the claimant ends its claim. Push (the SGLang
+way): :meth:`Consumer.request_push` asks P to WRITE into D's blocks; P's completion is P's ``consumer_done`` and a
+notification to D (``part_done``), which D takes only with its claim's token. Failures travel both ways (a failed
+write tells D; a failed read tells P) and every end goes through the ledgers' one release path.
 
 Threads: the caller (an engine's scheduler) only touches ledgers and queues. Each side runs one service thread
 that claims, posts, polls, drains notifications, heartbeats, sweeps expired leases and commits the log; the

@@ -278,9 +278,9 @@ class SideChannelServer:
                 continue
             try:
                 self._serve_one(frames)
-            except Exception:  # nothing a peer sends may end this loop: count, log (bounded) and go on
-                self.refused["internal"] = self.refused.get("internal", 0) + 1
+            except Exception as exc:  # nothing a peer sends may end this loop: count, log (bounded) and go on
                 self._log_error("side channel dropped a message it could not serve", exc_info=True)
+                self._refuse("internal", f"{type(exc).__name__}: {exc}")
         self._sock.close(0)
 
     def close(self, timeout_s: float = 5.0) -> None:
