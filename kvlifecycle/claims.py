@@ -7,8 +7,9 @@ then on only a message carrying that token renews the lease, fails it, asks P to
 ``i`` (the ``done`` notification's payload). Consumer ``i`` can be claimed once; a second claim of it is refused.
 
 What it does not do: a lease nobody has claimed yet has no token to check (an unclaimed lease may be kept alive or
-handed back by anyone who names it), and a process that can read the side-channel traffic sees the tokens. The
-HMAC secret covers both: with it, no message reaches a handler unless it was signed by a holder of the secret.
+handed back by anyone who names it); a handshake announcing the consumer's restart is self-declared, and releases
+the leases bound to that consumer; and a process that can read the side-channel traffic sees the tokens. The HMAC
+secret covers all three: with it, no message reaches a handler unless it was signed by a holder of the secret.
 
 The book keeps no history: tokens never reach the event log (they are secrets, and the ledger's fold does not need
 them); entries of leases that ended are pruned by the owner's service loop.
