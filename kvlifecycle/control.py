@@ -1,7 +1,8 @@
 """The handoff's control messages on the side channel (P serves them, D sends them), and their claim-token rules.
 
-Counters are bounded at decode (msgspec constraints): a peer's hybrid logical clock of 2**64 would otherwise be
-observed, ticked past what msgpack can encode, and stop every later commit of the log.
+Counters and block ids are bounded at decode (msgspec constraints): a peer's hybrid logical clock of 2**64 would
+otherwise be observed, ticked past what msgpack can encode, and stop every later commit of the log; a block id past
+int32 would fail its conversion on a service thread.
 
 A :class:`Heartbeat` is one of three things, by what it carries (see :mod:`kvlifecycle.claims`):
 
@@ -19,6 +20,7 @@ from typing import Annotated
 import msgspec
 
 Counter = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]  # the ledgers' block ids are int32
 Token = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
@@ -33,7 +35,7 @@ class GrantReply(msgspec.Struct, frozen=True, tag=True):
     transfer: str
     generation: Counter
     worker: str
-    block_ids: list[int]
+    block_ids: list[BlockId]
     consumers: int
     ttl_s: float
     agent: str
@@ -65,7 +67,7 @@ class PushRequest(msgspec.Struct, frozen=True, tag=True):
     generation: Counter
     agent: str
     epoch: Counter
-    blocks: list[int]
+    blocks: list[BlockId]
     target_request: str
     part: int = 0
     token: Token = b""  # the claim token of this lease

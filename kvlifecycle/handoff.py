@@ -672,12 +672,24 @@ class Consumer:
             self._loads[transfer] = load
             for _, grant, _ in parts:
                 self._by_p_transfer[grant.transfer] = transfer
-        self._jobs.put(lambda: self._launch(load))
+        self._jobs.put(lambda: self._launch_settled(load))
         return transfer
 
     def _consumer_index(self, link: PeerLink) -> int:
         # D TP > P TP: D ranks sharing one P rank count as consumers 0..r-1 of P's lease
         return self.tp_rank % link.plan.consumers_per_p_rank
+
+    def _launch_settled(self, load: _Load) -> None:
+        """Launch, and settle the load whatever goes wrong: a load left in ``_loads`` unsettled waits forever."""
+        try:
+            self._launch(load)
+        except Exception as exc:
+            log.exception("launching load %s of %s failed", load.transfer, load.request)
+            reason = f"internal error: {type(exc).__name__}: {exc}"
+            if load.live:
+                self._fail(load, reason)
+            elif load.transfer in self._loads:
+                self._abandon(load, reason)
 
     def _launch(self, load: _Load) -> None:
         """Claim every lease first; only then does the load start in D's ledger (so D never loads a transfer P

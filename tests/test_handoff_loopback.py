@@ -205,3 +205,19 @@ def test_push_completion_without_the_claim_token_is_dropped_by_d(pd, monkeypatch
     assert np.array_equal(dst[0][[3]].numpy(), src[0][[2]].numpy())
     assert until(lambda: g.transfer not in prod.ledger.leases)
     cons.ledger.finish("forged")
+
+
+def test_an_unexpected_error_while_launching_still_settles_the_load(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    prod, cons, _, _, _, _ = pd
+
+    def broken(*_args):
+        raise RuntimeError("injected: a bug in the launch path")
+
+    monkeypatch.setattr(cons, "_map_blocks", broken)
+    g = grant(prod, "bug", [6])
+    cons.ledger.reserve("bug", [6])
+    cons.pull("bug", g, address=prod.address)
+    assert cons.wait_idle(10)  # not stuck in the pending loads
+    assert "internal error: RuntimeError" in cons.abandoned["bug"]
+    assert "bug" not in cons.ledger.requests  # policy "fail": the reservation went back
+    prod.ledger.cancel("bug")  # the unclaimed lease is P's to end
