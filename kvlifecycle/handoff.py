@@ -1,12 +1,16 @@
-"""Producer (P) and Consumer (D): a ledger tied to a transport and a side channel.
+"""Producer (P) and Consumer (D): a ledger tied to a transport and a side channel. This module holds the Consumer,
+the options and the block mapping both sides share; the Producer is in :mod:`kvlifecycle.producer` (importable
+from here too), the control messages in :mod:`kvlifecycle.control`, the claim tokens in :mod:`kvlifecycle.claims`.
 
 Flow (pull, the vLLM way): P's engine allocates and prefills (``SourceLedger.allocate`` / ``prefill_done``), then
 :meth:`Producer.grant` pins the blocks under a lease and publishes a :class:`GrantReply`. D reserves target blocks
-(``TargetLedger.reserve``) and calls :meth:`Consumer.pull`: the load starts in D's ledger, D claims the lease with a
-heartbeat, posts one READ for all regions, and its completion notification tells P (``consumer_done``); the last
-consumer releases the lease. Push (the SGLang way): :meth:`Consumer.request_push` asks P to WRITE into D's blocks;
-P's completion is P's ``consumer_done`` and a notification to D (``part_done``). Failures travel both ways (a
-failed write tells D; a failed read tells P) and every end goes through the ledgers' one release path.
+(``TargetLedger.reserve``) and calls :meth:`Consumer.pull`: D claims the lease with a heartbeat (P answers with a
+per-claim token, :mod:`kvlifecycle.claims`), the load starts in D's ledger, D posts one READ for all regions, and
+its completion notification (carrying the token) tells P (``consumer_done``); the last consumer releases the
+lease. Renewals, failures and push requests carry the token too: only the claimant ends its claim. Push (the SGLang
+way): :meth:`Consumer.request_push` asks P to WRITE into D's blocks; P's completion is P's ``consumer_done`` and a
+notification to D (``part_done``), which D takes only with its claim's token. Failures travel both ways (a failed
+write tells D; a failed read tells P) and every end goes through the ledgers' one release path.
 
 Threads: the caller (an engine's scheduler) only touches ledgers and queues. Each side runs one service thread
 that claims, posts, polls, drains notifications, heartbeats, sweeps expired leases and commits the log; the
@@ -16,6 +20,7 @@ transport's own thread does the NIXL calls; the side channel has its thread.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import queue
 import threading
@@ -29,62 +34,60 @@ import msgspec
 import numpy as np
 
 from kvlifecycle import validators as v
+from kvlifecycle.claims import TOKEN_BYTES
+from kvlifecycle.control import REPLY_TYPES as _CONTROL_REPLIES
+from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFailed, PushRequest
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
     EpochTracker,
     GetMeta,
     HandshakePlan,
+    MalformedHandshakeError,
     MetaReply,
+    check_meta_reply,
     negotiate,
     scale_view,
 )
-from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.ledger import TargetLedger
 from kvlifecycle.path_selection import PRIMARY_PATH, PathChoice, PathSelector
-from kvlifecycle.sidechannel import Ack, SideChannelClient, SideChannelError, SideChannelRefused, SideChannelServer
+from kvlifecycle.sidechannel import SideChannelClient, SideChannelError, SideChannelRefused
 from kvlifecycle.transport import (
     Notification,
     PeerMetadata,
     PreparedPlan,
     ProbeResult,
-    RemoteMismatchError,
     TransferHandle,
     Transport,
     TransportError,
     XferOp,
     XferStatus,
 )
+from kvlifecycle.untrusted import RateLimitedLog, check_msgpack
+
+__all__ = [  # the handoff's public names, wherever they are defined (Producer: kvlifecycle.producer)
+    "REPLY_TYPES",
+    "BlockMappingError",
+    "Claimed",
+    "Consumer",
+    "GetGrant",
+    "GrantReply",
+    "HandoffOptions",
+    "Heartbeat",
+    "LoadFailed",
+    "PeerLink",
+    "Producer",  # noqa: F822 - given by __getattr__ below: kvlifecycle.producer imports this module
+    "PushRequest",
+    "compat_fields",
+    "map_blocks",
+]
 
 log = logging.getLogger("kvlifecycle.handoff")
 
 
-# --- control messages ---------------------------------------------------------------------------------------------
-
-
-class GetGrant(msgspec.Struct, frozen=True, tag=True):
-    request: str
-
-
-class GrantReply(msgspec.Struct, frozen=True, tag=True):
-    """A published grant (what vLLM carries in ``kv_transfer_params``)."""
-
-    request: str
-    transfer: str
-    generation: int
-    worker: str
-    block_ids: list[int]
-    consumers: int
-    ttl_s: float
-    agent: str
-    epoch: int
-    tp_rank: int = 0
-
-
-class Heartbeat(msgspec.Struct, frozen=True, tag=True):
-    transfer: str
-    generation: int
-    agent: str = ""  # the consumer's agent: P binds the lease to it, so the consumer's restart releases it
-    hlc: int = 0  # the sender's hybrid logical clock (0: unknown): what P records next sorts after it
+# --- block mapping ----------------------------------------------------------------------------------------------
+# (the control messages — GetGrant, GrantReply, Heartbeat, Claimed, PushRequest, LoadFailed — live in
+# kvlifecycle.control and are imported here for the callers that know them as kvlifecycle.handoff's)
 
 
 class BlockMappingError(ValueError):
@@ -109,28 +112,19 @@ def map_blocks(target: np.ndarray, source: np.ndarray, target_split: int = 1,
     return target[:n], source[-n:] if source.size > n else source
 
 
-class PushRequest(msgspec.Struct, frozen=True, tag=True):
-    """D → P: write the granted blocks into mine (``blocks``), then notify ``target_request`` part ``part``."""
+REPLY_TYPES = (MetaReply, *_CONTROL_REPLIES)
 
-    transfer: str
-    generation: int
-    agent: str
-    epoch: int
-    blocks: list[int]
-    target_request: str
-    part: int = 0
+_Scalar = str | int | float | bool | None
+_fields_decoder = msgspec.msgpack.Decoder(list[tuple[str, _Scalar, _Scalar]])
 
 
-class LoadFailed(msgspec.Struct, frozen=True, tag=True):
-    """D → P: my read of this grant failed; release it now rather than at lease expiry."""
-
-    transfer: str
-    generation: int
-    reason: str
-    hlc: int = 0
-
-
-REPLY_TYPES = (MetaReply, GrantReply)
+def compat_fields(detail: bytes) -> list[tuple[str, object, object]]:
+    """The (field, D's value, P's value) list P attached to its compat refusal; [] if it attached none usable."""
+    try:
+        check_msgpack(detail, max_depth=3)
+        return [(name, mine, theirs) for name, mine, theirs in _fields_decoder.decode(detail)]
+    except Exception:  # an older or hostile peer: the message still says what differs
+        return []
 
 
 @attrs.frozen(kw_only=True)
@@ -158,254 +152,6 @@ class HandoffOptions:
     # a load that never started (claim refused: P's lease was already gone): the engine learns it here — the
     # ledger has no load to fail, the reservation was cancelled (policy "fail") or kept for recompute
     on_abandoned: Callable[[str, str], None] | None = attrs.field(default=None, validator=v.callback)
-
-
-# --- Producer -----------------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Push:
-    handle: TransferHandle
-    transfer: str
-    generation: int
-    peer: str
-    note: Notification
-
-
-class Producer:
-    """P side: serves metadata, grants and heartbeats on a side channel; counts consumer notifications."""
-
-    def __init__(
-        self,
-        ledger: SourceLedger,
-        transport: Transport,
-        compat: CompatInfo,
-        *,
-        tp_rank: int = 0,
-        options: HandoffOptions = HandoffOptions(),
-        fast_transport: Transport | None = None,
-    ) -> None:
-        """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
-        ``transport``; its metadata travels in the handshake reply next to ``transport``'s, and the notifications
-        of reads through it are drained like ``transport``'s."""
-        self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
-        self.fast_transport = fast_transport
-        self.options = options
-        self.grants: dict[str, GrantReply] = {}
-        self.epochs = EpochTracker()
-        self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
-        self._push_refusals: dict[tuple[str, int], str] = {}
-        self._pushes: list[_Push] = []
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.notifications_seen = 0
-        self.server = SideChannelServer(
-            {
-                GetMeta: self._on_get_meta,
-                GetGrant: self._on_get_grant,
-                Heartbeat: self._on_heartbeat,
-                PushRequest: self._on_push,
-                LoadFailed: self._on_load_failed,
-            },
-            host=options.host,
-            port=options.port,
-            secret=options.secret,
-            name=f"side-{transport.agent}",
-        )
-        self._thread = threading.Thread(target=self._serve, name=f"producer-{transport.agent}", daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    # -- engine-facing ----------------------------------------------------------------------------------------------
-    def grant(self, request: str, *, consumers: int = 1, ttl_s: float | None = None, peer: str = "") -> GrantReply:
-        g = self.ledger.grant(request, consumers=consumers, ttl_s=ttl_s, peer=peer)
-        reply = GrantReply(
-            g.request,
-            g.transfer,
-            g.generation,
-            g.worker,
-            g.block_ids.tolist(),
-            g.consumers,
-            g.ttl_s,
-            self.transport.agent,
-            self.transport.epoch,
-            self.tp_rank,
-        )
-        with self._lock:
-            self.grants[request] = reply
-        return reply
-
-    # -- side-channel handlers (side-channel thread: short) ---------------------------------------------------------
-    def _on_get_meta(self, msg: GetMeta, _peer: bytes) -> MetaReply:
-        try:
-            negotiate(msg.compat, self.compat, d_rank=msg.tp_rank)
-        except CompatMismatchError as exc:
-            raise SideChannelRefused("compat", str(exc)) from exc
-        change = self.epochs.observe(msg.agent, msg.epoch)
-        if change.kind == "stale":
-            raise SideChannelRefused("stale_epoch", f"{msg.agent}: epoch {msg.epoch} < known {change.previous}")
-        if change.kind in ("new", "restarted"):
-            self.ledger.peer_restarted(msg.agent, msg.epoch)  # records the epoch; drops push leases of the old one
-        if msg.meta is not None:  # push mode: P writes into D, so P needs D's metadata too
-            peer = self.transport.add_peer(msg.meta)
-            try:
-                self._push_plans[(peer, msg.meta.epoch)] = self.transport.prepare(peer)
-            except RemoteMismatchError as exc:  # e.g. heterogeneous TP: D pulls its slices, P does not push
-                log.info("push to %s unavailable: %s", peer, exc)
-                self._push_refusals[(peer, msg.meta.epoch)] = str(exc)
-        return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta())
-
-    def _fast_meta(self) -> PeerMetadata | None:
-        if self.fast_transport is None:
-            return None
-        try:
-            return self.fast_transport.local_metadata()
-        except TransportError as exc:  # not registered, or closed: D falls back to NIXL
-            log.info("no fast-path metadata offered: %s", exc)
-            return None
-
-    def forget(self, request: str) -> GrantReply | None:
-        """Stop publishing ``request``'s grant (the engine dropped it); the lease itself ends through the ledger."""
-        with self._lock:
-            return self.grants.pop(request, None)
-
-    def _on_get_grant(self, msg: GetGrant, _peer: bytes) -> GrantReply:
-        with self._lock:
-            reply = self.grants.get(msg.request)
-        if reply is None:
-            raise SideChannelRefused("unknown_request", f"no grant published for {msg.request!r}")
-        return reply
-
-    def _on_heartbeat(self, msg: Heartbeat, _peer: bytes) -> Ack:
-        if msg.hlc:
-            self.ledger.hlc.observe(msg.hlc)
-        ok = self.ledger.heartbeat(msg.transfer, msg.generation, peer=msg.agent)
-        expect = getattr(self.transport, "expect_activity", None)
-        if ok and expect is not None:  # a claim precedes a read: let the data plane poll tightly meanwhile
-            expect(1.0)
-        return Ack(ok, "" if ok else "lease is gone (released, expired or stale)")
-
-    def _on_load_failed(self, msg: LoadFailed, _peer: bytes) -> Ack:
-        if msg.hlc:  # D settled its load before telling us: our release must sort after that
-            self.ledger.hlc.observe(msg.hlc)
-        return Ack(self.ledger.fail(msg.transfer, msg.generation, f"consumer: {msg.reason}"))
-
-    def _on_push(self, msg: PushRequest, _peer: bytes) -> Ack:
-        lease = self.ledger.leases.get(msg.transfer)
-        plan = self._push_plans.get((msg.agent, msg.epoch))
-        if lease is None or plan is None:
-            why = self._push_refusals.get((msg.agent, msg.epoch), "handshake with push metadata first")
-            return Ack(False, "no live lease" if lease is None else f"push unavailable: {why}")
-        if not self.ledger.heartbeat(msg.transfer, msg.generation):  # claim before the write
-            return Ack(False, "lease is gone (released, expired or stale)")
-        try:  # D may hold a prefix already: it then gets P's tail; a D block left empty is refused
-            dst, src = map_blocks(np.asarray(msg.blocks, dtype=np.int32), lease.blocks)
-        except BlockMappingError as exc:  # D fails its load and answers LoadFailed, which releases the lease
-            return Ack(False, str(exc))
-        note = Notification(
-            msg.target_request,
-            msg.transfer,
-            msg.generation,
-            self.transport.epoch,
-            "done",
-            msg.part,
-            hlc=self.ledger.hlc.tick(),
-        )
-        self._jobs.put(lambda: self._start_push(plan, src, dst, msg, note))
-        return Ack(True)
-
-    # -- service thread ---------------------------------------------------------------------------------------------
-    def _start_push(
-        self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest, note: Notification
-    ) -> None:
-        try:
-            handle = self.transport.post(XferOp.WRITE, plan, src, dst, notification=note, transfer=msg.transfer)
-        except (TransportError, ValueError) as exc:
-            self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"post failed: {exc}")
-            return
-        self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
-
-    def _push_failed(self, transfer: str, generation: int, peer: str, note: Notification, reason: str) -> None:
-        """A failed write must reach D (SGLang #36033). D settles its load first and answers ``LoadFailed``, which
-        releases the lease here — so P never releases under a load D still thinks is in flight. If D cannot be
-        told, the lease is released now; if D never answers, lease expiry reclaims the blocks."""
-        log.warning("push %s to %s failed: %s", transfer, peer, reason)
-        try:
-            failed = msgspec.structs.replace(
-                note, kind="failed", payload=reason.encode()[:512], hlc=self.ledger.hlc.tick()
-            )
-            self.transport.send_notification(peer, failed)
-        except TransportError as exc:
-            log.warning("could not tell %s that push %s failed (%s): releasing now", peer, transfer, exc)
-            self.ledger.fail(transfer, generation, reason)
-
-    def _poll_pushes(self) -> None:
-        still = []
-        for push in self._pushes:
-            status = self.transport.poll(push.handle)
-            if status is XferStatus.PENDING:
-                still.append(push)
-                continue
-            stats = self.transport.stats(push.handle)
-            if status is XferStatus.DONE:
-                if stats is not None:
-                    self.ledger.observe_transfer(
-                        push.transfer,
-                        t_post_s=stats.t_post_s,
-                        t_xfer_s=stats.t_xfer_s,
-                        nbytes=stats.bytes,
-                        descriptors=stats.desc_count,
-                        backend=stats.backend,
-                        ok=True,
-                    )
-                self.ledger.consumer_done(push.transfer, push.generation, push.note.part)
-            else:
-                err = self.transport.error(push.handle)
-                self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write failed: {err}")
-            self.transport.release(push.handle)
-        self._pushes = still
-
-    def _drain(self) -> None:
-        notes = list(self.transport.notifications())
-        if self.fast_transport is not None:  # D's reads through the fast path notify there, after their event
-            notes += self.fast_transport.notifications()
-        for _sender, note in notes:
-            self.notifications_seen += 1
-            if note.hlc:
-                self.ledger.hlc.observe(note.hlc)
-            if note.kind == "done":
-                self.ledger.consumer_done(note.transfer, note.generation, note.part)
-            elif note.kind == "failed":
-                self.ledger.fail(note.transfer, note.generation, f"consumer: {note.payload.decode(errors='replace')}")
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                # pushes are polled tightly; pulls only wait for D's notification, so the idle rhythm serves them
-                job = self._jobs.get(timeout=self.options.service_poll_s if self._pushes else self.options.idle_poll_s)
-                job()
-            except queue.Empty:
-                pass
-            except Exception:
-                log.exception("producer job failed")
-            try:
-                if self._pushes:
-                    self._poll_pushes()
-                self._drain()
-                self.ledger.sweep()
-                self.ledger.commit()
-            except Exception:
-                log.exception("producer service step failed")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.server.close()
-        self.ledger.commit()
 
 
 # --- Consumer -----------------------------------------------------------------------------------------------------
@@ -445,6 +191,7 @@ class _Load:
     failed: bool = False
     claimed: int = 0
     live: bool = False  # claimed and started in the ledger
+    tokens: dict[int, bytes] = field(default_factory=dict)  # part -> P's claim token for it
 
 
 class Consumer:
@@ -474,6 +221,8 @@ class Consumer:
         self._loads: dict[str, _Load] = {}
         self._by_p_transfer: dict[str, str] = {}
         self.abandoned: dict[str, str] = {}  # request -> why its load never started (claim refused, ...)
+        self.forged_notifications = 0  # push completions / failures that lacked the load's claim token
+        self._log_forged = RateLimitedLog(log)
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)  # notified whenever a load leaves ``_loads``
@@ -510,8 +259,14 @@ class Consumer:
             if old is None:
                 client.close()
             if exc.code == "compat":
-                raise CompatMismatchError(exc.message, []) from exc
+                raise CompatMismatchError(exc.message, compat_fields(exc.detail)) from exc
             raise
+        try:
+            check_meta_reply(reply, address)
+        except MalformedHandshakeError as exc:
+            if old is None:
+                client.close()
+            raise SideChannelRefused("malformed", str(exc)) from exc
         plan = negotiate(self.compat, reply.compat, d_rank=self.tp_rank)  # D refuses too, field by field
         change = self.epochs.observe(address, reply.meta.epoch)
         if change.kind == "stale":
@@ -622,12 +377,24 @@ class Consumer:
             self._loads[transfer] = load
             for _, grant, _ in parts:
                 self._by_p_transfer[grant.transfer] = transfer
-        self._jobs.put(lambda: self._launch(load))
+        self._jobs.put(lambda: self._launch_settled(load))
         return transfer
 
     def _consumer_index(self, link: PeerLink) -> int:
         # D TP > P TP: D ranks sharing one P rank count as consumers 0..r-1 of P's lease
         return self.tp_rank % link.plan.consumers_per_p_rank
+
+    def _launch_settled(self, load: _Load) -> None:
+        """Launch, and settle the load whatever goes wrong: a load left in ``_loads`` unsettled waits forever."""
+        try:
+            self._launch(load)
+        except Exception as exc:
+            log.exception("launching load %s of %s failed", load.transfer, load.request)
+            reason = f"internal error: {type(exc).__name__}: {exc}"
+            if load.live:
+                self._fail(load, reason)
+            elif load.transfer in self._loads:
+                self._abandon(load, reason)
 
     def _launch(self, load: _Load) -> None:
         """Claim every lease first; only then does the load start in D's ledger (so D never loads a transfer P
@@ -644,11 +411,12 @@ class Consumer:
             except BlockMappingError as exc:
                 self._abandon(load, str(exc), hand_back_all=True)  # P's lease is of no use: release it now
                 return
-        for link, grant, _ in load.parts:
+        for link, grant, part in load.parts:
             try:
-                # claim first: the claim binds the lease to this agent
+                # claim first: the claim binds the lease to this agent, and its token to this load
                 beat = link.client.request(
-                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick())
+                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
+                              consumer=self._consumer_index(link))
                 )
             except SideChannelError as exc:
                 self._abandon(load, f"claim failed: {exc}")
@@ -656,6 +424,7 @@ class Consumer:
             if not beat.ok:
                 self._abandon(load, f"lease refused: {beat.detail}")
                 return
+            load.tokens[part] = getattr(beat, "token", b"")
             load.claimed += 1
         # One ledger step: start_load gates the posts at once, and its record joins the log after the launch.
         with self.ledger.step():
@@ -690,6 +459,7 @@ class Consumer:
                             blocks.tolist(),
                             load.request,
                             part,
+                            load.tokens.get(part, b""),
                         )
                     )
                 except SideChannelError as exc:
@@ -709,6 +479,7 @@ class Consumer:
                 data.epoch,
                 "done",
                 self._consumer_index(link),
+                load.tokens.get(part, b""),  # P completes only the claimant's consumer
                 hlc=self.ledger.hlc.tick(),
             )
             try:
@@ -744,10 +515,12 @@ class Consumer:
                 self.options.on_abandoned(load.request, reason)
             except Exception:
                 log.exception("on_abandoned hook failed")
-        for link, grant, _ in load.parts if hand_back_all else load.parts[: load.claimed]:
+        for link, grant, part in load.parts if hand_back_all else load.parts[: load.claimed]:
             try:
                 link.client.request(
-                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick()), timeout_s=1.0
+                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
+                               load.tokens.get(part, b"")),
+                    timeout_s=1.0,
                 )
             except SideChannelError as exc:
                 log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
@@ -764,10 +537,12 @@ class Consumer:
                 load.via.get(part, self.transport).release(handle)
         if load.transfer in self.ledger.loads:
             self.ledger.fail(load.transfer, reason)
-        for link, grant, _ in load.parts:  # tell P now rather than at lease expiry
+        for link, grant, part in load.parts:  # tell P now rather than at lease expiry
             try:
                 link.client.request(
-                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick()), timeout_s=1.0
+                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
+                               load.tokens.get(part, b"")),
+                    timeout_s=1.0,
                 )
             except SideChannelError as exc:
                 log.info("could not tell %s that %s failed: %s", link.address, grant.transfer, exc)
@@ -819,12 +594,17 @@ class Consumer:
                 self.ledger.hlc.observe(note.hlc)
             transfer = self._by_p_transfer.get(note.transfer)
             load = self._loads.get(transfer) if transfer else None
-            if load is None:
+            if load is None or note.kind not in ("done", "failed"):
+                continue
+            token, reason = note.payload[:TOKEN_BYTES], note.payload[TOKEN_BYTES:]
+            if not hmac.compare_digest(token, load.tokens.get(note.part, b"\0")):
+                self.forged_notifications += 1  # not from the P that issued this load's claim: it changes nothing
+                self._log_forged("dropped a %s notification for %s without its claim token", note.kind, transfer)
                 continue
             if note.kind == "done":
                 self._part_done(load, note.part)
-            elif note.kind == "failed":
-                self._fail(load, f"producer: {note.payload.decode(errors='replace')}")
+            else:
+                self._fail(load, f"producer: {reason.decode(errors='replace')}")
 
     def _heartbeat(self, load: _Load, now: float) -> None:
         ttl = min(g.ttl_s for _, g, _ in load.parts)
@@ -832,10 +612,11 @@ class Consumer:
         if now - load.last_beat < every:
             return
         load.last_beat = now
-        for link, grant, _ in load.parts:
+        for link, grant, part in load.parts:
             try:
                 beat = link.client.request(
-                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick()),
+                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
+                              consumer=self._consumer_index(link), token=load.tokens.get(part, b"")),
                     timeout_s=every,
                 )
             except SideChannelError as exc:
@@ -889,3 +670,13 @@ class Consumer:
         for link in self.links.values():
             link.client.close()
         self.ledger.commit()
+
+
+def __getattr__(name: str) -> Any:
+    """``Producer`` lives in :mod:`kvlifecycle.producer` (which imports this module) and is reached here too, where
+    callers have always found it."""
+    if name == "Producer":
+        from kvlifecycle import producer
+
+        return producer.Producer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

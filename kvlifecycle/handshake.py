@@ -14,25 +14,34 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
 from kvlifecycle import layout as L
 from kvlifecycle.transport import WIRE_VERSION, BlockView, PeerMetadata
+from kvlifecycle.untrusted import check_msgpack
 
 STRICT_FIELDS = ("wire_version", "model_id", "dtype", "num_layers", "num_kv_heads", "head_size", "kv_layout")
 
+# Decoding checks these bounds (msgspec constraints), so a peer's zero TP size or negative head count is refused as
+# malformed before any arithmetic divides by it. The bounds are far beyond any real model.
+_Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+_Name = Annotated[str, msgspec.Meta(max_length=256)]
+_Index = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+_Counter = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
 
 class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
-    model_id: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int  # total over all TP ranks
-    head_size: int
-    block_size: int  # tokens per block
-    kv_layout: str  # "NHD" | "HND"
-    tp_size: int = 1
-    wire_version: int = WIRE_VERSION
+    model_id: _Name
+    dtype: _Name
+    num_layers: _Count
+    num_kv_heads: _Count  # total over all TP ranks
+    head_size: _Count
+    block_size: _Count  # tokens per block
+    kv_layout: Annotated[str, msgspec.Meta(pattern="^(NHD|HND)$")]
+    tp_size: _Count = 1
+    wire_version: _Counter = WIRE_VERSION
 
     def compat_hash(self) -> str:
         fields = [getattr(self, f) for f in self.__struct_fields__]
@@ -110,20 +119,76 @@ class GetMeta(msgspec.Struct, frozen=True, tag=True):
     """D → P: who I am, what I run; answer with your metadata (for ``tp_rank``)."""
 
     compat: CompatInfo
-    tp_rank: int
-    agent: str
-    epoch: int
+    tp_rank: _Index
+    agent: _Name
+    epoch: _Counter
     meta: PeerMetadata | None = None  # D's own metadata, for push mode (P writes into D)
 
 
 class MetaReply(msgspec.Struct, frozen=True, tag=True):
     compat: CompatInfo
-    tp_rank: int
+    tp_rank: _Index
     meta: PeerMetadata
     # P's same-node fast path (CUDA IPC) next to ``meta`` (NIXL): D picks it when both sides hold VRAM on one
     # node and its connect-time self-test passes. Optional with a default: an older peer's reply still decodes
     # (msgspec skips fields it does not know, and fills this one with None).
     fast_meta: PeerMetadata | None = None
+
+
+class MalformedHandshakeError(ValueError):
+    """A handshake message that does not decode, or decodes into metadata no transport could use."""
+
+
+_MAX_REGIONS = 1 << 16
+
+
+def check_metadata(meta: PeerMetadata, who: str = "peer") -> None:
+    """Refuse (:class:`MalformedHandshakeError`) metadata whose layout no transport could register: the checks
+    :class:`~kvlifecycle.transport.KVLayout` makes, plus bounds on counts and addresses. Total."""
+    wire = meta.layout
+    addrs_ok = all(isinstance(a, int) and 0 <= a < 1 << 64 for a in [*wire.base_addrs, meta.probe_addr])
+    sizes_ok = all(isinstance(b, int) and 0 < b < 1 << 40 for b in wire.block_bytes)
+    if not (0 <= meta.epoch < 1 << 63 and 0 <= meta.probe_bytes < 1 << 40 and addrs_ok and sizes_ok
+            and len(wire.base_addrs) <= _MAX_REGIONS and 0 < wire.num_blocks < 1 << 32):
+        raise MalformedHandshakeError(f"{who}: metadata out of bounds (epoch, addresses, sizes or counts)")
+    try:
+        wire.to_layout()
+    except Exception as exc:  # ValueError from KVLayout / MemoryKind: the layout cannot exist
+        raise MalformedHandshakeError(f"{who}: impossible layout: {exc}") from exc
+
+
+def check_meta_reply(reply: MetaReply, who: str = "peer") -> MetaReply:
+    """``reply`` if every metadata it carries is usable, else :class:`MalformedHandshakeError`."""
+    check_metadata(reply.meta, who)
+    if reply.fast_meta is not None:
+        check_metadata(reply.fast_meta, f"{who} (fast path)")
+    return reply
+
+
+def check_get_meta(msg: GetMeta) -> GetMeta:
+    if msg.meta is not None:
+        check_metadata(msg.meta, msg.agent or "consumer")
+    return msg
+
+
+_handshake_decoder = msgspec.msgpack.Decoder(GetMeta | MetaReply)
+_HANDSHAKE_MAX_BYTES = 1 << 20
+_HANDSHAKE_MAX_DEPTH = 8  # MetaReply → PeerMetadata → LayoutWire → a list: 4 levels
+
+
+def decode_handshake(raw: bytes) -> GetMeta | MetaReply:
+    """Total decoder of one handshake message body: a checked :class:`GetMeta` / :class:`MetaReply` or
+    :class:`MalformedHandshakeError` — whatever the bytes. (The side channel opens its frames the same way; this is
+    the handshake's own entry point for a body received by other means.)"""
+    if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) > _HANDSHAKE_MAX_BYTES:
+        raise MalformedHandshakeError("a handshake message is at most 1 MiB of bytes")
+    try:
+        raw = bytes(raw)
+        check_msgpack(raw, max_depth=_HANDSHAKE_MAX_DEPTH)
+        msg: Any = _handshake_decoder.decode(raw)
+    except Exception as exc:  # UntrustedInputError, DecodeError, ValidationError: the sender's fault
+        raise MalformedHandshakeError(f"not a handshake message: {type(exc).__name__}: {exc}") from exc
+    return check_meta_reply(msg) if isinstance(msg, MetaReply) else check_get_meta(msg)
 
 
 # --- agent epochs ------------------------------------------------------------------------------------------------

@@ -329,6 +329,11 @@ class _Ledger:
         hlc, at = self._stamp()
         self._record(ev.Refused(hlc, at, command, reason, request, transfer))
 
+    def refuse(self, command: str, reason: str, request: str = "", transfer: str = "") -> None:
+        """Record a refusal decided in front of the ledger (a wrong claim token at the side channel)."""
+        with self._lock:
+            self._refuse(command, reason, request, transfer)
+
     def _on_refused(self, event: ev.Refused) -> None:
         key = f"{event.command}: {event.reason.split(':')[0]}"
         self.refusals[key] = self.refusals.get(key, 0) + 1

@@ -635,6 +635,16 @@ def instrument(ledger: Any, tracer_provider: Any = None, meter_provider: Any = N
     return Instrumentation(ledger, tracer_provider, meter_provider)
 
 
+def count_side_channel_refusals(server: Any, meter_provider: Any = None) -> Any:
+    """Count every message a side-channel server refuses (malformed, too deep, unauthenticated, ...) in the counter
+    ``kv.sidechannel.refused``, by ``kv.code``. Returns the counter."""
+    meter = (meter_provider or metrics.get_meter_provider()).get_meter(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION)
+    counter = meter.create_counter("kv.sidechannel.refused", unit="{message}",
+                                   description="side-channel messages refused and dropped")
+    server.add_refusal_listener(lambda code: counter.add(1, {"kv.code": code}))
+    return counter
+
+
 # --- files, for demos and issue reports (needs the SDK: pip install 'kvlifecycle[otel]') -------------------------
 
 ENV_OTEL_DIR = envvars.OTEL_DIR.name

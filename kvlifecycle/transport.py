@@ -27,8 +27,11 @@ import msgspec
 import numpy as np
 
 from kvlifecycle import validators as v
+from kvlifecycle.untrusted import check_msgpack
 
-WIRE_VERSION = 1  # what it covers, its history and when to bump it: docs/wire.md
+# The P/D wire's version: side-channel frames, their control messages and the notifications' meaning; a strict
+# field of the compatibility hash. What each version changed and when to bump it: docs/wire.md.
+WIRE_VERSION = 2
 
 
 class MemoryKind(str, enum.Enum):
@@ -154,6 +157,7 @@ class Notification(msgspec.Struct, frozen=True, array_like=True):
 _notif_encoder = msgspec.msgpack.Encoder()
 _notif_decoder = msgspec.msgpack.Decoder(Notification)
 NOTIFICATION_MAX_BYTES = 4096
+_NOTIFICATION_MAX_DEPTH = 2  # a flat array of scalars; anything deeper is not a notification
 
 
 def encode_notification(note: Notification) -> bytes:
@@ -164,13 +168,22 @@ def encode_notification(note: Notification) -> bytes:
 
 
 def decode_notification(raw: bytes) -> Notification:
-    """Raises :class:`MalformedNotificationError` for anything that is not a notification."""
+    """Total: any input either decodes to a :class:`Notification` or raises :class:`MalformedNotificationError`
+    (oversized, not bytes, nested too deep, not msgpack, wrong shape, counters out of range). The caller counts and
+    drops it; nothing else can come out of here into a transport's service thread."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise MalformedNotificationError(f"a notification is bytes, not {type(raw).__name__}")
     if len(raw) > NOTIFICATION_MAX_BYTES:
         raise MalformedNotificationError(f"notification of {len(raw)} bytes exceeds {NOTIFICATION_MAX_BYTES}")
     try:
-        return _notif_decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise MalformedNotificationError(f"not a kvlifecycle notification: {exc}") from exc
+        raw = bytes(raw)
+        check_msgpack(raw, max_depth=_NOTIFICATION_MAX_DEPTH)
+        note = _notif_decoder.decode(raw)
+    except Exception as exc:  # UntrustedInputError, DecodeError, ValidationError: all the sender's fault
+        raise MalformedNotificationError(f"not a kvlifecycle notification: {type(exc).__name__}: {exc}") from exc
+    if not all(0 <= value < 1 << 63 for value in (note.generation, note.epoch, note.part, note.hlc)):
+        raise MalformedNotificationError(f"a counter out of [0, 2**63) in a notification about {note.transfer!r}")
+    return note
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -163,3 +164,60 @@ def test_d_reserving_more_blocks_than_granted_is_refused_before_any_is_ready(pd,
     assert cons.ledger.counts()["READY_FOR_ATTENTION"] == 0
     assert int(dst[0][[12, 13, 14]].sum()) == 0  # nothing was read or written
     assert until(lambda: g.transfer not in prod.ledger.leases)  # P is told, and releases the lease
+
+
+def test_connect_refused_for_compat_lists_the_real_fields(pd) -> None:
+    """P refuses the handshake; D's error still names every mismatching field (not an empty list)."""
+    from kvlifecycle.handshake import CompatMismatchError
+
+    prod, cons, _, _, _, _ = pd
+    other = Consumer(TargetLedger(BLOCKS, worker="d2"), cons.transport,
+                     msgspec.structs.replace(COMPAT, dtype="float32", num_layers=5))
+    try:
+        with pytest.raises(CompatMismatchError) as info:
+            other.connect(prod.address)
+    finally:
+        other.close()
+    assert info.value.fields == [("dtype", "float32", "bfloat16"), ("num_layers", 5, 3)]
+    assert "dtype: local='float32'" in str(info.value)
+
+
+def test_push_completion_without_the_claim_token_is_dropped_by_d(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forged "done" for a push would mark D's blocks ready without their bytes: D needs the claim's token."""
+    from kvlifecycle.transport import Notification
+
+    prod, cons, src, dst, _, _ = pd
+    real_start = prod._start_push
+    held: list = []
+    monkeypatch.setattr(prod, "_start_push", lambda *args: held.append(args))  # P accepts, then waits
+    g = grant(prod, "forged", [2])
+    cons.ledger.reserve("forged", [3])
+    cons.request_push("forged", g, address=prod.address)
+    assert until(lambda: held)
+    for payload in (b"", b"\0" * 16):
+        prod.transport.send_notification(cons.transport.agent,
+                                         Notification("forged", g.transfer, g.generation, payload=payload))
+    assert until(lambda: cons.forged_notifications == 2)
+    assert cons.pending() == 1 and cons.ledger.stats["loaded"] == 0  # still waiting for the real write
+    prod._jobs.put(lambda: real_start(*held[0]))  # the write happens (on P's thread); its completion has the token
+    assert cons.wait_idle(10)
+    assert cons.ledger.stats["loaded"] == 1
+    assert np.array_equal(dst[0][[3]].numpy(), src[0][[2]].numpy())
+    assert until(lambda: g.transfer not in prod.ledger.leases)
+    cons.ledger.finish("forged")
+
+
+def test_an_unexpected_error_while_launching_still_settles_the_load(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    prod, cons, _, _, _, _ = pd
+
+    def broken(*_args):
+        raise RuntimeError("injected: a bug in the launch path")
+
+    monkeypatch.setattr(cons, "_map_blocks", broken)
+    g = grant(prod, "bug", [6])
+    cons.ledger.reserve("bug", [6])
+    cons.pull("bug", g, address=prod.address)
+    assert cons.wait_idle(10)  # not stuck in the pending loads
+    assert "internal error: RuntimeError" in cons.abandoned["bug"]
+    assert "bug" not in cons.ledger.requests  # policy "fail": the reservation went back
+    prod.ledger.cancel("bug")  # the unclaimed lease is P's to end

@@ -8,7 +8,7 @@ import pytest
 
 from kvlifecycle import layout as L
 from kvlifecycle.handshake import CompatInfo, CompatMismatchError, EpochTracker, negotiate
-from kvlifecycle.transport import BlockView, KVLayout, MemoryKind
+from kvlifecycle.transport import WIRE_VERSION, BlockView, KVLayout, MemoryKind
 
 
 def compat(**over) -> CompatInfo:
@@ -37,7 +37,7 @@ def test_identical_peers_get_a_plain_plan() -> None:
 @pytest.mark.parametrize("field", ["model_id", "dtype", "num_layers", "head_size", "num_kv_heads", "wire_version"])
 def test_strict_mismatch_refused_field_by_field(field: str) -> None:
     value = {"model_id": "other", "dtype": "float32", "num_layers": 7, "head_size": 32, "num_kv_heads": 2,
-             "wire_version": 2}[field]
+             "wire_version": WIRE_VERSION + 1}[field]
     with pytest.raises(CompatMismatchError) as info:
         negotiate(compat(), compat(**{field: value}))
     assert [f[0] for f in info.value.fields] == [field]

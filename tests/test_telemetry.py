@@ -459,3 +459,19 @@ def test_a_slow_path_choice_is_a_span_event_and_a_counter(otel: Otel) -> None:
     metrics = otel.metrics()
     assert total(metrics["kv.path.slow"], **{"kv.path.backend": "UCX"}) == 1
     assert total(metrics["kv.path.bandwidth"]) == pytest.approx(3.55)
+
+
+def test_side_channel_refusals_are_counted_by_code() -> None:
+    from kvlifecycle.sidechannel import SideChannelServer, encode_frame
+    from kvlifecycle.telemetry import count_side_channel_refusals
+
+    otel = Otel()
+    server = SideChannelServer({})
+    try:
+        count_side_channel_refusals(server, otel.meter_provider)
+        for frame in (b"junk", encode_frame(b"\x91" * 100 + b"\xc0", 1), encode_frame(b"\xc1", 2)):
+            server.handle_frame(frame, b"peer")
+    finally:
+        server.close()
+    points = otel.metrics()["kv.sidechannel.refused"]
+    assert total(points, **{"kv.code": "malformed"}) == 3

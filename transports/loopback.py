@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -19,6 +20,7 @@ from kvlifecycle.transport import (
     BlockView,
     KVLayout,
     LayoutWire,
+    MalformedNotificationError,
     MemoryKind,
     Notification,
     PeerEpochError,
@@ -32,9 +34,14 @@ from kvlifecycle.transport import (
     XferOp,
     XferStats,
     XferStatus,
+    decode_notification,
+    encode_notification,
 )
+from kvlifecycle.untrusted import RateLimitedLog
 
 from ._common import HandleTable, check_pairing, new_epoch, plan_descs
+
+log = logging.getLogger("kvlifecycle.transports.loopback")
 
 _REGISTRY: weakref.WeakValueDictionary[str, LoopbackTransport] = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.Lock()
@@ -60,6 +67,7 @@ class LoopbackTransport:
         self._inbox: collections.deque[tuple[str, Notification]] = collections.deque()
         self._lock = threading.RLock()
         self.malformed_notifications = 0
+        self._log_drop = RateLimitedLog(log)
         self._closed = False
         with _REGISTRY_LOCK:
             old = _REGISTRY.get(agent)
@@ -156,6 +164,7 @@ class LoopbackTransport:
         transfer: str = "",
     ) -> TransferHandle:
         op = XferOp(op)
+        notif = None if notification is None else encode_notification(notification)  # oversized: before any copy
         with self._lock:
             if self._closed:
                 raise TransportError("transport is closed")
@@ -184,8 +193,8 @@ class LoopbackTransport:
             rec.status = XferStatus.DONE
             rec.stats = XferStats(rec.t_post_end - rec.t_post_start, rec.t_done - rec.t_post_start, nbytes,
                                   len(local_ids), "torch")
-        if notification is not None:
-            remote._deliver(self.agent, notification)
+        if notif is not None:
+            remote.receive_raw(self.agent, notif)
         return rec.handle
 
     def poll(self, handle: TransferHandle) -> XferStatus:
@@ -216,15 +225,25 @@ class LoopbackTransport:
         return ProbeResult(peer, src.numel(), time.perf_counter() - t0, "torch")
 
     # -- notifications ----------------------------------------------------------------------------------------------
-    def _deliver(self, sender: str, note: Notification) -> None:
+    def receive_raw(self, sender: str, raw: bytes) -> None:
+        """A notification's bytes, as a peer's send delivers them: notifications travel encoded even in-process, so
+        this double decodes exactly what a real wire would. Decoded into the inbox, or counted in
+        ``malformed_notifications`` and dropped (logged at a bounded rate). Total: it never raises."""
+        try:
+            note = decode_notification(raw)
+        except MalformedNotificationError as exc:
+            self.malformed_notifications += 1
+            self._log_drop("dropped a notification from %.100s: %.200s", sender, exc)
+            return
         self._inbox.append((sender, note))
 
     def send_notification(self, peer: str, note: Notification) -> None:
+        raw = encode_notification(note)
         with self._lock:
             if peer not in self._peers:
                 raise UnknownPeerError(peer)
             remote = self._peers[peer][1]
-        remote._deliver(self.agent, note)
+        remote.receive_raw(self.agent, raw)
 
     def notifications(self) -> list[tuple[str, Notification]]:
         out = []

@@ -54,6 +54,7 @@ from kvlifecycle.transport import (
     decode_notification,
     encode_notification,
 )
+from kvlifecycle.untrusted import RateLimitedLog
 
 from ._common import HandleTable, XferRecord, check_pairing, new_epoch, plan_descs
 from .nixl_agent import make_agent
@@ -148,6 +149,7 @@ class NixlTransport:
         self._completion_listeners: list[Callable[[TransferHandle], None]] = []
         self.malformed_notifications = 0
         self.failed_notifications = 0
+        self._log_drop = RateLimitedLog(log)  # a peer sending junk must not flood the log
         self.telemetry_failures = 0
         self._thread = threading.Thread(target=self._serve, name=f"nixl-{agent}", daemon=True)
         self._thread.start()
@@ -273,17 +275,25 @@ class NixlTransport:
     def _drain_notifs(self) -> None:
         try:
             got = self._nixl.get_new_notifs()
+            batches = [(str(sender), list(messages)) for sender, messages in got.items()]
         except Exception as exc:
             self.failed_notifications += 1
-            log.warning("get_new_notifs failed: %s", exc)
+            self._log_drop("get_new_notifs failed: %s", exc)
             return
-        for sender, messages in got.items():
+        for sender, messages in batches:
             for raw in messages:
-                try:
-                    self._inbox.append((sender, decode_notification(raw)))
-                except MalformedNotificationError as exc:
-                    self.malformed_notifications += 1
-                    log.warning("dropped a notification from %s: %s", sender, exc)
+                self.receive_raw(sender, raw)
+
+    def receive_raw(self, sender: str, raw: bytes) -> None:
+        """One notification's bytes as they arrived from ``sender``: decoded into the inbox, or counted in
+        ``malformed_notifications`` and dropped (logged at a bounded rate). Total: it never raises."""
+        try:
+            note = decode_notification(raw)
+        except MalformedNotificationError as exc:
+            self.malformed_notifications += 1
+            self._log_drop("dropped a notification from %.100s: %.200s", sender, exc)
+            return
+        self._inbox.append((sender, note))
 
     # -- registration -----------------------------------------------------------------------------------------------
     def register(self, layout: KVLayout) -> None:

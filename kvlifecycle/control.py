@@ -1,0 +1,87 @@
+"""The handoff's control messages on the side channel (P serves them, D sends them), and their claim-token rules.
+
+Counters and block ids are bounded at decode (msgspec constraints): a peer's hybrid logical clock of 2**64 would
+otherwise be observed, ticked past what msgpack can encode, and stop every later commit of the log; a block id past
+int32 would fail its conversion on a service thread.
+
+A :class:`Heartbeat` is one of three things, by what it carries (see :mod:`kvlifecycle.claims`):
+
+- a **claim**: ``agent`` set, no ``token``: claims consumer index ``consumer`` of the lease, answered by
+  :class:`Claimed` with the per-claim token;
+- a **renewal**: the claim's ``token``: renews the lease;
+- a **keepalive**: neither: renews a lease nobody has claimed yet (an engine that holds a grant while its blocks
+  are being reserved); refused once the lease is claimed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+Counter = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]  # the ledgers' block ids are int32
+Token = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class GetGrant(msgspec.Struct, frozen=True, tag=True):
+    request: str
+
+
+class GrantReply(msgspec.Struct, frozen=True, tag=True):
+    """A published grant (what vLLM carries in ``kv_transfer_params``)."""
+
+    request: str
+    transfer: str
+    generation: Counter
+    worker: str
+    block_ids: list[BlockId]
+    consumers: int
+    ttl_s: float
+    agent: str
+    epoch: Counter
+    tp_rank: int = 0
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    transfer: str
+    generation: Counter
+    agent: str = ""  # the consumer's agent: P binds the lease to it, so the consumer's restart releases it
+    hlc: Counter = 0  # the sender's hybrid logical clock (0: unknown): what P records next sorts after it
+    consumer: Counter = 0  # which consumer of the lease this is (D TP > P TP: several D ranks read one lease)
+    token: Token = b""  # the claim token, on every heartbeat after the claim
+
+
+class Claimed(msgspec.Struct, frozen=True, tag=True):
+    """P → D, the answer to a claim: ``token`` is what every later message about this lease must carry."""
+
+    ok: bool
+    detail: str = ""
+    token: bytes = b""
+
+
+class PushRequest(msgspec.Struct, frozen=True, tag=True):
+    """D → P: write the granted blocks into mine (``blocks``), then notify ``target_request`` part ``part``."""
+
+    transfer: str
+    generation: Counter
+    agent: str
+    epoch: Counter
+    blocks: list[BlockId]
+    target_request: str
+    part: int = 0
+    token: Token = b""  # the claim token of this lease
+
+
+class LoadFailed(msgspec.Struct, frozen=True, tag=True):
+    """D → P: my read of this grant failed; release it now rather than at lease expiry. Carries the claim token
+    once the lease is claimed (before that, the lease has no claimant to protect)."""
+
+    transfer: str
+    generation: Counter
+    reason: str
+    hlc: Counter = 0
+    token: Token = b""
+
+
+REPLY_TYPES = (GrantReply, Claimed)
