@@ -144,3 +144,37 @@ def test_nixl_junk_over_the_real_wire_is_dropped_and_the_next_note_arrives() -> 
     finally:
         a.close()
         b.close()
+
+
+def test_cuda_ipc_notification_channel_drops_junk_and_delivers_the_next_note() -> None:
+    """The CUDA IPC transport's notification channel is plain ZMQ (no GPU needed): hostile headers and bodies,
+    frames of the wrong count, a deep value hidden in an unknown element, each counted once and dropped; a
+    message from an older epoch of a known peer is stale; the legitimate note after them arrives intact."""
+    from kvlifecycle.transports.cuda_ipc.notify import NotifyChannel
+
+    receiver = NotifyChannel("rx", 1, "127.0.0.1")
+    sender = NotifyChannel("tx", 5, "127.0.0.1")
+    dealer = sender.connect(receiver.endpoint)
+    try:
+        header = msgspec.msgpack.encode(("tx", 5))
+        hidden = b"\x99" + encode_notification(LEGIT)[1:] + b"\x91" * 3000 + b"\xc0"
+        junk = [[header, hidden], [b"\x91" * 5000 + b"\xc0", encode_notification(LEGIT)], [header],
+                [header, b"\xc1"], [msgspec.msgpack.encode(("tx", "5")), encode_notification(LEGIT)],
+                [header, encode_notification(LEGIT), b"extra"]]
+        for frames in junk:
+            dealer.send_multipart(frames)
+        dealer.send_multipart([msgspec.msgpack.encode(("tx", 4)), encode_notification(LEGIT)])  # an old epoch
+        sender.send(dealer, "rx", LEGIT)
+        got: list = []
+        malformed = stale = 0
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            out, bad, old = receiver.receive({"tx": 5})
+            got, malformed, stale = got + out, malformed + bad, stale + old
+            time.sleep(0.01)
+        assert got == [("tx", LEGIT)]
+        assert (malformed, stale) == (len(junk), 1)
+    finally:
+        dealer.close(0)
+        receiver.close()
+        sender.close()
