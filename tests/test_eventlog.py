@@ -121,6 +121,11 @@ def test_flipping_a_byte_in_the_last_record_truncates_only_that_record(tmp_path:
         damaged[pos] ^= 0xFF
         segment.write_bytes(bytes(damaged))
         reader = LogReader(tmp_path / "log")
+        if pos == last_start + 3:  # the length's high byte: beyond the maximum record, which no torn write makes
+            with pytest.raises(CorruptLogError, match="exceeds the maximum record size") as info:
+                list(reader)
+            assert info.value.offset == last_start
+            continue
         assert list(reader) == events[:-1], pos
         assert reader.tail is not None and reader.tail.offset == last_start
     segment.write_bytes(bytes(original))
