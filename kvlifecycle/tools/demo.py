@@ -262,6 +262,10 @@ def worker_main(cfg_raw: bytes, conn: Connection) -> None:
             from kvlifecycle.tools.bench_transport import RawWorker
 
             worker: Any = RawWorker(cfg)
+        elif cfg.side.startswith("load-"):
+            from kvlifecycle.tools.bench_load import LoadWorker
+
+            worker = LoadWorker(cfg)
         else:
             worker = _Worker(cfg)
     except BaseException as exc:
