@@ -350,7 +350,17 @@ class _Ledger:
 
     def _refuse(self, command: str, reason: str, request: str = "", transfer: str = "") -> None:
         hlc, at = self._stamp()
+        # a name that is not a string (a caller's bug) is recorded as its repr: the log must stay decodable
+        request = request if request.__class__ is str else repr(request)
+        transfer = transfer if transfer.__class__ is str else repr(transfer)
         self._record(ev.Refused(hlc, at, command, reason, request, transfer))
+
+    def _check_name(self, command: str, request: str) -> None:
+        """A new request's id must be a string (it is logged as one; anything else would make the log unreadable)."""
+        if request.__class__ is not str and not isinstance(request, str):
+            reason = f"request id not a string: {type(request).__name__}"
+            self._refuse(command, reason, request)
+            raise UnknownRequestError(reason)
 
     def _on_refused(self, event: ev.Refused) -> None:
         key = f"{event.command}: {event.reason.split(':')[0]}"
@@ -385,6 +395,7 @@ class _Ledger:
         return f"block {block} is {self._state_enum(self._block_state(block)).name}, no {trigger!r} edge from there"
 
     def _check_allocatable(self, command: str, request: str, ids: np.ndarray) -> None:
+        self._check_name(command, request)
         if request in self.requests:
             self._refuse(command, "duplicate request id", request)
             raise BlockBusyError(f"request {request!r} already holds blocks")
@@ -606,6 +617,7 @@ class SourceLedger(_Ledger):
         """``request`` references blocks another request already holds (a prefix-cache hit): no new epoch."""
         with self._lock:
             ids = self._command_blocks("share", block_ids, request)
+            self._check_name("share", request)
             if request in self.requests:
                 self._refuse("share", "duplicate request id", request)
                 raise BlockBusyError(f"request {request!r} already holds blocks")

@@ -218,3 +218,18 @@ def test_every_refused_command_appends_exactly_one_refused_event(tmp_path: Path,
     assert np.array_equal(ledger.state, state_before)
     ledger.log.close()
     assert _refused(tmp_path / "log")[-1] == seen[0]  # and it is in the log, where replay sees it
+
+
+@pytest.mark.parametrize("side", ["source", "target"])
+def test_a_request_id_that_is_not_a_string_is_refused_and_the_log_stays_readable(tmp_path: Path, side: str) -> None:
+    ledger: Any = open_ledger(side, N, str(tmp_path / "log"), worker="w0")
+    enter = ledger.allocate if side == "source" else ledger.reserve
+    with pytest.raises(LedgerError, match="request id not a string: int"):
+        enter(5, [1])
+    with pytest.raises(LedgerError):
+        ledger.finish(7) if side == "target" else ledger.prefill_done(7)  # unknown: refused under its repr
+    ledger.log.close()
+    assert [(e.command, e.request) for e in _refused(tmp_path / "log")] == [
+        ("allocate" if side == "source" else "reserve", "5"),
+        ("finish" if side == "target" else "prefill_done", "7"),
+    ]
