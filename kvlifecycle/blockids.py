@@ -38,7 +38,7 @@ class DuplicateScratch:
         """A block id that occurs more than once in ``ids`` (all in range), or -1."""
         n = ids.size
         if n > self.positions.size:  # more ids than blocks: some id repeats
-            return int(ids[int(np.argmax(np.bincount(ids)))])
+            return int(np.argmax(np.bincount(ids)))  # the id given most often
         expected = self.positions[:n]
         self.slots.put(ids, expected)
         back = self.slots.take(ids)
