@@ -26,7 +26,11 @@ from kvlifecycle.ledger import ReplayError, open_ledger
 from kvlifecycle.replay import check, replay, summary
 
 # a bounded number per CI run; KVL_FUZZ_EXAMPLES raises it for a longer hunt
-FUZZ = settings(max_examples=int(os.environ.get("KVL_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("KVL_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 SEGMENT = "seg-00000000.kvl"
 
 
