@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlifecycle.tools.demo import BlockPool, WorkerConfig, WorkerProcess, _Worker
+from kvlifecycle.tools.demo import WORKER_MAX_LIFETIME_S, BlockPool, WorkerConfig, WorkerProcess, _Worker
 
 SETTLE_TIMEOUT_S = 120.0  # after the last request started: every load settles and every lease ends by then
 LOAD_TTL_S = 2.0  # a lease D never claims (D cancelled first) holds P's blocks this long
@@ -198,7 +198,7 @@ def drive(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     from kvlifecycle.replay import check, check_pair, replay
 
     common = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes, "ttl_s": LOAD_TTL_S,
-              "fsync": "never"}
+              "fsync": "never", "max_lifetime_s": WORKER_MAX_LIFETIME_S + 0.1 * args.requests}
     p = WorkerProcess(WorkerConfig("load-producer", "p0", log_dir=str(logs / "p0"), seed=11, **common))
     d = WorkerProcess(WorkerConfig("load-consumer", "d0", log_dir=str(logs / "d0"), **common))
     plan = _Plan(args.cancel_every, args.expire_every)

@@ -23,7 +23,8 @@ from typing import Any
 import msgspec
 
 COMMAND_TIMEOUT_S = 60.0
-WORKER_MAX_LIFETIME_S = 600.0
+WORKER_MAX_LIFETIME_S = 600.0  # a backstop for a worker whose parent vanished without closing the pipe
+WORKER_SECONDS_PER_REQUEST = 1.0  # the demo's lifetime budget per request, far above what one takes
 
 
 @dataclass
@@ -48,6 +49,7 @@ class WorkerConfig:
     fsync: str = "never"
     prog_thread: bool = False
     iterations: int = 0
+    max_lifetime_s: float = WORKER_MAX_LIFETIME_S
 
 
 def default_compat(**over: Any) -> dict[str, Any]:
@@ -273,7 +275,7 @@ def worker_main(cfg_raw: bytes, conn: Connection) -> None:
                                                 "trace": traceback.format_exc()}))
         return
     conn.send_bytes(msgspec.msgpack.encode({"ok": True, "value": worker.hello()}))
-    deadline = time.monotonic() + WORKER_MAX_LIFETIME_S
+    deadline = time.monotonic() + cfg.max_lifetime_s
     while time.monotonic() < deadline:
         if not conn.poll(1.0):
             continue
@@ -409,11 +411,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvl-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     p_log, d_log = out / "p0", out / "d0"
-    common = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes}
+    total = 2 * args.requests
+    common = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes,
+              "max_lifetime_s": WORKER_MAX_LIFETIME_S + WORKER_SECONDS_PER_REQUEST * total}
     t0 = time.monotonic()
     p = WorkerProcess(WorkerConfig("producer", "p0", log_dir=str(p_log), seed=7, **common))
     d = WorkerProcess(WorkerConfig("consumer", "d0", log_dir=str(d_log), **common))
-    total = 2 * args.requests
     verbose = total <= 16  # one line per request for a short demo; progress lines for a long one
     ok = True
     moved = granted = 0
