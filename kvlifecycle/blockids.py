@@ -26,19 +26,23 @@ class DuplicateScratch:
     """Scratch arrays for the duplicate check: O(n) in the ids, not O(n log n) as ``np.unique`` is.
 
     Each id's slot is written with its position; an id given twice reads back a later position at its first place.
-    Callers serialise use (the ledger holds its lock)."""
+    Memory is touched only where ids land (``np.zeros`` maps pages lazily) and positions grow with the longest list
+    seen, so a pool of millions of blocks costs what its requests use. Callers serialise use (the ledger's lock)."""
 
-    __slots__ = ("positions", "slots")
+    __slots__ = ("num_blocks", "positions", "slots")
 
     def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         self.slots = np.zeros(num_blocks, dtype=np.int32)
-        self.positions = np.arange(num_blocks, dtype=np.int32)
+        self.positions = np.arange(0, dtype=np.int32)
 
     def first_duplicate(self, ids: np.ndarray) -> int:
         """A block id that occurs more than once in ``ids`` (all in range), or -1."""
         n = ids.size
-        if n > self.positions.size:  # more ids than blocks: some id repeats
+        if n > self.num_blocks:  # more ids than blocks: some id repeats
             return int(np.argmax(np.bincount(ids)))  # the id given most often
+        if n > self.positions.size:
+            self.positions = np.arange(min(self.num_blocks, max(n, 2 * self.positions.size, 64)), dtype=np.int32)
         expected = self.positions[:n]
         self.slots.put(ids, expected)
         back = self.slots.take(ids)
