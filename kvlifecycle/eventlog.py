@@ -6,8 +6,9 @@ Layout of a log directory::
     seg-00000001.kvl   ...
 
 A frame is ``<u32 length><u32 crc32(payload, seed)><payload>`` (a damaged length reads the wrong span, which fails the
-checksum). The header frame is a msgpack map with the schema version and the ledger's configuration (side, worker,
-number of blocks, incarnation), so a log replays on its own. Every other frame is one committed batch: a msgpack
+checksum; a length above :data:`MAX_RECORD` cannot come from a torn write and is corruption). The header frame is a
+msgpack map with the schema version and the ledger's configuration (side, worker, number of blocks, incarnation), so
+a log replays on its own. Every other frame is one committed batch (split only past :data:`MAX_RECORD`): a msgpack
 array of events, written with one ``write`` and decoded with one call, so a batch is the unit of atomicity — a crash
 keeps whole batches and loses at most the last.
 
@@ -142,6 +143,16 @@ class Record:
     incarnation: int = 0  # the writing ledger's incarnation: a change marks a restart of the worker
 
 
+_ARRAY_HEAD_MAX = 5  # bytes of the longest msgpack array header a batch starts with
+
+
+def _array_head(n: int) -> bytes:
+    """A msgpack array header: followed by ``n`` encoded elements it is the encoding of their list (no re-encoding)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    return b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big")
+
+
 def _frame(payload: bytes) -> bytes:
     return FRAME.pack(len(payload), _crc32(payload)) + payload
 
@@ -204,18 +215,13 @@ def scan_segment(path: Path, *, is_last: bool) -> SegmentScan:
             return SegmentScan(path, {}, [], [], 0, size, "torn segment magic")
         raise CorruptLogError(path, 0, "not a kvlifecycle log segment (bad magic)")
     pos = len(MAGIC)
+    _refuse_oversized(path, buf, pos, size)
     length = _frame_ok(buf, pos, size)
     if length < 0:
         if is_last and _any_valid_frame_after(buf, pos + 1, size) < 0:
             return SegmentScan(path, {}, [], [], 0, size, "torn segment header")
         raise CorruptLogError(path, pos, "segment header failed its checksum")
-    try:
-        header = msgspec.msgpack.decode(buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length])
-    except msgspec.DecodeError as exc:
-        raise CorruptLogError(path, pos, f"segment header does not decode: {exc}") from exc
-    if not isinstance(header, dict) or header.get("schema") != SCHEMA_VERSION:
-        found = header.get("schema") if isinstance(header, dict) else header
-        raise CorruptLogError(path, pos, f"schema version {found!r} != {SCHEMA_VERSION}")
+    header = _decode_header(path, pos, buf[pos + FRAME_SIZE : pos + FRAME_SIZE + length])
     pos += FRAME_SIZE + length
     offsets: list[int] = []
     payloads: list[memoryview] = []
@@ -237,6 +243,7 @@ def scan_segment(path: Path, *, is_last: bool) -> SegmentScan:
         pos = start + length
     if pos >= size:
         return SegmentScan(path, header, offsets, payloads, pos, size, None)
+    _refuse_oversized(path, buf, pos, size)
     reason = _describe_bad_frame(buf, pos, size)
     if not is_last:
         raise CorruptLogError(path, pos, reason)
@@ -246,6 +253,34 @@ def scan_segment(path: Path, *, is_last: bool) -> SegmentScan:
             path, pos, f"{reason}; a valid record follows at offset {after}, so this is not a torn tail"
         )
     return SegmentScan(path, header, offsets, payloads, pos, size, reason)
+
+
+def _refuse_oversized(path: Path, buf: Any, pos: int, size: int) -> None:
+    """A frame whose length field is whole but beyond :data:`MAX_RECORD`: no writer made it, and a torn write keeps
+    a prefix of what was written (a whole length field is the written one), so this is corruption wherever it is."""
+    if pos + FRAME_SIZE <= size:
+        length = FRAME.unpack_from(buf, pos)[0]
+        if length > MAX_RECORD:
+            raise CorruptLogError(
+                path, pos, f"record length {length} exceeds the maximum record size {MAX_RECORD}: not a torn write"
+            )
+
+
+def _decode_header(path: Path, pos: int, payload: Any) -> dict:
+    """A segment header that passed its checksum: a map with this schema version and the fields the reader uses
+    typed as the writer writes them, or :class:`CorruptLogError`."""
+    try:
+        header = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting: msgspec raises RecursionError
+        raise CorruptLogError(path, pos, f"segment header does not decode: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict) or header.get("schema") != SCHEMA_VERSION:
+        found = header.get("schema") if isinstance(header, dict) else type(header).__name__
+        raise CorruptLogError(path, pos, f"schema version {found!r} != {SCHEMA_VERSION}")
+    for key in ("incarnation", "segment"):
+        value = header.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CorruptLogError(path, pos, f"segment header's {key} is not an integer: {value!r}")
+    return header
 
 
 def _describe_bad_frame(buf: Any, pos: int, size: int) -> str:
@@ -313,8 +348,8 @@ def decode_frames(scan: SegmentScan) -> list[tuple[int, list[Event]]]:
     for offset, payload in zip(scan.offsets, scan.payloads, strict=True):
         try:
             out.append((offset, BATCH_DECODER.decode(payload)))
-        except msgspec.DecodeError as exc:
-            raise CorruptLogError(scan.path, offset, f"record does not decode: {exc}") from exc
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise CorruptLogError(scan.path, offset, f"record does not decode: {type(exc).__name__}: {exc}") from None
     return out
 
 
@@ -542,14 +577,30 @@ class EventLog:
         return out
 
     def _write_encoded(self, pending: list[bytes]) -> None:
-        n = len(pending)
-        # a msgpack array header followed by the encoded elements is the encoding of the list: no re-encoding
-        head = (
-            bytes((0x90 | n,))
-            if n < 16
-            else (b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big"))
-        )
-        payload = head + b"".join(pending)
+        body = b"".join(pending)
+        if len(body) + _ARRAY_HEAD_MAX <= MAX_RECORD:
+            self._write_frame(_array_head(len(pending)) + body)
+        else:  # a batch beyond the maximum record goes as several (a reader calls a longer frame corrupt)
+            self._write_split(pending)
+        self._pending = []  # only once written: a failed write keeps the batch for the next try
+        self._pending_bytes = 0
+
+    def _write_split(self, pending: list[bytes]) -> None:
+        start = 0
+        while start < len(pending):
+            end, size = start, 0
+            while end < len(pending) and size + len(pending[end]) + _ARRAY_HEAD_MAX <= MAX_RECORD:
+                size += len(pending[end])
+                end += 1
+            if end == start:  # one event larger than a record: it cannot be written, and is named
+                self._pending = pending[start + 1 :]
+                raise LogError(f"event log {self.directory}: an event of {len(pending[start])} bytes exceeds the "
+                               f"maximum record size {MAX_RECORD} and was not written")
+            self._write_frame(_array_head(end - start) + b"".join(pending[start:end]))
+            self._pending = pending[end:]  # what is written is never written again, even if a later frame fails
+            start = end
+
+    def _write_frame(self, payload: bytes) -> None:
         frame = _pack_frame(len(payload), _crc32(payload)) + payload
         if self._segment_size + len(frame) > self.segment_bytes and self._segment_size > 64:
             with self._sync_lock:  # never close a segment under the syncer's fsync
@@ -558,8 +609,6 @@ class EventLog:
                 self._open_segment()
         self._fh.write(frame)
         self._segment_size += len(frame)
-        self._pending = []  # only once written: a failed write keeps the batch for the next try
-        self._pending_bytes = 0
         self._unsynced = True
 
     def _sync(self) -> None:

@@ -27,7 +27,9 @@ import numpy as np
 
 from kvlifecycle import events as ev
 from kvlifecycle.choices import LoadFailurePolicy, LoadFailurePolicyName, Side, SideName, TransferMode, TransferModeName
+from kvlifecycle.blockids import MAX_BLOCKS, DuplicateScratch, parse_block_ids
 from kvlifecycle.clock import Clock, HybridLogicalClock, MonotonicClock
+from kvlifecycle.eventlog import LogError
 from kvlifecycle.machines import INVALID, SOURCE, TARGET, SourceState, TargetState
 
 if TYPE_CHECKING:
@@ -76,8 +78,19 @@ class UnknownRequestError(LedgerError):
     pass
 
 
-class ReplayError(LedgerError):
-    """A log holds an event that cannot have come from a ledger (edited, or from another ledger)."""
+class InvalidBlockIdsError(LedgerError, ValueError):
+    """Block ids that name no block, name one twice, or are not integers (a refusal: a ``Refused`` is recorded)."""
+
+
+class ReplayError(LedgerError, LogError):
+    """A log holds an event that cannot have come from a ledger (edited, or from another ledger).
+
+    A :class:`~kvlifecycle.eventlog.LogError` too: for a reader, a well-framed but impossible log is as unreadable
+    as a corrupt one (``kvlifecycle replay`` exits 2 on either)."""
+
+
+# what a handler can raise on an event no ledger could have written (an unknown request, a bad id, a wrong type)
+_FOLD_ERRORS = (KeyError, ValueError, IndexError, TypeError, AttributeError, OverflowError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +225,10 @@ class _Ledger:
         hlc: HybridLogicalClock | None = None,
         worker: str = "",
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError("num_blocks must be positive")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+            raise TypeError(f"num_blocks must be an integer, got {type(num_blocks).__name__}")
+        if not 0 < num_blocks <= MAX_BLOCKS:
+            raise ValueError(f"num_blocks must be in [1, {MAX_BLOCKS}], got {num_blocks}")
         self.num_blocks = int(num_blocks)
         self.worker = worker or f"{self.side}-{os.getpid()}"
         # transfer ids must never repeat across restarts of a worker that keeps its name
@@ -223,6 +238,7 @@ class _Ledger:
         self.hlc = hlc or HybridLogicalClock()
         self._state = np.zeros(self.num_blocks, dtype=np.uint8)
         self.epoch = np.zeros(self.num_blocks, dtype=np.uint32)  # = the allocation sequence number that owns it
+        self._duplicates = DuplicateScratch(self.num_blocks)
         self.allocations = 0  # allocation sequence; a block's epoch is the sequence number of its last allocation
         self.refusals: dict[str, int] = {}
         self.peer_epochs: dict[str, int] = {}
@@ -305,34 +321,56 @@ class _Ledger:
             self.hlc.observe(event.hlc)
         try:
             handler(event)
-        except KeyError as exc:
-            raise ReplayError(f"{type(event).__name__} names unknown {exc} (edited, or another ledger's log)") from exc
+        except _FOLD_ERRORS as exc:
+            raise self._impossible(event, exc) from exc
 
     def apply_all(self, events: Iterable[ev.Event]) -> None:
-        """Fold many events (the replay loop: one dispatch per event, nothing else)."""
+        """Fold many events (the replay loop: one dispatch per event, nothing else). An event that cannot be folded
+        raises :class:`ReplayError` naming it; nothing else escapes."""
         handlers = self._handlers
         last = 0
+        event: Any = None
         try:
             for event in events:
                 handlers[type(event)](event)
                 last = event.hlc
-        except KeyError as exc:
-            self.apply(event)  # the slow path names what is wrong
-            raise ReplayError(f"cannot fold {event!r}: {exc}") from exc
+        except _FOLD_ERRORS as exc:
+            if type(event) not in handlers:
+                raise ReplayError(f"{type(event).__name__} does not belong in a {self.side} log") from None
+            raise self._impossible(event, exc) from exc
         if last > self.hlc.last:
             self.hlc.observe(last)
+
+    @staticmethod
+    def _impossible(event: ev.Event, exc: BaseException) -> ReplayError:
+        """One line naming the event and what is wrong with it."""
+        names = ("request", "transfer")
+        about = ", ".join(f"{n}={getattr(event, n)!r}" for n in names if getattr(event, n, ""))
+        what = f"names unknown {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        text = f"{type(event).__name__}({about}) at hlc {event.hlc} cannot be folded: {what}"
+        return ReplayError(" ".join(text.split()))
 
     def _stamp(self) -> tuple[int, float]:
         return self.hlc.tick(), self.clock.now()
 
     def _refuse(self, command: str, reason: str, request: str = "", transfer: str = "") -> None:
         hlc, at = self._stamp()
+        # a name that is not a string (a caller's bug) is recorded as its repr: the log must stay decodable
+        request = request if request.__class__ is str else repr(request)
+        transfer = transfer if transfer.__class__ is str else repr(transfer)
         self._record(ev.Refused(hlc, at, command, reason, request, transfer))
 
     def refuse(self, command: str, reason: str, request: str = "", transfer: str = "") -> None:
         """Record a refusal decided in front of the ledger (a wrong claim token at the side channel)."""
         with self._lock:
             self._refuse(command, reason, request, transfer)
+
+    def _check_name(self, command: str, request: str) -> None:
+        """A new request's id must be a string (it is logged as one; anything else would make the log unreadable)."""
+        if request.__class__ is not str and not isinstance(request, str):
+            reason = f"request id not a string: {type(request).__name__}"
+            self._refuse(command, reason, request)
+            raise UnknownRequestError(reason)
 
     def _on_refused(self, event: ev.Refused) -> None:
         key = f"{event.command}: {event.reason.split(':')[0]}"
@@ -367,13 +405,11 @@ class _Ledger:
         return f"block {block} is {self._state_enum(self._block_state(block)).name}, no {trigger!r} edge from there"
 
     def _check_allocatable(self, command: str, request: str, ids: np.ndarray) -> None:
+        self._check_name(command, request)
         if request in self.requests:
             self._refuse(command, "duplicate request id", request)
             raise BlockBusyError(f"request {request!r} already holds blocks")
-        try:  # the bounds check rides on the gather: a negative id seen unsigned is out of range too
-            current = self._state.take(ids.view(np.uint32))
-        except IndexError:
-            raise ValueError(f"block ids must be in [0, {self.num_blocks})") from None
+        current = self._state.take(ids)  # ids checked by _command_blocks
         if np.count_nonzero(current):  # fast path: every block FREE (0); count_nonzero is ~5x cheaper than any()
             nxt = self._machine.triggers[command].when_true.take(current)
             if nxt.min() < 0:
@@ -384,15 +420,34 @@ class _Ledger:
     def _state_enum(self, value: int) -> Any:
         raise NotImplementedError
 
-    def _as_blocks(self, block_ids: Iterable[int] | np.ndarray, *, checked: bool = True) -> np.ndarray:
-        ids = np.asarray(block_ids, dtype=BLOCK_DTYPE)
-        if ids.ndim != 1:
-            raise ValueError("block ids must be a 1-D sequence")
-        if not checked:
-            return ids
-        # one check for both ends: negative ids become huge when seen unsigned
+    def _as_blocks(self, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        """Ids for a query (no event): any number of them, repeats allowed."""
+        ids, reason = parse_block_ids(block_ids, self.num_blocks, allow_empty=True)
+        if reason:
+            raise InvalidBlockIdsError(reason)
+        return ids
+
+    def _command_blocks(self, command: str, block_ids: Iterable[int] | np.ndarray, request: str = "") -> np.ndarray:
+        """Ids for a command (under the lock): at least one, each once, each in the pool — or the command is refused
+        (recorded) with :class:`InvalidBlockIdsError`."""
+        ids, reason = parse_block_ids(block_ids, self.num_blocks, self._duplicates)
+        if reason:
+            self._refuse(command, reason, request)
+            raise InvalidBlockIdsError(reason)
+        return ids
+
+    def _logged_blocks(self, raw: bytes) -> np.ndarray:
+        """The ids of a logged event. Replay checks their range (a log is input, and a negative id would wrap
+        silently in a scatter); a live command checked them in full already. Replay speed matters here: one
+        reduction, no duplicate check (a repeated id cannot corrupt the fold)."""
+        if not self._replaying:
+            return ev.unpack_blocks(raw)
+        if len(raw) % BLOCK_DTYPE.itemsize:
+            raise ReplayError(f"a block list of {len(raw)} bytes is not a whole number of int32 ids")
+        ids = ev.unpack_blocks(raw)
         if ids.size and int(ids.view(np.uint32).max()) >= self.num_blocks:
-            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+            _, reason = parse_block_ids(ids, self.num_blocks)
+            raise ReplayError(f"{reason} (a log of a pool of {self.num_blocks} blocks)")
         return ids
 
     def _new_allocation(self, ids: np.ndarray, request: str) -> int:
@@ -564,8 +619,8 @@ class SourceLedger(_Ledger):
         Raises :class:`BlockBusyError` (after recording the refusal) when a block is not free — in particular when
         it is still pinned for a transfer: the allocator must not reuse it.
         """
-        ids = self._as_blocks(block_ids, checked=False)
         with self._lock:
+            ids = self._command_blocks("allocate", block_ids, request)
             self._check_allocatable("allocate", request, ids)
             hlc, at = self._stamp()
             self._record(ev.SrcAllocated(hlc, at, request, ev.pack_blocks(ids)))
@@ -573,12 +628,13 @@ class SourceLedger(_Ledger):
 
     def share(self, request: str, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
         """``request`` references blocks another request already holds (a prefix-cache hit): no new epoch."""
-        ids = self._as_blocks(block_ids)
         with self._lock:
+            ids = self._command_blocks("share", block_ids, request)
+            self._check_name("share", request)
             if request in self.requests:
                 self._refuse("share", "duplicate request id", request)
                 raise BlockBusyError(f"request {request!r} already holds blocks")
-            if ids.size and (self._state[ids] == SourceState.FREE).any():
+            if (self._state[ids] == SourceState.FREE).any():
                 self._refuse("share", "a shared block is FREE: allocate it instead", request)
                 raise InvalidTransitionError("cannot share a FREE block")
             hlc, at = self._stamp()
@@ -605,9 +661,10 @@ class SourceLedger(_Ledger):
         peer: str = "",
     ) -> Grant:
         """Pin the request's blocks for ``consumers`` readers under a lease (the descriptor may be published)."""
-        if consumers < 1:
-            raise ValueError("consumers must be >= 1")
         with self._lock:
+            if consumers < 1:
+                self._refuse("grant", f"consumers must be >= 1: got {consumers}", request)
+                raise ValueError("consumers must be >= 1")
             req = self._request("grant", request)
             if req.shared:
                 nxt = self._machine.triggers["grant"].when_true[self._state[req.blocks]]
@@ -753,13 +810,15 @@ class SourceLedger(_Ledger):
             self._record(ev.SrcFreed(hlc, at, request, cache))
 
     def evict(self, block_ids: Iterable[int] | np.ndarray) -> None:
-        ids = self._as_blocks(block_ids)
         with self._lock:
+            ids = self._command_blocks("evict", block_ids)
             nxt = self._machine.triggers["evict"].when_true[self._state[ids]]
             busy = (nxt < 0) | (self.refs[ids] > 0)
-            if ids.size and busy.any():
+            if busy.any():
                 block = int(ids[int(np.argmax(busy))])
-                reason = f"block {block} is {SourceState(int(self._state[block])).name} with {self.refs[block]} refs"
+                refs = int(self.refs[block])
+                held = f" (referenced by {refs} requests)" if refs else ""
+                reason = f"block {block} is {SourceState(self._block_state(block)).name}{held}, not evictable"
                 self._refuse("evict", reason)
                 raise BlockBusyError(reason)
             hlc, at = self._stamp()
@@ -795,7 +854,7 @@ class SourceLedger(_Ledger):
 
     # -- fold -----------------------------------------------------------------------------------------------------
     def _on_allocated(self, e: ev.SrcAllocated) -> None:
-        ids = ev.unpack_blocks(e.blocks)
+        ids = self._logged_blocks(e.blocks)
         if self._replaying and not self._lazy:
             self._step("allocate", ids)
         seq = self._new_allocation(ids, e.request)
@@ -804,7 +863,7 @@ class SourceLedger(_Ledger):
     def _on_shared(self, e: ev.SrcShared) -> None:
         if self._lazy:
             self._materialize()
-        ids = ev.unpack_blocks(e.blocks)
+        ids = self._logged_blocks(e.blocks)
         for other in self.requests.values():  # owners of these blocks switch to per-block handling
             if not other.shared and np.isin(other.blocks, ids).any():
                 other.shared = True
@@ -907,7 +966,7 @@ class SourceLedger(_Ledger):
             self._state[last[movable]] = nxt[movable]
 
     def _on_evicted(self, e: ev.SrcEvicted) -> None:
-        ids = ev.unpack_blocks(e.blocks)
+        ids = self._logged_blocks(e.blocks)
         if self._lazy:
             self._evictions.append((ids, self.epoch[ids]))
             return
@@ -965,8 +1024,8 @@ class TargetLedger(_Ledger):
     # -- commands -------------------------------------------------------------------------------------------------
     def reserve(self, request: str, block_ids: Iterable[int] | np.ndarray) -> int:
         """D's scheduler reserves ``block_ids`` for ``request``; returns their new epoch (as ``allocate`` does)."""
-        ids = self._as_blocks(block_ids, checked=False)
         with self._lock:
+            ids = self._command_blocks("reserve", block_ids, request)
             self._check_allocatable("reserve", request, ids)
             hlc, at = self._stamp()
             self._record(ev.TgtReserved(hlc, at, request, ev.pack_blocks(ids)))
@@ -985,12 +1044,17 @@ class TargetLedger(_Ledger):
     ) -> None:
         """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected.
         ``mode``: ``pull`` (D reads P's pinned blocks) or ``push`` (P writes into these)."""
-        spelling = _MODE_SPELLINGS.get(mode)
-        if spelling is None:
-            spelling = str(TransferMode.parse(mode, "mode"))  # raises, naming the field and the members
-        if parts < 1:
-            raise ValueError("parts must be >= 1")
         with self._lock:
+            spelling = _MODE_SPELLINGS.get(mode)
+            if spelling is None:
+                try:
+                    spelling = str(TransferMode.parse(mode, "mode"))  # names the field and the members
+                except ValueError as exc:
+                    self._refuse("start_load", f"mode: {exc}", request, transfer)
+                    raise
+            if parts < 1:
+                self._refuse("start_load", f"parts must be >= 1: got {parts}", request, transfer)
+                raise ValueError("parts must be >= 1")
             req = self._request("start_load", request, transfer)
             if transfer in self.loads:
                 self._refuse("start_load", "transfer already loading", request, transfer)
@@ -1108,7 +1172,7 @@ class TargetLedger(_Ledger):
         self._released_blocks(self.requests.pop(request), final)
 
     def _on_reserved(self, e: ev.TgtReserved) -> None:
-        ids = ev.unpack_blocks(e.blocks)
+        ids = self._logged_blocks(e.blocks)
         if self._replaying and not self._lazy:
             self._step("reserve", ids)
         seq = self._new_allocation(ids, e.request)
@@ -1191,13 +1255,26 @@ def open_ledger(
 
 
 def ledger_from_header(header: dict[str, Any]) -> SourceLedger | TargetLedger:
+    """The empty ledger a log's header describes. A header no ledger could have written (no side, no or a
+    non-positive block count, a worker that is not a name, an unknown failure policy) is a :class:`ReplayError`."""
+    if not isinstance(header, dict):
+        raise ReplayError(f"log header is not a map: {type(header).__name__}")
     side = header.get("side")
-    if side == "source":
-        return SourceLedger(int(header["num_blocks"]), worker=header.get("worker", ""))
-    if side == "target":
-        return TargetLedger(
-            int(header["num_blocks"]),
-            worker=header.get("worker", ""),
-            failure_policy=header.get("failure_policy", "fail"),
-        )
-    raise ReplayError(f"log header names no known side: {header!r}")
+    if side not in ("source", "target"):
+        raise ReplayError(f"log header names no known side: {side!r}")
+    num_blocks = header.get("num_blocks")
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+        raise ReplayError(f"log header's num_blocks is not an integer: {num_blocks!r}")
+    if not 0 < num_blocks <= MAX_BLOCKS:
+        raise ReplayError(f"log header's num_blocks {num_blocks} is not in [1, {MAX_BLOCKS}]")
+    worker = header.get("worker", "")
+    if not isinstance(worker, str):
+        raise ReplayError(f"log header's worker is not a name: {worker!r}")
+    try:
+        if side == "source":
+            return SourceLedger(num_blocks, worker=worker)
+        return TargetLedger(num_blocks, worker=worker, failure_policy=header.get("failure_policy", "fail"))
+    except (ValueError, TypeError) as exc:
+        raise ReplayError(f"log header describes no ledger: {exc}") from exc
+    except MemoryError:
+        raise ReplayError(f"log header's pool of {num_blocks} blocks does not fit in memory") from None

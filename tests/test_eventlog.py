@@ -121,6 +121,11 @@ def test_flipping_a_byte_in_the_last_record_truncates_only_that_record(tmp_path:
         damaged[pos] ^= 0xFF
         segment.write_bytes(bytes(damaged))
         reader = LogReader(tmp_path / "log")
+        if pos == last_start + 3:  # the length's high byte: beyond the maximum record, which no torn write makes
+            with pytest.raises(CorruptLogError, match="exceeds the maximum record size") as info:
+                list(reader)
+            assert info.value.offset == last_start
+            continue
         assert list(reader) == events[:-1], pos
         assert reader.tail is not None and reader.tail.offset == last_start
     segment.write_bytes(bytes(original))
@@ -303,3 +308,20 @@ def test_an_unencodable_event_in_the_syncers_batch_is_reported_and_the_syncer_go
             time.sleep(0.005)
     assert read_events(tmp_path / "log") == good
     log.close()
+
+
+def test_a_batch_past_the_maximum_record_is_written_as_several(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlifecycle import eventlog
+
+    monkeypatch.setattr(eventlog, "MAX_RECORD", 2048)
+    events = make_events(300)
+    with EventLog(tmp_path / "log", header={"side": "source"}, batch_bytes=1 << 20, fsync="never") as log:
+        log.append_events(events)  # one batch of ~10 KiB
+        log.commit()
+        huge = ev.SrcAllocated(1, 0.0, "big", b"\x00" * 4096)
+        log.append_events([*events[:2], huge, events[2]])
+        with pytest.raises(LogError, match="exceeds the maximum record size"):
+            log.commit()
+    records = list(LogReader(tmp_path / "log").records())
+    assert [r.event for r in records] == [*events, *events[:3]]  # the one too big for any record is left out
+    assert len({r.offset for r in records}) > 5  # several frames, none over the maximum (the reader checks)

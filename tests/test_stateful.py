@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvlifecycle.clock import HybridLogicalClock, ManualClock
 from kvlifecycle.invariants import check_quiescent, check_source, check_target, check_target_events
-from kvlifecycle.ledger import BlockBusyError, InvalidTransitionError, open_ledger
+from kvlifecycle.ledger import BlockBusyError, InvalidBlockIdsError, InvalidTransitionError, open_ledger
 from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.replay import check_pair, replay
 
@@ -165,6 +165,29 @@ class Handoffs(RuleBasedStateMachine):
             elif (states == TargetState.RESERVED).all() and req.transfer is None:
                 with contextlib.suppress(InvalidTransitionError):
                     self.d.local_fill(name)
+
+    @rule(
+        command=st.sampled_from(["allocate", "share", "evict", "reserve"]),
+        ids=st.lists(st.integers(-3, N + 2) | st.sampled_from([2**32, 2**32 + 1, -(2**31) - 1]), max_size=4)
+        | st.lists(st.floats(0, N), min_size=1, max_size=2),
+    )
+    def hostile_ids(self, command: str, ids: list) -> None:
+        """Ids a buggy or hostile caller could pass: refused (with one Refused event, nothing else changed) exactly
+        when they are not each a block of the pool once; valid ones go on to the usual state checks."""
+        ledger = self.d if command == "reserve" else self.p
+        name = f"r{self.n}"
+        self.n += 1
+        valid = bool(ids) and all(isinstance(b, int) and 0 <= b < N for b in ids) and len(set(ids)) == len(ids)
+        before = (ledger.state.copy(), sum(ledger.refusals.values()))
+        try:
+            getattr(ledger, command)(*(() if command == "evict" else (name,)), np.array(ids))
+        except InvalidBlockIdsError:
+            assert not valid
+            assert np.array_equal(ledger.state, before[0]) and sum(ledger.refusals.values()) == before[1] + 1
+        except (BlockBusyError, InvalidTransitionError):
+            assert valid  # well-formed ids, refused for the blocks' states
+        else:
+            assert valid
 
     # -- invariants -----------------------------------------------------------------------------------------
     @invariant()

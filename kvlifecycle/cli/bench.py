@@ -9,6 +9,7 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "lifecycle": ("bench_lifecycle", "full P and D block lifecycles with the event log on"),
     "transport": ("bench_transport", "raw NIXL vs kvlifecycle's NIXL transport, two processes, DRAM"),
+    "load": ("bench_load", "sustained load through Producer/Consumer over NIXL: rate, latency, flat RSS, clean logs"),
     "gpu": ("bench_gpu", "same-node GPU fast path vs NIXL vs torch vs a contiguous copy (needs CUDA)"),
 }
 

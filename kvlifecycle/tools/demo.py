@@ -23,7 +23,8 @@ from typing import Any
 import msgspec
 
 COMMAND_TIMEOUT_S = 60.0
-WORKER_MAX_LIFETIME_S = 600.0
+WORKER_MAX_LIFETIME_S = 600.0  # a backstop for a worker whose parent vanished without closing the pipe
+WORKER_SECONDS_PER_REQUEST = 1.0  # the demo's lifetime budget per request, far above what one takes
 
 
 @dataclass
@@ -48,6 +49,7 @@ class WorkerConfig:
     fsync: str = "never"
     prog_thread: bool = False
     iterations: int = 0
+    max_lifetime_s: float = WORKER_MAX_LIFETIME_S
 
 
 def default_compat(**over: Any) -> dict[str, Any]:
@@ -262,6 +264,10 @@ def worker_main(cfg_raw: bytes, conn: Connection) -> None:
             from kvlifecycle.tools.bench_transport import RawWorker
 
             worker: Any = RawWorker(cfg)
+        elif cfg.side.startswith("load-"):
+            from kvlifecycle.tools.bench_load import LoadWorker
+
+            worker = LoadWorker(cfg)
         else:
             worker = _Worker(cfg)
     except BaseException as exc:
@@ -269,7 +275,7 @@ def worker_main(cfg_raw: bytes, conn: Connection) -> None:
                                                 "trace": traceback.format_exc()}))
         return
     conn.send_bytes(msgspec.msgpack.encode({"ok": True, "value": worker.hello()}))
-    deadline = time.monotonic() + WORKER_MAX_LIFETIME_S
+    deadline = time.monotonic() + cfg.max_lifetime_s
     while time.monotonic() < deadline:
         if not conn.poll(1.0):
             continue
@@ -336,6 +342,11 @@ class WorkerProcess:
 # --- the demo ---------------------------------------------------------------------------------------------------------
 
 
+MAX_DEMO_POOL_BYTES = 4 << 30  # per side: the demo registers regions × blocks × block bytes of DRAM on each
+DEMO_BLOCKS_PER_REQUEST = 8
+RECLAIM_TIMEOUT_S = 10.0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="directory for the two event logs (default: a temp dir)")
     parser.add_argument("--requests", type=int, default=4, help="requests per mode (pull and push)")
@@ -360,6 +371,51 @@ def _not_installed(*modules: str) -> list[str]:
     return missing
 
 
+def refuse_arguments(args: argparse.Namespace) -> str:
+    """Why the demo cannot run with these arguments (one line), or ""."""
+    for name in ("requests", "regions", "blocks", "block_bytes"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+    pool = args.regions * args.blocks * args.block_bytes
+    if pool > MAX_DEMO_POOL_BYTES:
+        return (f"--regions × --blocks × --block-bytes = {pool / 2**30:.1f} GiB per side, more than the demo's "
+                f"{MAX_DEMO_POOL_BYTES >> 30} GiB")
+    return ""
+
+
+class BlockPool:
+    """The demo's allocator for one side: blocks go out per request and come back when the side frees them, so any
+    number of requests runs through a pool of any size (one request in flight needs ``per`` blocks)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free: list[int] = list(range(num_blocks))
+        self.held: dict[str, list[int]] = {}
+
+    def take(self, request: str, n: int) -> list[int] | None:
+        if len(self.free) < n:
+            return None
+        blocks, self.free = self.free[:n], self.free[n:]
+        self.held[request] = blocks
+        return blocks
+
+    def give_back(self, request: str) -> None:
+        self.free += self.held.pop(request, [])
+
+
+def _reclaim(p: WorkerProcess, pool: BlockPool, released: list[Any], *, until_free: int, until_all: int = 0) -> None:
+    """Free P's released requests and return their blocks to ``pool`` (bounded wait) until ``until_free`` blocks
+    are free, or ``until_all`` releases were seen in total."""
+    deadline = time.monotonic() + RECLAIM_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for request, *_ in (fresh := p.call("free_released")):
+            pool.give_back(request)
+        released += fresh
+        if len(pool.free) >= until_free and len(released) >= until_all:
+            return
+        if not fresh:
+            time.sleep(0.005)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvlifecycle.replay import check, check_pair, replay, summary
 
@@ -369,28 +425,46 @@ def run(args: argparse.Namespace) -> int:
               "pip install 'kvlifecycle[transports]' torch (pin torch's CPU wheel, see README)", file=sys.stderr)
         return 2
 
+    refused = refuse_arguments(args)
+    if refused:
+        print(f"kvlifecycle demo: {refused}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvl-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     p_log, d_log = out / "p0", out / "d0"
-    common = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes}
+    total = 2 * args.requests
+    common = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes,
+              "max_lifetime_s": WORKER_MAX_LIFETIME_S + WORKER_SECONDS_PER_REQUEST * total}
     t0 = time.monotonic()
     p = WorkerProcess(WorkerConfig("producer", "p0", log_dir=str(p_log), seed=7, **common))
     d = WorkerProcess(WorkerConfig("consumer", "d0", log_dir=str(d_log), **common))
+    verbose = total <= 16  # one line per request for a short demo; progress lines for a long one
     ok = True
+    moved = granted = 0
+    released: list[Any] = []
     try:
         addr = p.hello["address"]
         link = d.call("connect", addr)
         if link["probe_gbps"] is not None:
             print(f"  connected d0 -> p0 (agent epoch {link['epoch']}), probe {link['probe_gbps']:.2f} GB/s "
                   f"over {link['probe_backend']}")
-        per = max(1, min(args.blocks // (2 * args.requests), 8))
-        moved = 0
-        for i in range(2 * args.requests):
+        per = max(1, min(args.blocks // 4, DEMO_BLOCKS_PER_REQUEST))
+        src_pool, dst_pool = BlockPool(args.blocks), BlockPool(args.blocks)
+        for i in range(total):
             mode = "pull" if i < args.requests else "push"
             request = f"req-{mode}-{i}"
-            src = [(i * per + k) % args.blocks for k in range(per)]
-            dst = [(args.blocks - 1 - i * per - k) % args.blocks for k in range(per)]
+            src = src_pool.take(request, per)
+            if src is None:  # P's blocks come back once their lease is released and P freed them
+                _reclaim(p, src_pool, released, until_free=per)
+                src = src_pool.take(request, per)
+            dst = dst_pool.take(request, per)
+            if src is None or dst is None:
+                print(f"{request}: no free blocks after {RECLAIM_TIMEOUT_S:.0f} s (earlier requests never "
+                      "released theirs)", file=sys.stderr)
+                ok = False
+                break
             grant = p.call("alloc_grant", request, src)
+            granted += 1
             d.call("reserve", request, dst)
             if mode == "pull":
                 d.call("pull", request, [[addr, grant]])
@@ -404,15 +478,16 @@ def run(args: argparse.Namespace) -> int:
             ok &= same
             moved += per * args.regions * args.block_bytes
             state = d.call("request_state", request)
-            print(f"  {request:<14} {mode:<4} {per} blocks × {args.regions} regions: bytes "
-                  f"{'match' if same else 'DIFFER'}, D blocks {state}")
-            d.call("finish", request)
-        deadline = time.monotonic() + 10
-        released: list[Any] = []
-        while len(released) < 2 * args.requests and time.monotonic() < deadline:
-            released += p.call("free_released")
-            time.sleep(0.01)
-        ok &= len(released) == 2 * args.requests
+            if verbose or not same or state != "READY_FOR_ATTENTION":
+                print(f"  {request:<14} {mode:<4} {per} blocks × {args.regions} regions: bytes "
+                      f"{'match' if same else 'DIFFER'}, D blocks {state}")
+            elif (i + 1) % max(1, total // 10) == 0:
+                print(f"  {i + 1}/{total} requests handed off, bytes match")
+            if state is not None:
+                d.call("finish", request)
+            dst_pool.give_back(request)
+        _reclaim(p, src_pool, released, until_free=0, until_all=granted)
+        ok &= not src_pool.held and len(released) == granted == total
     finally:
         d.stop()
         p.stop()
@@ -425,6 +500,6 @@ def run(args: argparse.Namespace) -> int:
     ok &= not problems
     for line in problems:
         print(f"  VIOLATION {line}")
-    print(f"demo {'OK' if ok else 'FAILED'}: {2 * args.requests} requests ({args.requests} pull, "
+    print(f"demo {'OK' if ok else 'FAILED'}: {total} requests ({args.requests} pull, "
           f"{args.requests} push), {moved / 2**20:.1f} MiB moved, logs in {out}, {time.monotonic() - t0:.1f}s")
     return 0 if ok else 1
