@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvlifecycle import events as ev
-from kvlifecycle.choices import LoadFailurePolicy, LoadFailurePolicyName, Side, SideName, TransferMode, TransferModeName
 from kvlifecycle.blockids import MAX_BLOCKS, DuplicateScratch, parse_block_ids
+from kvlifecycle.choices import LoadFailurePolicy, LoadFailurePolicyName, Side, SideName, TransferMode, TransferModeName
 from kvlifecycle.clock import Clock, HybridLogicalClock, MonotonicClock
 from kvlifecycle.eventlog import LogError
 from kvlifecycle.machines import INVALID, SOURCE, TARGET, SourceState, TargetState
