@@ -1,0 +1,279 @@
+"""The decode-side ledger: RESERVED → LOADING → READY_FOR_ATTENTION → FREE (a failed load never becomes READY).
+Import it from :mod:`kvlifecycle.ledger`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvlifecycle import events as ev
+from kvlifecycle.choices import LoadFailurePolicy, LoadFailurePolicyName, TransferMode, TransferModeName
+from kvlifecycle.machines import TARGET, TargetState
+
+if TYPE_CHECKING:
+    pass
+
+from kvlifecycle.ledger_base import (
+    _MODE_SPELLINGS,
+    InvalidTransitionError,
+    Load,
+    UnknownRequestError,
+    _Ledger,
+    _TargetRequest,
+)
+
+_T_RESERVED = int(TargetState.RESERVED)
+
+
+class TargetLedger(_Ledger):
+    """Decode-side ledger: RESERVED → LOADING → READY_FOR_ATTENTION → FREE; a failed load never becomes READY."""
+
+    side = "target"
+    _machine = TARGET
+    _first_trigger = "reserve"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        failure_policy: LoadFailurePolicy | LoadFailurePolicyName = LoadFailurePolicy.FAIL,
+        **kwargs: Any,
+    ) -> None:
+        policy = LoadFailurePolicy.parse(failure_policy, "failure_policy")
+        self.requests: dict[str, _TargetRequest] = {}
+        super().__init__(num_blocks, **kwargs)
+        self.failure_policy = policy
+        self.loads: dict[str, Load] = {}
+        self.stats = {"loaded": 0, "failed": 0, "recompute": 0, "cancelled": 0, "discarded": 0}
+        self._handlers = {
+            ev.TgtReserved: self._on_reserved,
+            ev.TgtLoadStarted: self._on_load_started,
+            ev.TgtPartDone: self._on_part_done,
+            ev.TgtLoadFailed: self._on_load_failed,
+            ev.TgtCancelled: self._on_cancelled,
+            ev.TgtLocalFilled: self._on_local_filled,
+            ev.TgtFinished: self._on_finished,
+            ev.PeerEpochChanged: self._on_peer_epoch,
+            ev.TransferObserved: self._on_observed,
+            ev.Refused: self._on_refused,
+        }
+
+    def header(self) -> dict[str, Any]:
+        return {**super().header(), "failure_policy": self.failure_policy.value}
+
+    def _state_enum(self, value: int) -> Any:
+        return TargetState(value)
+
+    # -- commands -------------------------------------------------------------------------------------------------
+    def reserve(self, request: str, block_ids: Iterable[int] | np.ndarray) -> int:
+        """D's scheduler reserves ``block_ids`` for ``request``; returns their new epoch (as ``allocate`` does)."""
+        with self._lock:
+            ids = self._command_blocks("reserve", block_ids, request)
+            self._check_allocatable("reserve", request, ids)
+            hlc, at = self._stamp()
+            self._record(ev.TgtReserved(hlc, at, request, ev.pack_blocks(ids)))
+            return self.requests[request].epoch
+
+    def start_load(
+        self,
+        request: str,
+        transfer: str,
+        *,
+        parts: int = 1,
+        generation: int = 0,
+        peer: str = "",
+        peer_epoch: int = 0,
+        mode: TransferMode | TransferModeName = TransferMode.PULL,
+    ) -> None:
+        """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected.
+        ``mode``: ``pull`` (D reads P's pinned blocks) or ``push`` (P writes into these)."""
+        with self._lock:
+            spelling = _MODE_SPELLINGS.get(mode)
+            if spelling is None:
+                try:
+                    spelling = str(TransferMode.parse(mode, "mode"))  # names the field and the members
+                except ValueError as exc:
+                    self._refuse("start_load", f"mode: {exc}", request, transfer)
+                    raise
+            if parts < 1:
+                self._refuse("start_load", f"parts must be >= 1: got {parts}", request, transfer)
+                raise ValueError("parts must be >= 1")
+            req = self._request("start_load", request, transfer)
+            if transfer in self.loads:
+                self._refuse("start_load", "transfer already loading", request, transfer)
+                raise InvalidTransitionError(f"transfer {transfer!r} already loading")
+            known = self.peer_epochs.get(peer)
+            if peer and known is not None and peer_epoch < known:
+                reason = f"stale token: peer {peer} epoch {peer_epoch} < {known}"
+                self._refuse("start_load", reason, request, transfer)
+                raise InvalidTransitionError(reason)
+            if self._next["start_load"][0][req.state] < 0:
+                reason = f"request is {TargetState(req.state).name}, no 'start_load' edge from there"
+                self._refuse("start_load", reason, request, transfer)
+                raise InvalidTransitionError(reason)
+            hlc, at = self._stamp()
+            self._record(
+                ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, spelling)
+            )
+
+    def part_done(self, transfer: str, part: int = 0) -> bool:
+        """One expected part (layer, shard, P rank) landed. The last one makes the blocks READY_FOR_ATTENTION."""
+        with self._lock:
+            load = self._live_load("part_done", transfer)
+            if load is None:
+                return False
+            if not 0 <= part < load.parts:
+                self._refuse("part_done", f"part {part} not in [0, {load.parts})", load.request, transfer)
+                return False
+            if part in load.done:
+                self._refuse("part_done", f"duplicate completion of part {part}", load.request, transfer)
+                return False
+            hlc, at = self._stamp()
+            self._record(ev.TgtPartDone(hlc, at, transfer, part))
+            return True
+
+    def fail(self, transfer: str, reason: str = "") -> bool:
+        """The load failed (any part). Policy ``recompute``: blocks go back to RESERVED; ``fail``: to FREE."""
+        with self._lock:
+            load = self._live_load("fail", transfer)
+            if load is None:
+                return False
+            req = self.requests[load.request]
+            recompute = self.failure_policy == "recompute" and not req.cancel_pending
+            hlc, at = self._stamp()
+            self._record(ev.TgtLoadFailed(hlc, at, transfer, reason, recompute))
+            return True
+
+    def cancel(self, request: str) -> bool:
+        """Cancel or preempt a request. While its load is in flight the blocks stay LOADING and are freed when the
+        transfer settles (completion or failure), so late bytes never land in a new owner's block."""
+        with self._lock:
+            req = self.requests.get(request)
+            if req is None:
+                self._refuse("cancel", "unknown request", request)
+                return False
+            if req.cancel_pending:
+                self._refuse("cancel", "cancel already pending", request)
+                return False
+            hlc, at = self._stamp()
+            self._record(ev.TgtCancelled(hlc, at, request))
+            return True
+
+    def local_fill(self, request: str) -> None:
+        """The engine computed the request's KV itself (recompute after a failed load)."""
+        self._simple("local_fill", request, ev.TgtLocalFilled)
+
+    def finish(self, request: str) -> None:
+        self._simple("finish", request, ev.TgtFinished)
+
+    def peer_restarted(self, peer: str, epoch: int) -> list[str]:
+        """A source peer came back with a new epoch: loads from its old incarnation fail cleanly."""
+        with self._lock:
+            known = self.peer_epochs.get(peer)
+            if known is not None and epoch <= known:
+                if epoch < known:
+                    self._refuse("peer_restarted", f"epoch {epoch} older than known {known} for {peer}")
+                return []
+            hlc, at = self._stamp()
+            self._record(ev.PeerEpochChanged(hlc, at, peer, epoch))
+            stale = [load for load in self.loads.values() if load.peer == peer and load.peer_epoch < epoch]
+            for load in stale:
+                self.fail(load.transfer, f"peer_restarted: {peer} epoch {load.peer_epoch} -> {epoch}")
+            return [load.transfer for load in stale]
+
+    def _request(self, command: str, request: str, transfer: str = "") -> _TargetRequest:
+        req = self.requests.get(request)
+        if req is None:
+            self._refuse(command, "unknown request", request, transfer)
+            raise UnknownRequestError(request)
+        return req
+
+    def _simple(self, trigger: str, request: str, event_type: type) -> None:
+        with self._lock:
+            req = self._request(trigger, request)
+            if self._next[trigger][0][req.state] < 0:
+                reason = f"request is {TargetState(req.state).name}, no {trigger!r} edge from there"
+                self._refuse(trigger, reason, request)
+                raise InvalidTransitionError(reason)
+            hlc, at = self._stamp()
+            self._record(event_type(hlc, at, request))
+
+    def _live_load(self, command: str, transfer: str) -> Load | None:
+        load = self.loads.get(transfer)
+        if load is None:
+            self._refuse(
+                command, "stale token: no live load for this transfer (settled or never started)", transfer=transfer
+            )
+            return None
+        return load
+
+    # -- fold -----------------------------------------------------------------------------------------------------
+    def _set(self, req: _TargetRequest, state: int) -> None:
+        req.state = state
+
+    def _drop(self, request: str, final: int) -> None:
+        self._released_blocks(self.requests.pop(request), final)
+
+    def _on_reserved(self, e: ev.TgtReserved) -> None:
+        ids = self._logged_blocks(e.blocks)
+        if self._replaying and not self._lazy:
+            self._step("reserve", ids)
+        seq = self._new_allocation(ids, e.request)
+        self.requests[e.request] = _TargetRequest(ids, seq, _T_RESERVED)
+
+    def _on_load_started(self, e: ev.TgtLoadStarted) -> None:
+        req = self.requests[e.request]
+        self._set(req, self._scalar("start_load", req.state))
+        req.transfer = e.transfer
+        self.loads[e.transfer] = Load(e.transfer, e.request, e.parts, e.generation, e.peer, e.peer_epoch, e.at)
+
+    def _on_part_done(self, e: ev.TgtPartDone) -> None:
+        load = self.loads[e.transfer]
+        load.done.add(e.part)
+        if len(load.done) < load.parts:
+            return
+        req = self.requests[load.request]
+        del self.loads[e.transfer]
+        req.transfer = None
+        if req.cancel_pending:
+            self._drop(load.request, self._scalar("discard", req.state))
+            self.stats["discarded"] += 1
+        else:
+            self._set(req, self._scalar("part_done", req.state, True))
+            self.stats["loaded"] += 1
+
+    def _on_load_failed(self, e: ev.TgtLoadFailed) -> None:
+        load = self.loads.pop(e.transfer)
+        req = self.requests[load.request]
+        req.transfer = None
+        if req.cancel_pending:
+            self._drop(load.request, self._scalar("discard", req.state))
+            self.stats["discarded"] += 1
+            return
+        nxt = self._scalar("load_failed", req.state, e.recompute)
+        self.stats["recompute" if e.recompute else "failed"] += 1
+        if e.recompute:
+            self._set(req, nxt)
+        else:
+            self._drop(load.request, nxt)
+
+    def _on_cancelled(self, e: ev.TgtCancelled) -> None:
+        req = self.requests[e.request]
+        in_flight = req.transfer is not None
+        nxt = self._scalar("cancel", req.state, in_flight)
+        self.stats["cancelled"] += 1
+        if in_flight:
+            req.cancel_pending = True
+        else:
+            self._drop(e.request, nxt)
+
+    def _on_local_filled(self, e: ev.TgtLocalFilled) -> None:
+        req = self.requests[e.request]
+        self._set(req, self._scalar("local_fill", req.state))
+
+    def _on_finished(self, e: ev.TgtFinished) -> None:
+        req = self.requests[e.request]
+        self._drop(e.request, self._scalar("finish", req.state))
+
