@@ -204,8 +204,8 @@ def _raw_launcher(compiled: Any) -> tuple[Any, tuple[Any, ...]]:
     frame and two scratch allocations, only when the kernel needs no scratch. Other versions: None (use ``run``)."""
     run = getattr(compiled, "run", None)
     launch = getattr(run, "launch", None)
-    if (run is None or launch is None or getattr(run, "global_scratch_size", 1) != 0
-            or getattr(run, "profile_scratch_size", 1) != 0
+    if (run is None or launch is None or bool(getattr(run, "global_scratch_size", 1))
+            or bool(getattr(run, "profile_scratch_size", 1))
             or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
         return None, ()
     return launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
