@@ -72,6 +72,7 @@ class HybridLogicalClock:
         self._last = 0
         self._lock = threading.Lock()
         if wall_ms is None:
+            # shadow the method on the instance: the inlined system-clock tick, once per recorded event
             self.tick = self._tick_system_clock  # type: ignore[method-assign]
 
     def _physical(self) -> int:

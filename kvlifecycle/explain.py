@@ -22,11 +22,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from kvlifecycle import events as ev
 from kvlifecycle.invariants import Violation
+from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.replay import ReplayResult, check, check_pair
 from kvlifecycle.story import (
+    LeaseSummary,
     Step,
     Trace,
     block_ranges,
@@ -145,7 +148,7 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
     out: list[Finding] = []
     for load_id, load in index.loads.items():
         start = load.start
-        mode = start.event.mode  # type: ignore[attr-defined]
+        mode = start.event.mode if isinstance(start.event, ev.TgtLoadStarted) else ""  # a load starts with one
         for transfer in source_transfers(load_id):
             lease = index.leases.get(transfer)
             if lease is None or lease.release is None:
@@ -154,12 +157,12 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
             reason = rel.reason
             what = f"transfer {transfer} (generation {lease.grant.generation}) of {start.worker}"
             if rel.index < start.index and reason != "completed":
-                let_go = [x for x in (lease.let_go, lease.reused) if x is not None and x.index < start.index]
-                chain = [lease.grant, rel, *let_go, start]
+                gone = [x for x in (lease.let_go, lease.reused) if x is not None and x.index < start.index]
+                chain = [lease.grant, rel, *gone, start]
                 sentence = (f"{start.worker} started loading {start.request}'s transfer {transfer} (generation "
                             f"{lease.grant.generation}) at {_ms(trace, start)}, {_span(start.wall - rel.wall)} after "
                             f"{rel.worker} had released its lease ({reason})")
-                for x in let_go:
+                for x in gone:
                     sentence += f"; {x.worker} had {_let_go_words(x)} {_blocks(lease.grant)} at {_ms(trace, x)}"
                 out.append(Finding(READ_AFTER_RELEASE, sentence, _ordered(chain), start.worker, start.request,
                                    transfer))
@@ -199,7 +202,9 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
                           else f"failed ({settle.reason})")
                 sentence += f"; its load {ending} {_span(settle.wall - subject.wall)} later"
                 if late:
-                    sentence += f" and {rel.worker} refused its {late[0].event.command}"  # type: ignore[attr-defined]
+                    refusal = late[0].event
+                    command = refusal.command if isinstance(refusal, ev.Refused) else "command"  # refusals only
+                    sentence += f" and {rel.worker} refused its {command}"
             out.append(Finding(rule, sentence, _ordered(chain), rel.worker, lease.grant.request, transfer))
     return out
 
@@ -222,15 +227,17 @@ def _load_findings(trace: Trace, index: _Index) -> list[Finding]:
         if load.settle is not None:
             continue
         start = load.start
-        e = start.event
+        parts = start.event.parts if isinstance(start.event, ev.TgtLoadStarted) else 1  # a load starts with one
         restart, left = lost.get((load.worker, load_id), (None, None))
-        left = trace.logs[load.worker].ledger.loads.get(load_id) or left  # type: ignore[union-attr]
+        ledger = trace.logs[load.worker].ledger
+        if isinstance(ledger, TargetLedger):
+            left = ledger.loads.get(load_id) or left
         if left is None:
             continue  # settled by a path this index does not follow (cannot happen on a ledger's own log)
         done = sorted(left.done)
         sentence = (f"{load.worker}'s load of {start.request} (transfer {load_id}, generation {start.generation}) "
                     f"started at {_ms(trace, start)} and never completed: "
-                    f"{len(done)} of {e.parts} part(s) done")  # type: ignore[attr-defined]
+                    f"{len(done)} of {parts} part(s) done")
         if restart is not None:
             sentence += f" when {load.worker} restarted at {_ms(trace, trace.steps[restart.step_index])}"
         else:
@@ -259,9 +266,9 @@ def _load_findings(trace: Trace, index: _Index) -> list[Finding]:
 def _pinned_findings(trace: Trace, index: _Index) -> list[Finding]:
     out: list[Finding] = []
     for worker, log in trace.logs.items():
-        if log.side != "source" or log.end_at is None:
+        if not isinstance(log.ledger, SourceLedger) or log.end_at is None:
             continue
-        for transfer, lease in log.ledger.leases.items():  # type: ignore[union-attr]
+        for transfer, lease in log.ledger.leases.items():
             if lease.expires_at >= log.end_at:
                 continue
             info = index.leases.get(transfer)
@@ -305,7 +312,7 @@ def _unended_findings(trace: Trace, covered: set[tuple[str, str]]) -> list[Findi
     return out
 
 
-def _why_unended(side: str, state: str, leases: list) -> str:
+def _why_unended(side: str, state: str, leases: list[LeaseSummary]) -> str:
     if side == "source":
         if state.startswith("RELEASABLE") and leases:
             return f": its lease ended ({leases[-1].ended}) but the engine never freed them"
@@ -366,13 +373,30 @@ def explain_trace(trace: Trace) -> list[Finding]:
     return sorted(found, key=lambda f: (f.chain[0].index if f.chain else -1, f.rule))
 
 
-def explain_logs(paths: Iterable[str | os.PathLike[str]], **until: float | int | None) -> tuple[Trace, list[Finding]]:
-    """Read the logs at ``paths`` and explain them (``until``: as :func:`~kvlifecycle.story.trace_logs`)."""
-    trace = trace_logs(paths, **until)  # type: ignore[arg-type]
+def explain_logs(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    until_time: float | None = None,
+    until_offset_s: float | None = None,
+    until_index: int | None = None,
+) -> tuple[Trace, list[Finding]]:
+    """Read the logs at ``paths`` and explain them (``until_*``: as :func:`~kvlifecycle.story.trace_logs`)."""
+    trace = trace_logs(paths, until_time=until_time, until_offset_s=until_offset_s, until_index=until_index)
     return trace, explain_trace(trace)
 
 
-def finding_view(trace: Trace, finding: Finding) -> dict[str, object]:
+class FindingView(TypedDict):
+    """A finding as ``explain --json`` prints it."""
+
+    rule: str
+    sentence: str
+    worker: str
+    request: str
+    transfer: str
+    chain: list[dict[str, Any]]  # step_view of each step
+
+
+def finding_view(trace: Trace, finding: Finding) -> FindingView:
     return {"rule": finding.rule, "sentence": finding.sentence, "worker": finding.worker,
             "request": finding.request, "transfer": finding.transfer,
             "chain": [step_view(trace, s) for s in finding.chain]}

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
 from kvlifecycle.transport import WHOLE_BLOCK, BlockView, KVLayout
+
+_BlocksT = TypeVar("_BlocksT")  # a numpy array or a torch tensor: the core cannot name torch's type
 
 DESC_ID_DTYPE = np.int32
 
@@ -30,7 +33,8 @@ def view_block_bytes(layout: KVLayout, view: BlockView) -> np.ndarray:
         raise UnsupportedMappingError(f"view {view} does not fit in blocks of {layout.block_bytes} bytes")
     if view.split < 1 or (length % np.uint64(view.split)).any():
         raise UnsupportedMappingError(f"view length {length.tolist()} does not split into {view.split}")
-    return length // np.uint64(view.split)
+    per_descriptor: np.ndarray = length // np.uint64(view.split)
+    return per_descriptor
 
 
 def block_descs(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.ndarray:
@@ -198,7 +202,8 @@ def sub_block_ids(block_ids: np.ndarray | Sequence[int], split: int,
 # --- HND <-> NHD -----------------------------------------------------------------------------------------------
 
 
-def permute_blocks(blocks, *, num_heads: int, block_size: int, head_dim: int, src: str, dst: str):
+def permute_blocks(blocks: _BlocksT, *, num_heads: int, block_size: int, head_dim: int, src: str,
+                   dst: str) -> _BlocksT:
     """Permute blocks between ``HND`` ([heads, tokens, dim]) and ``NHD`` ([tokens, heads, dim]) per block.
 
     ``blocks`` is an array of shape ``(n, block_elems)`` or ``(n, ...)`` with the same element count; numpy arrays
@@ -208,15 +213,17 @@ def permute_blocks(blocks, *, num_heads: int, block_size: int, head_dim: int, sr
         return blocks
     if {src, dst} != {"HND", "NHD"}:
         raise UnsupportedMappingError(f"unknown layouts {src} -> {dst}")
-    shape = tuple(blocks.shape)
+    array: Any = blocks  # numpy's and torch's methods alike, which no type the core can import describes
+    shape = tuple(array.shape)
     n = shape[0]
     if src == "HND":
-        view = blocks.reshape(n, num_heads, block_size, head_dim)
+        view = array.reshape(n, num_heads, block_size, head_dim)
     else:
-        view = blocks.reshape(n, block_size, num_heads, head_dim)
+        view = array.reshape(n, block_size, num_heads, head_dim)
     if hasattr(view, "permute"):
-        return view.permute(0, 2, 1, 3).contiguous().reshape(shape)
-    return np.ascontiguousarray(view.transpose(0, 2, 1, 3)).reshape(shape)
+        permuted: _BlocksT = view.permute(0, 2, 1, 3).contiguous().reshape(shape)
+        return permuted
+    return cast(_BlocksT, np.ascontiguousarray(view.transpose(0, 2, 1, 3)).reshape(shape))  # blocks was an array
 
 
 def check_views_match(local: KVLayout, local_view: BlockView, remote: KVLayout, remote_view: BlockView) -> None:

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, MutableMapping
-from typing import IO, Any, Literal, get_args
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import structlog
+from structlog.stdlib import BoundLogger
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 from kvlifecycle import envvars
 from kvlifecycle import events as ev
+
+if TYPE_CHECKING:
+    from kvlifecycle.ledger import SourceLedger, TargetLedger
 
 LOGGER_NAME = "kvlifecycle"
 LogFormat = Literal["console", "json"]  # a closed set: any other spelling is refused
@@ -31,12 +36,12 @@ ENV_VAR = envvars.LOG.name  # e.g. "json", "console:debug"
 logging.getLogger(LOGGER_NAME).addHandler(logging.NullHandler())
 
 
-def _logfmt_value(value: Any) -> str:
+def _logfmt_value(value: object) -> str:
     text = str(value)
     return f'"{text}"' if (" " in text or not text) else text
 
 
-def _to_stdlib(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> tuple[tuple, dict]:
+def _to_stdlib(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> tuple[tuple[str], dict[str, Any]]:
     """Final processor: a readable message for any handler, the fields as ``record.kv`` for ours."""
     fields = dict(event_dict)
     event = str(fields.get("event", ""))
@@ -48,25 +53,26 @@ def _to_stdlib(_logger: Any, _method: str, event_dict: MutableMapping[str, Any])
     return ((f"{event} {rest}" if rest else event),), kwargs
 
 
-_PROCESSORS: list[Any] = [
+_PROCESSORS: list[Processor] = [
     structlog.stdlib.filter_by_level,  # first: a disabled level costs one check
     structlog.contextvars.merge_contextvars,  # the application's bound context (e.g. its own request id)
     _to_stdlib,
 ]
 
 
-def get_logger(name: str = LOGGER_NAME, **context: Any) -> Any:
+def get_logger(name: str = LOGGER_NAME, **context: Any) -> BoundLogger:
     """A structlog logger over the stdlib logger ``name`` (a child of ``kvlifecycle`` by default), ``context``
     bound. Independent of structlog's global configuration, which stays the application's."""
     if name != LOGGER_NAME and not name.startswith(LOGGER_NAME + "."):
         name = f"{LOGGER_NAME}.{name}"
-    return structlog.wrap_logger(logging.getLogger(name), processors=_PROCESSORS,
-                                 wrapper_class=structlog.stdlib.BoundLogger, context_class=dict,
-                                 cache_logger_on_first_use=False, **context)
+    logger: BoundLogger = structlog.wrap_logger(logging.getLogger(name), processors=_PROCESSORS,
+                                                wrapper_class=BoundLogger, context_class=dict,
+                                                cache_logger_on_first_use=False, **context)
+    return logger
 
 
-def handoff_logger(request: str | None = None, transfer: str | None = None, epoch: Any = None,
-                   logger: Any = None, **more: Any) -> Any:
+def handoff_logger(request: str | None = None, transfer: str | None = None, epoch: int | str | None = None,
+                   logger: BoundLogger | None = None, **more: Any) -> BoundLogger:
     """A logger with the handoff's identity bound: every line it writes names the request, transfer and epoch."""
     base = logger if logger is not None else get_logger()
     bound = {"request": request, "transfer": transfer, "epoch": epoch, **more}
@@ -88,20 +94,23 @@ class _Formatter(logging.Formatter):
         super().__init__()
         self.fmt = fmt
         if fmt == "json":
-            self._render: Callable[[Any, str, dict], str] = structlog.processors.JSONRenderer(sort_keys=False)
+            self._render: Callable[[WrappedLogger, str, EventDict], str | bytes] = structlog.processors.JSONRenderer(
+                sort_keys=False
+            )
         else:
             self._render = structlog.dev.ConsoleRenderer(colors=False, sort_keys=False)
         self._stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
 
     def format(self, record: logging.LogRecord) -> str:
         fields = dict(getattr(record, "kv", None) or {"event": record.getMessage()})
-        event_dict: dict[str, Any] = {"timestamp": None, "level": record.levelname.lower(),
+        event_dict: EventDict = {"timestamp": None, "level": record.levelname.lower(),
                                       "event": fields.pop("event", ""), "logger": record.name}
         event_dict.update(fields)
         event_dict = self._stamp(None, "", event_dict)
         if record.exc_info:
             event_dict["exception"] = self.formatException(record.exc_info)
-        return self._render(None, record.levelname.lower(), event_dict)
+        rendered = self._render(None, record.levelname.lower(), event_dict)
+        return rendered if isinstance(rendered, str) else rendered.decode()  # bytes only from a bytes serializer
 
 
 def configure(fmt: LogFormat | None = None, level: int | str = "INFO", *, stream: IO[str] | None = None,
@@ -126,7 +135,7 @@ def configure(fmt: LogFormat | None = None, level: int | str = "INFO", *, stream
         target.removeHandler(old)
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(_Formatter(chosen))
-    handler._kvlifecycle = True  # type: ignore[attr-defined]
+    handler._kvlifecycle = True  # type: ignore[attr-defined]  # our mark: a later configure() replaces this one
     target.addHandler(handler)
     target.setLevel(numeric)
     if not root:
@@ -150,7 +159,8 @@ def unconfigure(root: bool = False, logger_name: str = LOGGER_NAME) -> None:
 class EventLogger:
     """A ledger listener that writes each event as one DEBUG line with request, transfer and epoch bound."""
 
-    def __init__(self, ledger: Any, logger: Any = None, level: int = logging.DEBUG) -> None:
+    def __init__(self, ledger: SourceLedger | TargetLedger, logger: BoundLogger | None = None,
+                 level: int = logging.DEBUG) -> None:
         self.ledger = ledger
         self.level = level
         self.logger = (logger or get_logger("events")).bind(side=ledger.side, worker=ledger.worker)
@@ -172,7 +182,7 @@ class EventLogger:
             )
         request = fields.pop("request", None) or None
         transfer = fields.pop("transfer", None) or None
-        epoch = None
+        epoch: int | str | None = None
         ledger = self.ledger
         if transfer is not None:
             if request is not None:
@@ -193,6 +203,7 @@ class EventLogger:
             self.ledger.listeners.remove(self)
 
 
-def log_events(ledger: Any, logger: Any = None, level: int = logging.DEBUG) -> EventLogger:
+def log_events(ledger: SourceLedger | TargetLedger, logger: BoundLogger | None = None,
+               level: int = logging.DEBUG) -> EventLogger:
     """Subscribe a listener that logs every event of ``ledger`` (DEBUG by default); ``.detach()`` ends it."""
     return EventLogger(ledger, logger, level)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvlifecycle.eventlog import SEGMENT_GLOB, LogError, LogReader, Record
 
@@ -24,7 +25,7 @@ class LogSource:
     worker: str
     side: str  # "source" | "target"
     num_blocks: int
-    header: dict
+    header: dict[str, Any]  # the log header as written (JSON)
 
 
 def expand_log_dirs(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:

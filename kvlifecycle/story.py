@@ -250,13 +250,13 @@ class _Fold:
             self.request_of[e.transfer] = e.request
             return e.request, e.transfer, self._held(e.request), e.generation, None
         if isinstance(e, ev.SrcLeaseRenewed | ev.SrcCancelDeferred | ev.SrcConsumerDone | ev.SrcLeaseReleased):
-            lease = ledger.leases.get(e.transfer)  # type: ignore[union-attr]
+            lease = ledger.leases.get(e.transfer) if isinstance(ledger, SourceLedger) else None
             if lease is None:
                 return self.request_of.get(e.transfer, ""), e.transfer, NO_BLOCKS, 0, None
             deadline = e.expires_at if isinstance(e, ev.SrcLeaseRenewed) else lease.expires_at
             return lease.request, e.transfer, lease.blocks, lease.generation, deadline
         if isinstance(e, ev.TgtPartDone | ev.TgtLoadFailed):
-            load = ledger.loads.get(e.transfer)  # type: ignore[union-attr]
+            load = ledger.loads.get(e.transfer) if isinstance(ledger, TargetLedger) else None
             if load is None:
                 return self.request_of.get(e.transfer, ""), e.transfer, NO_BLOCKS, 0, None
             return load.request, e.transfer, self._held(load.request), load.generation, None
@@ -340,8 +340,8 @@ def trace_logs(
         source = sources[worker]
         fold = folds.get(worker)
         fresh = fold is not None and fold.incarnation != record.incarnation
-        if fresh:
-            restarts.append(fold.leftovers(worker, len(steps)))  # type: ignore[union-attr]
+        if fold is not None and fresh:
+            restarts.append(fold.leftovers(worker, len(steps)))
         if fold is None or fresh:
             fold = folds[worker] = _Fold(source.header, record.incarnation, source.path)
         if worker not in logs:

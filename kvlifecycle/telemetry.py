@@ -32,20 +32,45 @@ import gc
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from opentelemetry import metrics, trace
-from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.context import Context
+from opentelemetry.metrics import (
+    CallbackOptions,
+    Counter,
+    Histogram,
+    Meter,
+    MeterProvider,
+    ObservableGauge,
+    Observation,
+)
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    TracerProvider,
+)
+from opentelemetry.util.types import AttributeValue
 
 from kvlifecycle import envvars
 from kvlifecycle import events as ev
 from kvlifecycle._version import __version__
+from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.machines import SourceState, TargetState
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
 
 INSTRUMENTATION_NAME = "kvlifecycle"
 INSTRUMENTATION_VERSION = __version__
@@ -78,7 +103,7 @@ def handoff_span_context(transfer: str) -> SpanContext:
     return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
 
 
-def handoff_context(transfer: str) -> Any:
+def handoff_context(transfer: str) -> Context:
     """An OpenTelemetry ``Context`` whose parent is the handoff's virtual root: spans started in it join the
     handoff's trace (``tracer.start_span(name, context=handoff_context(tid))``)."""
     return trace.set_span_in_context(NonRecordingSpan(handoff_span_context(transfer)))
@@ -129,20 +154,20 @@ class _Request:
 @dataclass(slots=True)
 class _Handoff:
     request: str
-    root: Any
-    phase: Any  # kv.lease (P) or kv.load (D)
+    root: Span
+    phase: Span  # kv.lease (P) or kv.load (D); INVALID_SPAN until it starts, just after the root
     started_at: float  # ledger clock at the start of the request
     phase_ns: int = 0
     parts: int = 1
     done: set[int] = field(default_factory=set)
-    attributes: dict[str, Any] = field(default_factory=dict)
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
 
 
 def _now_ns() -> int:
     return time.time_ns()
 
 
-def _epoch_attributes(epochs: np.ndarray) -> dict[str, Any]:
+def _epoch_attributes(epochs: np.ndarray) -> dict[str, AttributeValue]:
     """``kv.epoch`` when the request's blocks share one epoch (the usual case), else its range: scalars only (a
     per-block list would cost more to clean and export than the rest of the span)."""
     if epochs.size == 0:
@@ -154,8 +179,8 @@ def _epoch_attributes(epochs: np.ndarray) -> dict[str, Any]:
 class _Instruments:
     """The metric instruments, shared by every ledger instrumented against the same meter."""
 
-    def __init__(self, meter: Any) -> None:
-        self.post_time = meter.create_histogram(
+    def __init__(self, meter: Meter) -> None:
+        self.post_time: Histogram = meter.create_histogram(
             "kv.transfer.post_time", unit="s", description="T_post: time to prepare and submit a transfer"
         )
         self.xfer_time = meter.create_histogram(
@@ -167,7 +192,7 @@ class _Instruments:
         self.visible_wait = meter.create_histogram(
             "kv.visible_wait", unit="s", description="T_visible: D reserve -> KV ready (or failed)"
         )
-        self.transfers = meter.create_counter(
+        self.transfers: Counter = meter.create_counter(
             "kv.transfers", unit="{transfer}", description="handoffs settled, by outcome"
         )
         self.renewals = meter.create_counter("kv.lease.renewals", unit="{renewal}", description="lease renewals")
@@ -181,11 +206,14 @@ class _Instruments:
         )
 
 
-def _is_noop_tracer_provider(provider: Any) -> bool:
+_NOOP_INSTRUMENTS = _Instruments(metrics.NoOpMeter(INSTRUMENTATION_NAME))  # what a dormant subscription holds
+
+
+def _is_noop_tracer_provider(provider: TracerProvider) -> bool:
     return isinstance(provider, (trace.NoOpTracerProvider, trace.ProxyTracerProvider))
 
 
-def _is_noop_meter_provider(provider: Any) -> bool:
+def _is_noop_meter_provider(provider: MeterProvider) -> bool:
     # the API's global default is a private _ProxyMeterProvider until the application sets a real one
     return isinstance(provider, metrics.NoOpMeterProvider) or type(provider).__name__ == "_ProxyMeterProvider"
 
@@ -198,22 +226,29 @@ class Instrumentation:
     switches the instrumentation on within that many events (handoffs already under way are traced from then on).
     """
 
-    def __init__(self, ledger: Any, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    def __init__(
+        self,
+        ledger: SourceLedger | TargetLedger,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+    ) -> None:
         self.ledger = ledger
         self.side = ledger.side
         self.worker = ledger.worker
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
-        self.tracer: Any = None
-        self.meter: Any = None
-        self.metrics: _Instruments | None = None
-        self._m: Any = None
+        # no-ops until activate() finds a real provider; the handlers run only after it, so they never see these
+        self.tracer: Tracer = trace.NoOpTracer()
+        self.meter: Meter = metrics.NoOpMeter(INSTRUMENTATION_NAME)
+        self.metrics: _Instruments | None = None  # None while dormant
+        self._m: _Instruments = _NOOP_INSTRUMENTS
         self.active = False
         self._requests: dict[str, _Request] = {}
         self._handoffs: dict[str, _Handoff] = {}
         self._remote_parents: dict[str, SpanContext] = {}
-        self._base = {"kv.side": self.side, "kv.worker": self.worker}
-        handlers: dict[type, Callable[[Any], None]] = {
+        self._base: dict[str, AttributeValue] = {"kv.side": self.side, "kv.worker": self.worker}
+        # each handler takes the event type it is keyed by: Any is the one parameter type all of them accept
+        handlers: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.TransferObserved: self._on_observed,
             ev.Refused: self._on_refused,
         }
@@ -245,7 +280,7 @@ class Instrumentation:
                 }
             )
         self._handlers = handlers
-        self._gauges: list[Any] = []
+        self._gauges: list[ObservableGauge] = []
         # the ledger calls self._listener: a bare countdown closure while dormant (a plain function call is the
         # cheapest thing a listener can be), swapped for the dispatcher once a real provider appears
         self._listener: Callable[[ev.Event], None] = self.__call__ if self.activate() else self._dormant()
@@ -332,7 +367,7 @@ class Instrumentation:
         return len(self._handoffs)
 
     # -- helpers --------------------------------------------------------------------------------------------------
-    def _parent(self, transfer: str) -> tuple[Any, list[Link]]:
+    def _parent(self, transfer: str) -> tuple[Context, list[Link]]:
         """Parent context and links of a handoff's top span. A D load that reads several P ranks at once is named
         ``<request><-<t1>+<t2>...`` by :class:`~kvlifecycle.handoff.Consumer`: it joins the first P transfer's
         trace and links the others'."""
@@ -342,12 +377,14 @@ class Instrumentation:
         sources = source_transfers(transfer)
         return handoff_context(sources[0]), [Link(handoff_span_context(t)) for t in sources[1:]]
 
-    def _child(self, handoff: _Handoff, name: str, start_ns: int, attributes: dict[str, Any] | None = None) -> Any:
+    def _child(
+        self, handoff: _Handoff, name: str, start_ns: int, attributes: dict[str, AttributeValue] | None = None
+    ) -> Span:
         return self.tracer.start_span(
             name, context=trace.set_span_in_context(handoff.root), attributes=attributes, start_time=start_ns
         )
 
-    def _register_gauges(self, meter: Any) -> list[Any]:
+    def _register_gauges(self, meter: Meter) -> list[ObservableGauge]:
         ledger = self.ledger
         attrs = dict(self._base)
 
@@ -401,13 +438,15 @@ class Instrumentation:
         now = _now_ns()
         # connect-time path probes (Consumer names them "probe:<agent>") are transfers too, but not handoffs
         kind = "probe" if e.transfer.startswith("probe:") else "handoff"
-        attrs = {**self._base, "kv.backend": e.backend, "kv.ok": e.ok, "kv.transfer.kind": kind}
+        attrs: dict[str, AttributeValue] = {
+            **self._base, "kv.backend": e.backend, "kv.ok": e.ok, "kv.transfer.kind": kind
+        }
         self._m.post_time.record(e.t_post_s, attrs)
         self._m.xfer_time.record(e.t_xfer_s, attrs)
         if e.ok and e.t_xfer_s > 0:
             self._m.bandwidth.record(e.nbytes / e.t_xfer_s, attrs)
         start = now - int(max(e.t_xfer_s, 0.0) * 1e9)
-        span_attrs = {
+        span_attrs: dict[str, AttributeValue] = {
             **attrs,
             "kv.transfer_id": e.transfer,
             "kv.bytes": e.nbytes,
@@ -478,8 +517,8 @@ class Instrumentation:
         if req is None:  # instrumented after allocation
             req = self._requests[e.request] = _Request(now, e.at, 0)
         req.transfer = e.transfer
-        lease = self.ledger.leases.get(e.transfer)
-        attrs: dict[str, Any] = {
+        lease = self.ledger.leases.get(e.transfer) if isinstance(self.ledger, SourceLedger) else None
+        attrs: dict[str, AttributeValue] = {
             **self._base,
             "kv.request_id": e.request,
             "kv.transfer_id": e.transfer,
@@ -500,7 +539,7 @@ class Instrumentation:
             links=links,
             start_time=req.start_ns,
         )
-        handoff = _Handoff(e.request, root, None, req.at, now, attributes=attrs)
+        handoff = _Handoff(e.request, root, trace.INVALID_SPAN, req.at, now, attributes=attrs)
         if req.prefill_ns:
             self._child(handoff, "kv.prefill", req.start_ns, {"kv.request_id": e.request}).end(end_time=req.prefill_ns)
         handoff.phase = self._child(
@@ -551,7 +590,7 @@ class Instrumentation:
         if req is None:
             req = self._requests[e.request] = _Request(now, e.at, 0)
         req.transfer = e.transfer
-        attrs: dict[str, Any] = {
+        attrs: dict[str, AttributeValue] = {
             **self._base,
             "kv.request_id": e.request,
             "kv.transfer_id": e.transfer,
@@ -561,7 +600,7 @@ class Instrumentation:
             "kv.parts": e.parts,
             "kv.blocks": req.blocks,
         }
-        treq = getattr(self.ledger, "requests", {}).get(e.request)
+        treq = self.ledger.requests.get(e.request)
         if treq is not None:
             attrs.update(_epoch_attributes(treq.epochs))
         parent, links = self._parent(e.transfer)
@@ -573,7 +612,7 @@ class Instrumentation:
             links=links,
             start_time=req.start_ns,
         )
-        handoff = _Handoff(e.request, root, None, req.at, now, parts=e.parts, attributes=attrs)
+        handoff = _Handoff(e.request, root, trace.INVALID_SPAN, req.at, now, parts=e.parts, attributes=attrs)
         self._child(handoff, "kv.reserved", req.start_ns, {"kv.request_id": e.request}).end(end_time=now)
         handoff.phase = self._child(handoff, "kv.load", now, {"kv.transfer_id": e.transfer, "kv.parts": e.parts})
         self._handoffs[e.transfer] = handoff
@@ -629,7 +668,11 @@ class Instrumentation:
         self._requests.pop(e.request, None)
 
 
-def instrument(ledger: Any, tracer_provider: Any = None, meter_provider: Any = None) -> Instrumentation:
+def instrument(
+    ledger: SourceLedger | TargetLedger,
+    tracer_provider: TracerProvider | None = None,
+    meter_provider: MeterProvider | None = None,
+) -> Instrumentation:
     """Subscribe OpenTelemetry traces and metrics to ``ledger``'s events. Providers default to the global ones
     (no-ops until the application installs an SDK). Returns the subscription; ``.detach()`` ends it."""
     return Instrumentation(ledger, tracer_provider, meter_provider)
@@ -650,7 +693,7 @@ def count_side_channel_refusals(server: Any, meter_provider: Any = None) -> Any:
 ENV_OTEL_DIR = envvars.OTEL_DIR.name
 
 
-def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instrumentation:
+def instrument_to_files(ledger: SourceLedger | TargetLedger, directory: str | os.PathLike[str]) -> Instrumentation:
     """Instrument ``ledger`` with SDK providers of its own that write ``<worker>.spans.jsonl`` (each span as it
     ends) and ``<worker>.metrics.jsonl`` (at shutdown, also at process exit) into ``directory``: one file pair per
     process, and the spans of all of them group into traces by transfer. Needs ``opentelemetry-sdk``."""
@@ -690,7 +733,7 @@ def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instr
         spans_file.close()
         metrics_file.close()
 
-    subscription.shutdown = shutdown  # type: ignore[method-assign]
+    subscription.shutdown = shutdown  # type: ignore[method-assign]  # this one also shuts down the providers it made
     atexit.register(shutdown)
     # multiprocessing children leave through os._exit, which skips atexit; its finalizers still run
     from multiprocessing import util
@@ -699,7 +742,7 @@ def instrument_to_files(ledger: Any, directory: str | os.PathLike[str]) -> Instr
     return subscription
 
 
-def instrument_from_env(ledger: Any) -> Instrumentation:
+def instrument_from_env(ledger: SourceLedger | TargetLedger) -> Instrumentation:
     """``$KVL_OTEL_DIR`` set: :func:`instrument_to_files` there; unset: :func:`instrument` with the global
     providers (no-ops unless the application installed an SDK)."""
     directory = envvars.OTEL_DIR.read()
@@ -729,7 +772,7 @@ class TracingOverhead:
         return None if self.sdk_s is None else self.sdk_s / self.untraced_s
 
 
-def _lifecycle_loop(source: Any, target: Any, count: int, blocks: int, start: int) -> float:
+def _lifecycle_loop(source: SourceLedger, target: TargetLedger, count: int, blocks: int, start: int) -> float:
     ids = np.arange(blocks, dtype=np.int32)
     t0 = time.perf_counter()
     for i in range(start, start + count):
@@ -764,14 +807,13 @@ def measure_tracing_overhead(handoffs: int = 2000, blocks: int = 16, rounds: int
     from opentelemetry.trace import NoOpTracerProvider
 
     from kvlifecycle.clock import ManualClock
-    from kvlifecycle.ledger import SourceLedger, TargetLedger
 
     # "no SDK configured": the API's global defaults, unless this process installed real ones (then explicit no-ops)
     globals_unset = _is_noop_tracer_provider(trace.get_tracer_provider()) and _is_noop_meter_provider(
         metrics.get_meter_provider()
     )
     no_sdk = (None, None) if globals_unset else (NoOpTracerProvider(), NoOpMeterProvider())
-    variants: dict[str, Callable[[Any, Any], list[Instrumentation]]] = {
+    variants: dict[str, Callable[[SourceLedger, TargetLedger], list[Instrumentation]]] = {
         "untraced": lambda s, t: [],
         "noop": lambda s, t: [instrument(x, *no_sdk) for x in (s, t)],
     }
@@ -782,10 +824,10 @@ def measure_tracing_overhead(handoffs: int = 2000, blocks: int = 16, rounds: int
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
         class Discard(SpanExporter):  # an exporter that keeps nothing: the cost measured is the SDK's, not storage
-            def export(self, spans: Any) -> SpanExportResult:
+            def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
                 return SpanExportResult.SUCCESS
 
-        def with_sdk(s: Any, t: Any) -> list[Instrumentation]:
+        def with_sdk(s: SourceLedger, t: TargetLedger) -> list[Instrumentation]:
             provider = TracerProvider()  # the recommended set-up: spans exported off the caller's thread
             provider.add_span_processor(BatchSpanProcessor(Discard()))
             meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
@@ -823,7 +865,7 @@ def measure_tracing_overhead(handoffs: int = 2000, blocks: int = 16, rounds: int
 
 # --- data-path selection -----------------------------------------------------------------------------------------
 
-_path_instruments: dict[int, tuple[Any, Any]] = {}
+_path_instruments: dict[int, tuple[Histogram, Counter]] = {}
 
 
 def record_path_selection(
@@ -835,14 +877,14 @@ def record_path_selection(
     gbps: float | None,
     probe_bytes: int = 0,
     floor_gbps: float = 0.0,
-    tracer_provider: Any = None,
-    meter_provider: Any = None,
+    tracer_provider: TracerProvider | None = None,
+    meter_provider: MeterProvider | None = None,
 ) -> bool:
     """Make a data-path choice visible: a ``kv.path.select`` span (with a ``kv.path.slow`` event when the measured
     bandwidth is below ``floor_gbps``), a ``kv.path.bandwidth`` histogram and a ``kv.path.slow`` counter.
     Returns whether the path is slow. Costs nothing measurable without an SDK (global no-op providers)."""
     slow = gbps is not None and gbps < floor_gbps
-    attributes: dict[str, Any] = {
+    attributes: dict[str, AttributeValue] = {
         "kv.peer": peer,
         "kv.path.transport": transport,
         "kv.path.backend": backend or "",

@@ -135,9 +135,10 @@ class _Builder:
                 ended = table.pop(key)
                 ended.end = ts
                 ended.args["ended_by"] = "worker restart"
-        for table in (self.load_parts, self.request_leases):
-            for key in [k for k in table if k[0] == worker]:
-                del table[key]
+        for key in [k for k in self.load_parts if k[0] == worker]:
+            del self.load_parts[key]
+        for key in [k for k in self.request_leases if k[0] == worker]:
+            del self.request_leases[key]
         self.instant(worker, "worker restarted", ts, incarnation=f"{incarnation:08x}")
 
     def instant(self, worker: str, name: str, ts: float, **args: Any) -> None:
@@ -168,16 +169,16 @@ class _Builder:
         elif isinstance(e, ev.SrcConsumerDone):
             self.instant(worker, "consumer done", ts, transfer=e.transfer, consumer=e.consumer)
         elif isinstance(e, ev.SrcLeaseReleased):
-            lease = self.leases.pop((worker, e.transfer), None)
-            if lease is not None:
-                lease.end = ts
-                lease.args["reason"] = e.reason
+            released = self.leases.pop((worker, e.transfer), None)
+            if released is not None:
+                released.end = ts
+                released.args["reason"] = e.reason
                 if e.detail:
-                    lease.args["detail"] = e.detail
+                    released.args["detail"] = e.detail
                 if e.reason != "completed":
-                    lease.category = "failed" if e.reason != "cancelled" else lease.category
-                    lease.name += f" ({e.reason})"
-                request = lease.args["request"]
+                    released.category = "failed" if e.reason != "cancelled" else released.category
+                    released.name += f" ({e.reason})"
+                request = released.args["request"]
                 leases = self.request_leases.get((worker, request), set())
                 leases.discard(e.transfer)
                 if not leases:
@@ -403,7 +404,7 @@ _PHASE_FIELDS = {
 }
 
 
-def validate_chrome_trace(trace: Any) -> list[str]:
+def validate_chrome_trace(trace: object) -> list[str]:
     """Structural problems of a trace-event JSON object (empty list: none): known phases with their required fields,
     numeric times, no overlapping-but-unnested ``X`` slices on one thread, every flow start with a finish on a
     thread that has a slice enclosing it."""
@@ -411,13 +412,13 @@ def validate_chrome_trace(trace: Any) -> list[str]:
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         return ["top level must be an object with a 'traceEvents' list"]
     slices: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
-    flows: dict[Any, dict[str, dict]] = {}
+    flows: dict[tuple[Any, Any], dict[str, dict[str, Any]]] = {}  # (cat, id) -> phase -> event
     for n, event in enumerate(trace["traceEvents"]):
         if not isinstance(event, dict):
             problems.append(f"event {n}: not an object")
             continue
         ph = event.get("ph")
-        required = _PHASE_FIELDS.get(ph)
+        required = _PHASE_FIELDS.get(ph) if isinstance(ph, str) else None
         if required is None:
             problems.append(f"event {n}: unknown phase {ph!r}")
             continue
@@ -442,17 +443,17 @@ def validate_chrome_trace(trace: Any) -> list[str]:
             if stack and end > stack[-1][1] + 2e-3:  # µs rounding
                 problems.append(f"thread {thread}: slice {name!r} overlaps {stack[-1][2]!r} without nesting")
             stack.append((start, end, name))
-    for key, pair in flows.items():
+    for flow, pair in flows.items():
         if set(pair) != {"s", "f"}:
-            problems.append(f"flow {key}: has {sorted(pair)} (needs both 's' and 'f')")
+            problems.append(f"flow {flow}: has {sorted(pair)} (needs both 's' and 'f')")
             continue
         for ph, event in pair.items():
             thread = (event["pid"], event["tid"])
             ts = float(event["ts"])
             if not any(start <= ts <= end for start, end, _ in slices.get(thread, [])):
-                problems.append(f"flow {key}: '{ph}' at {ts} is inside no slice of thread {thread}")
+                problems.append(f"flow {flow}: '{ph}' at {ts} is inside no slice of thread {thread}")
         if float(pair["f"]["ts"]) < float(pair["s"]["ts"]):
-            problems.append(f"flow {key}: finishes before it starts")
+            problems.append(f"flow {flow}: finishes before it starts")
     return problems
 
 

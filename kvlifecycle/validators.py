@@ -8,7 +8,7 @@ neither is a string (``"30"`` from a JSON config is a type error, not thirty sec
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import numpy as np
@@ -16,8 +16,12 @@ import numpy as np
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
-def _is_integer(value: object) -> bool:
+def _is_integer(value: object) -> TypeGuard[int | np.integer]:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _is_number(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
 
 
 def integer(minimum: int) -> Validator:
@@ -26,7 +30,7 @@ def integer(minimum: int) -> Validator:
     def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if not _is_integer(value):
             raise TypeError(f"{attribute.name} must be an integer, got {value!r} ({type(value).__name__})")
-        if value < minimum:  # type: ignore[operator]
+        if value < minimum:
             raise ValueError(f"{attribute.name} must be >= {minimum}, got {value}")
 
     return check
@@ -62,20 +66,20 @@ def plain_ints(values: Any) -> Any:
 
 def number(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     """A real number (an int is one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _is_number(value):
         raise TypeError(f"{attribute.name} must be a number, got {value!r} ({type(value).__name__})")
 
 
 def positive(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     """A number greater than zero (a duration, a rate)."""
     number(instance, attribute, value)
-    if not value > 0:  # type: ignore[operator]
+    if not (_is_number(value) and value > 0):
         raise ValueError(f"{attribute.name} must be positive, got {value!r}")
 
 
 def port(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     """A TCP port; 0 lets the system pick one."""
-    if not _is_integer(value) or not 0 <= value < 65536:  # type: ignore[operator]
+    if not _is_integer(value) or not 0 <= value < 65536:
         raise ValueError(f"{attribute.name} must be a port number (0-65535), got {value!r}")
 
 

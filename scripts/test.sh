@@ -7,10 +7,13 @@
 #
 # KVL_SKIP_ENGINES=1 skips the two engine environments for a quick core run (their tests then skip).
 # In CI (CI=true) nothing may be skipped: KVL_REQUIRE_ALL=1 turns such skips into failures.
+# The type check (scripts/typecheck.sh, mypy) runs right after the main setup: a type error fails the run before
+# the engine environments are built and before any test.
 # Extra arguments go to pytest. pytest's "no tests ran" (exit 5) is a failure here.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+bash scripts/typecheck.sh
 if [[ "${KVL_SKIP_ENGINES:-0}" != "1" ]]; then
     bash scripts/setup-vllm-env.sh
     bash scripts/setup-sglang-env.sh

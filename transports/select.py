@@ -182,6 +182,7 @@ class SameNodeSelector:
             return DataPath(primary)
         from .cuda_ipc.selection import select_same_node
 
+        # fast is the CUDA IPC transport (the only one with a layout attribute); imported lazily, so not named here
         chosen, peer, choice = select_same_node(layout, fast, offer, lambda: primary,  # type: ignore[arg-type]
                                                 fallback_name=primary.name)
         return DataPath(chosen, peer, choice)

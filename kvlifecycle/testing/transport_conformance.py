@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -33,6 +33,7 @@ from kvlifecycle.transport import (
     Notification,
     PeerEpochError,
     RemoteMismatchError,
+    TransferHandle,
     Transport,
     TransportError,
     XferStatus,
@@ -44,7 +45,7 @@ WAIT_S = 30.0
 Fill = Literal["random", "zeros"]
 
 
-def wait_status(transport: Any, handle: Any, timeout_s: float = WAIT_S) -> XferStatus:
+def wait_status(transport: Transport, handle: TransferHandle, timeout_s: float = WAIT_S) -> XferStatus:
     """Poll ``handle`` until it leaves PENDING (bounded: raises after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -55,7 +56,7 @@ def wait_status(transport: Any, handle: Any, timeout_s: float = WAIT_S) -> XferS
     raise AssertionError(f"transfer still pending after {timeout_s}s")
 
 
-def wait_notes(transport: Any, count: int, timeout_s: float = WAIT_S) -> list[tuple[str, Notification]]:
+def wait_notes(transport: Transport, count: int, timeout_s: float = WAIT_S) -> list[tuple[str, Notification]]:
     """Drain notifications until ``count`` arrived or ``timeout_s`` passed; returns what arrived."""
     got: list[tuple[str, Notification]] = []
     deadline = time.monotonic() + timeout_s
@@ -84,13 +85,20 @@ class HostBuffers:
                  block_bytes: int = BLOCK_BYTES) -> None:
         rng = np.random.default_rng(seed)
         shape = (blocks, block_bytes)
-        self.arrays = [rng.integers(0, 256, shape, dtype=np.uint8) if fill == "random" else np.zeros(shape, np.uint8)
-                       for _ in range(regions)]
+        self.arrays: list[np.ndarray] = [
+            rng.integers(0, 256, shape, dtype=np.uint8) if fill == "random" else np.zeros(shape, np.uint8)
+            for _ in range(regions)
+        ]
         self.layout = KVLayout(MemoryKind.DRAM, 0, blocks, tuple(a.ctypes.data for a in self.arrays),
                                tuple(block_bytes for _ in self.arrays))
 
     def blocks(self, region: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        return self.arrays[region][np.asarray(ids, dtype=np.int64)].copy()
+        copied: np.ndarray = self.arrays[region][np.asarray(ids, dtype=np.int64)].copy()
+        return copied
+
+
+# what the ``pair`` fixture yields: a, b, a's buffers, b's buffers, a's name for b, b's name for a
+Pair = tuple[Transport, Transport, KVBuffers, KVBuffers, str, str]
 
 
 class TransportConformance(abc.ABC):
@@ -112,7 +120,7 @@ class TransportConformance(abc.ABC):
         transport.register(buffers.layout)
 
     @pytest.fixture
-    def pair(self, request: pytest.FixtureRequest) -> Iterator[tuple[Any, ...]]:
+    def pair(self, request: pytest.FixtureRequest) -> Iterator[Pair]:
         suffix = f"{request.node.name}-{time.monotonic_ns()}"
         a, b = self.make_transport(f"a-{suffix}"), self.make_transport(f"b-{suffix}")
         try:
@@ -128,7 +136,7 @@ class TransportConformance(abc.ABC):
 
     # -- byte-exact moves -------------------------------------------------------------------------------------------
     @pytest.mark.parametrize("seed", [0, 1, 2])
-    def test_read_random_subset_byte_exact(self, pair: Any, seed: int) -> None:
+    def test_read_random_subset_byte_exact(self, pair: Pair, seed: int) -> None:
         _a, b, ta, tb, _, b_sees_a = pair
         rng = np.random.default_rng(seed)
         n = int(rng.integers(1, BLOCKS))
@@ -146,7 +154,7 @@ class TransportConformance(abc.ABC):
         b.release(h)
 
     @pytest.mark.parametrize("seed", [3, 4])
-    def test_write_random_subset_byte_exact(self, pair: Any, seed: int) -> None:
+    def test_write_random_subset_byte_exact(self, pair: Pair, seed: int) -> None:
         a, _b, ta, tb, a_sees_b, _ = pair
         rng = np.random.default_rng(seed)
         n = int(rng.integers(1, BLOCKS))
@@ -159,7 +167,7 @@ class TransportConformance(abc.ABC):
             assert np.array_equal(tb.blocks(r, remote), ta.blocks(r, local))
         a.release(h)
 
-    def test_region_subset_moves_only_those_regions(self, pair: Any) -> None:
+    def test_region_subset_moves_only_those_regions(self, pair: Pair) -> None:
         _a, b, ta, tb, _, b_sees_a = pair
         ids = np.array([0, 5, 31], dtype=np.int32)
         h = b.post("READ", b.prepare(b_sees_a), ids, ids, regions=[1, 3])
@@ -170,7 +178,7 @@ class TransportConformance(abc.ABC):
         assert int(tb.blocks(0, every).sum()) == 0 and int(tb.blocks(2, every).sum()) == 0
         b.release(h)
 
-    def test_sliced_view_reads_one_rank_of_heads(self, pair: Any) -> None:
+    def test_sliced_view_reads_one_rank_of_heads(self, pair: Pair) -> None:
         """Heterogeneous TP: read the second half of each remote block into the first half of local blocks."""
         _a, b, ta, tb, _, b_sees_a = pair
         half = BLOCK_BYTES // 2
@@ -185,7 +193,7 @@ class TransportConformance(abc.ABC):
             assert int(tb.blocks(r, every)[:, half:].sum()) == 0
 
     # -- notifications ----------------------------------------------------------------------------------------------
-    def test_notification_rides_with_the_transfer(self, pair: Any) -> None:
+    def test_notification_rides_with_the_transfer(self, pair: Pair) -> None:
         a, b, _, _, _, b_sees_a = pair
         note = Notification("req-1", "xfer-1", 7, epoch=b.epoch, kind="done", part=1)
         h = b.post("READ", b.prepare(b_sees_a), [1], [1], notification=note)
@@ -193,14 +201,14 @@ class TransportConformance(abc.ABC):
         got = wait_notes(a, 1)
         assert got == [(b.agent, note)]
 
-    def test_standalone_notification(self, pair: Any) -> None:
+    def test_standalone_notification(self, pair: Pair) -> None:
         a, b, _, _, a_sees_b, _ = pair
         note = Notification("req-2", "xfer-2", 3, kind="failed", payload=b"why")
         a.send_notification(a_sees_b, note)
         assert wait_notes(b, 1) == [(a.agent, note)]
 
     # -- errors -----------------------------------------------------------------------------------------------------
-    def test_released_handle_raises(self, pair: Any) -> None:
+    def test_released_handle_raises(self, pair: Pair) -> None:
         _, b, _, _, _, b_sees_a = pair
         h = b.post("READ", b.prepare(b_sees_a), [0], [0])
         wait_status(b, h)
@@ -212,7 +220,7 @@ class TransportConformance(abc.ABC):
         with pytest.raises(HandleReleasedError):
             b.release(h)
 
-    def test_mismatched_block_lists_refused(self, pair: Any) -> None:
+    def test_mismatched_block_lists_refused(self, pair: Pair) -> None:
         _, b, _, _, _, b_sees_a = pair
         plan = b.prepare(b_sees_a)
         with pytest.raises(RemoteMismatchError):
@@ -222,7 +230,7 @@ class TransportConformance(abc.ABC):
         with pytest.raises(RemoteMismatchError):
             b.prepare(b_sees_a, remote_view=BlockView(0, BLOCK_BYTES // 2))
 
-    def test_removed_peer_voids_its_plans(self, pair: Any) -> None:
+    def test_removed_peer_voids_its_plans(self, pair: Pair) -> None:
         a, b, _, _, _, b_sees_a = pair
         plan = b.prepare(b_sees_a)
         b.remove_peer(b_sees_a)
@@ -233,7 +241,7 @@ class TransportConformance(abc.ABC):
         h = b.post("READ", b.prepare(peer), [0], [0])
         assert wait_status(b, h) is XferStatus.DONE
 
-    def test_peer_with_a_new_epoch_replaces_the_old_one(self, pair: Any) -> None:
+    def test_peer_with_a_new_epoch_replaces_the_old_one(self, pair: Pair) -> None:
         """A restarted peer (same agent name, newer epoch): old plans are void, the agent is re-added, and older
         metadata is refused (vLLM #49238: remove the remote agent before loading its new metadata)."""
         a, b, ta, tb, _, b_sees_a = pair
@@ -258,4 +266,4 @@ class TransportConformance(abc.ABC):
         assert t.registered_regions() == 0
         t.close()  # idempotent
         with pytest.raises(TransportError):
-            t.post("READ", None, [0], [0])  # type: ignore[arg-type]
+            t.post("READ", None, [0], [0])  # type: ignore[arg-type]  # no plan: the closed transport must refuse

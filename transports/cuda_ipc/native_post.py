@@ -102,7 +102,8 @@ class PosterDesc(ctypes.Structure):
         import numpy as np
 
         first = getattr(PosterDesc, self.CALL_FIELDS[0]).offset
-        return np.frombuffer(self, dtype=np.int64, count=len(self.CALL_FIELDS), offset=first)
+        # a ctypes Structure exports the buffer protocol; numpy's stubs name only the builtin buffer types
+        return np.frombuffer(self, dtype=np.int64, count=len(self.CALL_FIELDS), offset=first)  # type: ignore[call-overload]
 
 
 class KernelList:

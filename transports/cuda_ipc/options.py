@@ -91,7 +91,7 @@ class CudaIpcOptions:
             "compiled_post": _flag(env, "KVL_NATIVE_POST"),
             "fast_launch": _flag(env, "KVL_TRITON_FAST_LAUNCH"),
         }
-        values = {k: v for k, v in read.items() if v is not None}
+        values: dict[str, Any] = {k: v for k, v in read.items() if v is not None}  # field name -> value
         values.update({k: v for k, v in given.items() if v is not None})
         return cls(**values)
 

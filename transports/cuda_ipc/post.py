@@ -274,8 +274,8 @@ class CompiledPost:
     def _kernel_list(launch: Launch, op: XferOp, attr: str) -> Any:
         """A ``KernelList`` of every copier's bound kernel ``attr``; None until all are warm and bound."""
         copiers = launch.read if op is XferOp.READ else launch.write
-        descs = [getattr(c, attr, None) for c in copiers]
-        if not copiers or len(copiers) > native_post.MAX_KERNELS or any(d is None for d in descs):
+        descs = [d for d in (getattr(c, attr, None) for c in copiers) if d is not None]
+        if not copiers or len(copiers) > native_post.MAX_KERNELS or len(descs) < len(copiers):
             return None
         return native_post.KernelList(descs)
 

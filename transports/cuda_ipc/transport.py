@@ -381,7 +381,7 @@ class CudaIpcTransport:
         So everything that can wait (the handle record, byte counts, trace marks) comes after the launch."""
         t0 = time.perf_counter()
         if op.__class__ is not XferOp:
-            op = _OPS.get(op) or XferOp(op)  # type: ignore[call-overload]  # a dict hit is cheaper than Enum()
+            op = _OPS.get(op) or XferOp(op)  # a dict hit is cheaper than Enum()
         with self._lock:
             launch = self._launch_for(plan, regions)
             notify = (plan.peer, notification) if notification is not None else None
@@ -442,7 +442,7 @@ class CudaIpcTransport:
         refuses the whole batch (nothing is launched) and the error names it."""
         t0 = time.perf_counter()
         if op.__class__ is not XferOp:
-            op = _OPS.get(op) or XferOp(op)  # type: ignore[call-overload]
+            op = _OPS.get(op) or XferOp(op)
         with self._lock:
             launch = self._launch_for(plan, regions)
             if not requests:
@@ -646,7 +646,7 @@ class CudaIpcTransport:
                     drv = self._driver
                     pushed = self._need_context()
                     if pushed:
-                        drv.push_context(self._streams.cu_ctx)  # type: ignore[union-attr]
+                        drv.push_context(self._streams.cu_ctx)  # type: ignore[union-attr]  # pushed: streams exist
                     try:
                         end = flight.end
                         if end.__class__ is DriverEvent:

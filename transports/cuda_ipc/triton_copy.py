@@ -31,9 +31,7 @@ try:  # Triton is optional: the torch fallback below keeps the transport correct
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    HAVE_TRITON = False
+    HAVE_TRITON = False  # and no name `triton` or `tl`: everything that uses them is defined under HAVE_TRITON
 
 # Bytes one program copies per step; a 32 KiB block is one step. Tuned on an H200 (docs/gpu.md).
 DEFAULT_CHUNK_BYTES = 4096
@@ -206,7 +204,8 @@ def _raw_launcher(compiled: Any) -> tuple[Any, tuple[Any, ...]]:
     frame and two scratch allocations, only when the kernel needs no scratch. Other versions: None (use ``run``)."""
     run = getattr(compiled, "run", None)
     launch = getattr(run, "launch", None)
-    if (launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+    if (run is None or launch is None or bool(getattr(run, "global_scratch_size", 1))
+            or bool(getattr(run, "profile_scratch_size", 1))
             or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
         return None, ()
     return launch, (run.launch_cooperative_grid, run.launch_pdl, None, None)
