@@ -1,0 +1,133 @@
+"""D's directory of P workers, fed by etcd: each new P rank is connected (handshake, metadata, probe), each lost
+one is invalidated in the :class:`~kvlifecycle.handoff.Consumer` at once.
+
+The lost epoch of an agent is dead for good here: a registration that names it again (or an older one) is refused,
+so a P cut off for longer than its TTL cannot slip back in with loads that D already failed; it returns as a new
+epoch. Handshakes run on a connector thread of their own, so a slow or unreachable P never delays the watcher's
+report of another P's loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvlifecycle.membership.etcd import Backoff, EtcdSession
+from kvlifecycle.membership.keys import Member, MemberKey, MemberState, Role
+from kvlifecycle.membership.watcher import PeerWatcher
+
+if TYPE_CHECKING:
+    from kvlifecycle.handoff import Consumer
+
+log = logging.getLogger("kvlifecycle.membership")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEvent:
+    """One change D acted on, for logs and tests: ``kind`` is joined | connected | lost | refused | draining."""
+
+    kind: str
+    key: MemberKey
+    agent: str
+    epoch: int
+    at: float  # time.time() when D handled it
+    detail: str = ""
+
+
+class ProducerDirectory:
+    """Follows the P ranks of the cluster for one :class:`Consumer`."""
+
+    def __init__(self, consumer: Consumer, session: EtcdSession, *, push: bool = False,
+                 connect_retry_for_s: float = 10.0) -> None:
+        self.consumer, self.session, self.push = consumer, session, push
+        self.connect_retry_for_s = connect_retry_for_s
+        self.events: list[PeerEvent] = []
+        self._dead: dict[str, int] = {}  # agent -> highest epoch declared lost
+        self._connected: dict[MemberKey, Member] = {}
+        self._lock = threading.Lock()
+        self._todo: queue.SimpleQueue[tuple[MemberKey, Member] | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self.watcher = PeerWatcher(session, Role.PREFILL, on_joined=self._joined, on_lost=self._lost,
+                                   on_updated=self._updated)
+        self._connector = threading.Thread(target=self._connect_loop, name="etcd-connector", daemon=True)
+
+    def start(self, *, retry_for_s: float = 0.0) -> None:
+        self._connector.start()
+        self.watcher.start(retry_for_s=retry_for_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._todo.put(None)
+        self.watcher.close()
+        self._connector.join(self.connect_retry_for_s + 5)
+
+    def serving(self) -> dict[MemberKey, Member]:
+        """The P ranks connected and taking new grants (not draining): where new requests may go."""
+        with self._lock:
+            return {k: m for k, m in self._connected.items() if m.state is MemberState.SERVING}
+
+    def _note(self, kind: str, key: MemberKey, member: Member, detail: str = "") -> None:
+        with self._lock:
+            self.events.append(PeerEvent(kind, key, member.agent, member.epoch, time.time(), detail))
+
+    # -- watcher callbacks (watcher thread: short) ------------------------------------------------------------------
+    def _joined(self, key: MemberKey, member: Member) -> None:
+        with self._lock:
+            dead = self._dead.get(member.agent)
+        if dead is not None and member.epoch <= dead:
+            self._note("refused", key, member, f"epoch {member.epoch} was declared lost (<= {dead})")
+            log.warning("%s: refusing agent %s epoch %d, declared lost", key, member.agent, member.epoch)
+            return
+        self._note("joined", key, member)
+        self._todo.put((key, member))
+
+    def _updated(self, key: MemberKey, member: Member) -> None:
+        with self._lock:
+            if key in self._connected:
+                self._connected[key] = member
+        if member.state is MemberState.DRAINING:
+            self._note("draining", key, member)
+
+    def _lost(self, key: MemberKey, member: Member) -> None:
+        with self._lock:
+            self._dead[member.agent] = max(member.epoch, self._dead.get(member.agent, member.epoch))
+            self._connected.pop(key, None)
+        why = "drained and left" if member.state is MemberState.DRAINING else "etcd lease gone"
+        failed = self.consumer.invalidate_peer(member.agent, member.epoch, why)
+        self._note("lost", key, member, f"{why}; failed {len(failed)} load(s)")
+
+    # -- connector thread -------------------------------------------------------------------------------------------
+    def _connect_loop(self) -> None:
+        options = self.session.options
+        while not self._stop.is_set():
+            item = self._todo.get()
+            if item is None:
+                return
+            key, member = item
+            backoff = Backoff(options.backoff_initial_s, options.backoff_max_s)
+            deadline = time.monotonic() + self.connect_retry_for_s
+            while not self._stop.is_set():
+                with self._lock:
+                    if self._dead.get(member.agent, -1) >= member.epoch:
+                        break  # lost before the handshake succeeded
+                try:
+                    link = self.consumer.connect(member.address, push=self.push)
+                except Exception as exc:  # a handshake can fail many ways (refused, timeout, compat): all retried
+                    wait = backoff.next()
+                    if time.monotonic() + wait > deadline:
+                        self._note("refused", key, member, f"connect failed: {exc}")
+                        log.warning("%s: could not connect to %s: %s", key, member.address, exc)
+                        break
+                    self._stop.wait(wait)
+                    continue
+                if link.epoch != member.epoch:
+                    log.warning("%s: %s answered epoch %d, etcd said %d", key, member.address, link.epoch,
+                                member.epoch)
+                with self._lock:
+                    self._connected[key] = member
+                self._note("connected", key, member)
+                break
