@@ -1,0 +1,150 @@
+"""A P or D worker inside a host namespace, with membership commands: the demo's worker (kvlifecycle.tools.demo)
+plus registration, draining and D's etcd-fed directory.
+
+The test process starts it as ``ip netns exec <ns> python host_worker.py <fd> <config hex>`` (see
+:class:`HostWorker`); commands travel over the inherited socket ``fd`` exactly as over the demo's pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvlifecycle.tools.demo import COMMAND_TIMEOUT_S, WorkerConfig, WorkerProcess, _Worker, worker_main
+
+HERE = Path(__file__).resolve().parent
+
+
+class MemberWorker(_Worker):
+    """Commands a multi-host test needs beyond the demo's."""
+
+    presence: Any = None
+    directory: Any = None
+
+    def _session(self, endpoints: list[str], cluster: str, ttl_s: int) -> Any:
+        from kvlifecycle.membership import EtcdOptions, EtcdSession
+
+        return EtcdSession(EtcdOptions(tuple(endpoints), cluster=cluster, lease_ttl_s=ttl_s, request_timeout_s=1.0,
+                                       backoff_max_s=0.5))
+
+    # -- P ----------------------------------------------------------------------------------------------------------
+    def join(self, endpoints: list[str], cluster: str, instance: str, ttl_s: int = 2) -> dict[str, Any]:
+        from kvlifecycle.membership import ProducerPresence
+
+        self.presence = ProducerPresence(self.role, self._session(endpoints, cluster, ttl_s), instance)
+        self.presence.register(retry_for_s=10.0)
+        return {"key": self.presence.registration.key.path, "lease": self.presence.registration.lease_id}
+
+    def alloc_grant(self, request: str, blocks: list[int], consumers: int = 1, ttl_s: float | None = None) -> dict:
+        if self.presence is not None and self.presence.draining:
+            from kvlifecycle.membership import DrainingError
+
+            raise DrainingError(f"draining: no new grant for {request!r}")
+        return super().alloc_grant(request, blocks, consumers, ttl_s)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        return bool(self.presence.drain(timeout_s=timeout_s))
+
+    # -- D ----------------------------------------------------------------------------------------------------------
+    def follow(self, endpoints: list[str], cluster: str, ttl_s: int = 2, push: bool = True) -> None:
+        from kvlifecycle.membership import ProducerDirectory
+
+        self.directory = ProducerDirectory(self.role, self._session(endpoints, cluster, ttl_s), push=push)
+        self.directory.start(retry_for_s=10.0)
+
+    def peer_events(self) -> list[dict[str, Any]]:
+        return [{"kind": e.kind, "key": e.key.path, "agent": e.agent, "epoch": e.epoch, "at": e.at,
+                 "detail": e.detail} for e in list(self.directory.events)]
+
+    def serving(self) -> list[dict[str, Any]]:
+        return [{"key": k.path, "agent": m.agent, "epoch": m.epoch, "address": m.address}
+                for k, m in sorted(self.directory.serving().items())]
+
+    def links(self) -> list[dict[str, Any]]:
+        return sorted(({"agent": link.agent, "epoch": link.epoch, "address": link.address,
+                        "probe_backend": link.probe.backend if link.probe else None,
+                        "probe_gbps": link.probe.gbps if link.probe else None} for link in self.role.links.values()),
+                      key=lambda x: x["agent"])
+
+    def pull_and_kill(self, request: str, grants: list[list[Any]], pid: int) -> dict[str, Any]:
+        """Start a pull and SIGKILL the P process ``pid`` as soon as the READ is posted (mid-transfer)."""
+        transfer = self.pull(request, grants)
+        deadline = time.monotonic() + 10.0
+        posted = False
+        while time.monotonic() < deadline:
+            load = self.role._loads.get(transfer)
+            if load is None or load.handles:
+                posted = load is not None
+                break
+            time.sleep(0)
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return {"transfer": transfer, "posted": posted, "killed_at": killed_at}
+
+    def stop(self) -> dict[str, Any]:
+        if self.directory is not None:
+            self.directory.close()
+        if self.presence is not None:
+            self.presence.close()
+        return super().stop()
+
+
+class _PopenProcess:
+    """The slice of multiprocessing.Process that :class:`WorkerProcess` uses, over a Popen."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, signal.SIGKILL)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+
+class HostWorker(WorkerProcess):
+    """A :class:`WorkerProcess` whose process runs inside ``host`` (its namespace), NIXL over UCX TCP on its veth."""
+
+    def __init__(self, host: Any, cfg: WorkerConfig, *, log: Path, start_timeout_s: float = COMMAND_TIMEOUT_S) -> None:
+        parent, child = socket.socketpair()
+        self.cfg, self.host = cfg, host
+        env = {**os.environ, **host.ucx_env()}
+        argv = [sys.executable, str(HERE / "host_worker.py"), str(child.fileno()),
+                msgspec.msgpack.encode(asdict(cfg)).hex()]
+        try:
+            popen = host.popen(argv, env=env, log=log, pass_fds=[child.fileno()])
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.proc = _PopenProcess(popen)  # type: ignore[assignment]
+        self.hello = self._reply(start_timeout_s, "start")
+
+
+def main() -> None:
+    fd, cfg_hex = int(sys.argv[1]), sys.argv[2]
+    worker_main(bytes.fromhex(cfg_hex), Connection(fd), MemberWorker)
+
+
+if __name__ == "__main__":
+    main()
