@@ -32,6 +32,14 @@ class MemberWorker(_Worker):
     presence: Any = None
     directory: Any = None
 
+    def __init__(self, cfg: WorkerConfig) -> None:
+        super().__init__(cfg)
+        from kvlifecycle import events as ev
+
+        self._failures: list[str] = []
+        self.ledger.listeners.append(
+            lambda e: self._failures.append(e.reason) if isinstance(e, ev.TgtLoadFailed) else None)
+
     def _session(self, endpoints: list[str], cluster: str, ttl_s: int) -> Any:
         from kvlifecycle.membership import EtcdOptions, EtcdSession
 
@@ -52,6 +60,10 @@ class MemberWorker(_Worker):
 
             raise DrainingError(f"draining: no new grant for {request!r}")
         return super().alloc_grant(request, blocks, consumers, ttl_s)
+
+    def registration(self) -> dict[str, Any]:
+        reg = self.presence.registration
+        return {"lost": reg.lost, "keepalives": reg.keepalives, "keepalive_failures": reg.keepalive_failures}
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         return bool(self.presence.drain(timeout_s=timeout_s))
@@ -77,8 +89,8 @@ class MemberWorker(_Worker):
                         "probe_gbps": link.probe.gbps if link.probe else None} for link in self.role.links.values()),
                       key=lambda x: x["agent"])
 
-    def pull_and_kill(self, request: str, grants: list[list[Any]], pid: int) -> dict[str, Any]:
-        """Start a pull and SIGKILL the P process ``pid`` as soon as the READ is posted (mid-transfer)."""
+    def pull_posted(self, request: str, grants: list[list[Any]]) -> dict[str, Any]:
+        """Start a pull and return once its READ is posted (or the load ended first: ``posted`` False)."""
         transfer = self.pull(request, grants)
         deadline = time.monotonic() + 10.0
         posted = False
@@ -88,9 +100,18 @@ class MemberWorker(_Worker):
                 posted = load is not None
                 break
             time.sleep(0)
-        killed_at = time.time()
+        return {"transfer": transfer, "posted": posted, "at": time.time()}
+
+    def pull_and_kill(self, request: str, grants: list[list[Any]], pid: int) -> dict[str, Any]:
+        """Start a pull and SIGKILL the P process ``pid`` as soon as the READ is posted (mid-transfer)."""
+        out = self.pull_posted(request, grants)
+        out["killed_at"] = time.time()
         os.kill(pid, signal.SIGKILL)
-        return {"transfer": transfer, "posted": posted, "killed_at": killed_at}
+        return out
+
+    def failures(self) -> list[str]:
+        """The reasons of D's failed loads, as its ledger recorded them."""
+        return list(self._failures)
 
     def stop(self) -> dict[str, Any]:
         if self.directory is not None:

@@ -46,12 +46,14 @@ class Site:
     logs: Path
     workers: dict[str, HostWorker] = field(default_factory=dict)
 
-    def start(self, host: str, side: str, name: str, **kw: Any) -> HostWorker:
+    def start(self, host: str, side: str, name: str, *, log_name: str = "", **kw: Any) -> HostWorker:
+        """Start worker ``name`` on ``host``; its event log goes to ``logs/<log_name or name>``."""
         h = self.cluster.hosts[host]
-        cfg = WorkerConfig(side, name, log_dir=str(self.logs / name), host=h.address, secret=SECRET,
+        log_name = log_name or name
+        cfg = WorkerConfig(side, name, log_dir=str(self.logs / log_name), host=h.address, secret=SECRET,
                            **{**SHAPE, **kw})
-        worker = HostWorker(h, cfg, log=self.logs / f"{name}.out")
-        self.workers[name] = worker
+        worker = HostWorker(h, cfg, log=self.logs / f"{log_name}.out")
+        self.workers[log_name] = worker
         return worker
 
     def join(self, p: HostWorker, instance: str) -> None:
@@ -106,6 +108,7 @@ def handoff(p: HostWorker, d: HostWorker, request: str, src: list[int], dst: lis
     assert d.call("request_state", request) == "READY_FOR_ATTENTION"
     assert d.call("digest", dst) == p.call("digest", src)
     d.call("finish", request)
+    assert collect_released(p, 1) == [[request, grant["transfer"], "completed"]]  # P frees its blocks
 
 
 def assert_logs_clean(logs: Path, names: list[str], *, quiescent: bool = True) -> None:
@@ -132,6 +135,92 @@ def test_two_p_hosts_one_d_host_discovered_through_etcd(site: Site) -> None:
     for i in range(6):
         p = (p0, p1)[i % 2]
         handoff(p, d, f"r{i}", [i, i + 8], [31 - i, 20 - i], "pull" if i < 4 else "push")
-    assert len(collect_released(p0, 3)) == 3 and len(collect_released(p1, 3)) == 3
     site.stop_all()
     assert_logs_clean(site.logs, ["p0", "p1", "d0"])
+
+
+def lost_events(d: HostWorker) -> list[dict[str, Any]]:
+    return [e for e in d.call("peer_events") if e["kind"] == "lost"]
+
+
+def test_p_killed_mid_transfer_d_learns_through_etcd_fails_the_load_and_the_restart_serves(site: Site) -> None:
+    big = {"regions": 32, "blocks": 128, "block_bytes": 16384}  # 64 MiB in one grant: still in flight at the kill
+    # block leases far longer than the etcd lease: what tells D is etcd (or the transport), not a lease running out
+    p0 = site.start("p0", "producer", "p0", log_name="p0-first", seed=1, ttl_s=60.0, **big)
+    d = site.start("d0", "consumer", "d0", **big)
+    site.join(p0, "prefill-a")
+    site.follow(d)
+    first_epoch = p0.hello["epoch"]
+    assert wait_for(lambda: serving_agents(d) == [("p0", first_epoch)], 30.0)
+    blocks = list(range(big["blocks"]))
+    grant = p0.call("alloc_grant", "doomed", blocks)
+    d.call("reserve", "doomed", blocks)
+    out = d.call("pull_and_kill", "doomed", [[p0.hello["address"], grant]], p0.proc.pid)
+    assert out["posted"]  # the READ was posted before the kill
+    p0.proc.join(10)
+    assert p0.proc.exitcode == -9
+    lost = wait_for(lambda: lost_events(d), 5 * TTL_S + 5)
+    assert [(e["agent"], e["epoch"]) for e in lost] == [("p0", first_epoch)]
+    print(f"\nP SIGKILLed mid-transfer: D saw its etcd key go {lost[0]['at'] - out['killed_at']:.2f}s later "
+          f"(etcd lease TTL {TTL_S}s, keep-alive every {TTL_S / 3:.2f}s)")
+    # the load failed (policy "fail": the reservation is gone, its blocks FREE), nothing left in flight or linked
+    assert d.call("wait", 10.0)
+    assert d.call("request_state", "doomed") is None
+    state = d.call("state")
+    assert state["loads"] == [] and state["stats"].get("failed", 0) + state["stats"].get("cancelled", 0) == 1
+    assert state["counts"]["FREE"] == big["blocks"]
+    assert d.call("links") == [] and serving_agents(d) == []
+
+    # P restarts on its host: a new agent epoch registers under the same key and serves
+    p0b = site.start("p0", "producer", "p0", log_name="p0-second", seed=2, **big)
+    assert p0b.hello["epoch"] > first_epoch
+    site.join(p0b, "prefill-a")
+    assert wait_for(lambda: serving_agents(d) == [("p0", p0b.hello["epoch"])], 30.0)
+    handoff(p0b, d, "after", [3, 4, 5], [10, 11, 12])
+    site.stop_all()
+    assert_logs_clean(site.logs, ["p0-second", "d0"])
+    first = replay(site.logs / "p0-first")  # killed: its log replays to the lease it held, nothing broken
+    assert check(first) == []
+
+
+def test_partition_mid_transfer_d_fails_the_load_through_etcd_then_heals_without_leaks(site: Site) -> None:
+    big = {"regions": 32, "blocks": 128, "block_bytes": 16384}
+    p0 = site.start("p0", "producer", "p0", log_name="p0-first", seed=1, ttl_s=4.0, **big)
+    d = site.start("d0", "consumer", "d0", **big)
+    site.join(p0, "prefill-a")
+    site.follow(d)
+    epoch = p0.hello["epoch"]
+    assert wait_for(lambda: serving_agents(d) == [("p0", epoch)], 30.0)
+    handoff(p0, d, "before", [1, 2], [3, 4])
+    host = site.cluster.hosts["p0"]
+    # P's uplink slowed to 40 Mbit/s: the 64 MiB read is surely still in flight when the link goes down
+    assert host.run(["tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", "40mbit", "burst", "64kb",
+                     "latency", "500ms"]).returncode == 0
+    blocks = list(range(big["blocks"]))
+    grant = p0.call("alloc_grant", "cut", blocks)
+    d.call("reserve", "cut", blocks)
+    assert d.call("pull_posted", "cut", [[p0.hello["address"], grant]])["posted"]
+    host.link(False)  # partition: no reset, no error, the read just stalls; P cannot reach etcd either
+    cut_at = time.time()
+    lost = wait_for(lambda: lost_events(d), 5 * TTL_S + 5)
+    assert [(e["agent"], e["epoch"]) for e in lost] == [("p0", epoch)]
+    print(f"\npartition: D saw P's etcd key go {lost[0]['at'] - cut_at:.2f}s after the link went down")
+    assert d.call("wait", 10.0)
+    assert any("etcd lease gone" in why for why in d.call("failures"))  # failed by etcd, not by the transport
+    assert d.call("request_state", "cut") is None and d.call("state")["counts"]["FREE"] == big["blocks"]
+
+    host.link(True)  # healed: P learns its lease is gone; its epoch is dead for D
+    assert wait_for(lambda: p0.call("registration")["lost"], 5 * TTL_S + 5)
+    released = collect_released(p0, 1, timeout_s=30.0)  # P's block lease ends once (D's heartbeats stopped)
+    assert [r[0] for r in released] == ["cut"]
+    assert p0.call("state")["leases"] == []
+    host.run(["tc", "qdisc", "del", "dev", host.device, "root"])
+    p0.stop()
+    # service resumes with P's next incarnation
+    p0b = site.start("p0", "producer", "p0", log_name="p0-second", seed=2, **big)
+    site.join(p0b, "prefill-a")
+    assert wait_for(lambda: serving_agents(d) == [("p0", p0b.hello["epoch"])], 30.0)
+    handoff(p0b, d, "after", [5, 6], [7, 8])
+    site.stop_all()
+    assert_logs_clean(site.logs, ["p0-first", "d0"])
+    assert_logs_clean(site.logs, ["p0-second", "d0"])
