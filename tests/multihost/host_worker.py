@@ -47,11 +47,13 @@ class MemberWorker(_Worker):
                                        backoff_max_s=0.5))
 
     # -- P ----------------------------------------------------------------------------------------------------------
-    def join(self, endpoints: list[str], cluster: str, instance: str, ttl_s: int = 2) -> dict[str, Any]:
+    def join(self, endpoints: list[str], cluster: str, instance: str, ttl_s: int = 2,
+             retry_for_s: float = 10.0) -> dict[str, Any]:
         from kvlifecycle.membership import ProducerPresence
 
-        self.presence = ProducerPresence(self.role, self._session(endpoints, cluster, ttl_s), instance)
-        self.presence.register(retry_for_s=10.0)
+        if self.presence is None:
+            self.presence = ProducerPresence(self.role, self._session(endpoints, cluster, ttl_s), instance)
+        self.presence.register(retry_for_s=retry_for_s)
         return {"key": self.presence.registration.key.path, "lease": self.presence.registration.lease_id}
 
     def alloc_grant(self, request: str, blocks: list[int], consumers: int = 1, ttl_s: float | None = None) -> dict:

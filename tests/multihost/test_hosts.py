@@ -224,3 +224,86 @@ def test_partition_mid_transfer_d_fails_the_load_through_etcd_then_heals_without
     site.stop_all()
     assert_logs_clean(site.logs, ["p0-first", "d0"])
     assert_logs_clean(site.logs, ["p0-second", "d0"])
+
+
+def send(worker: HostWorker, name: str, *args: Any, **kwargs: Any) -> None:
+    """Start a command without waiting for its answer (collect it with ``worker._reply``)."""
+    import msgspec
+
+    worker.conn.send_bytes(msgspec.msgpack.encode([name, list(args), kwargs]))
+
+
+def test_scale_out_then_drain_with_requests_in_flight_fails_none(site: Site) -> None:
+    big = {"regions": 32, "blocks": 128, "block_bytes": 16384}
+    p0 = site.start("p0", "producer", "p0", seed=1, **big)
+    d = site.start("d0", "consumer", "d0", **big)
+    site.join(p0, "prefill-a")
+    site.follow(d)
+    assert wait_for(lambda: serving_agents(d) == [("p0", p0.hello["epoch"])], 30.0)
+    # scale-out: a second P host joins and D connects to it
+    p1 = site.start("p1", "producer", "p1", seed=2, **big)
+    site.join(p1, "prefill-b")
+    both = sorted([("p0", p0.hello["epoch"]), ("p1", p1.hello["epoch"])])
+    assert wait_for(lambda: sorted(serving_agents(d)) == both, 30.0)
+    host = site.cluster.hosts["p0"]
+    assert host.run(["tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", "80mbit", "burst", "64kb",
+                     "latency", "500ms"]).returncode == 0
+    addr = p0.hello["address"]
+    inflight = []
+    for i in range(2):  # two 24 MiB reads from p0, in flight over its slowed link while it drains
+        src = list(range(i * 48, (i + 1) * 48))
+        grant = p0.call("alloc_grant", f"inflight{i}", src)
+        d.call("reserve", f"inflight{i}", src)
+        assert d.call("pull_posted", f"inflight{i}", [[addr, grant]])["posted"]
+        inflight.append((f"inflight{i}", src, grant))
+    send(p0, "drain", 60.0)  # scale-in: p0 stops taking grants, lets its leases finish, leaves
+    # D sees p0 draining: new requests go to p1 only
+    assert wait_for(lambda: serving_agents(d) == [("p1", p1.hello["epoch"])], 5 * TTL_S + 5)
+    handoff(p1, d, "during-drain", [0, 1], [100, 101])  # waits for p0's in-flight reads too
+    assert d.call("wait", 60.0)
+    assert p0._reply(60.0, "drain") is True  # no lease was left when it deregistered
+    lost = wait_for(lambda: lost_events(d), 5 * TTL_S + 5)
+    assert [e["agent"] for e in lost] == ["p0"] and "drained and left" in lost[0]["detail"]
+    assert d.call("failures") == []  # none of the in-flight requests failed
+    for request, src, _grant in inflight:
+        assert d.call("request_state", request) == "READY_FOR_ATTENTION"
+        assert d.call("digest", src) == p0.call("digest", src)
+        d.call("finish", request)
+    assert sorted(r[0] for r in collect_released(p0, 2)) == ["inflight0", "inflight1"]
+    host.run(["tc", "qdisc", "del", "dev", host.device, "root"])
+    handoff(p1, d, "after-drain", [4, 5], [110, 111])
+    site.stop_all()
+    assert_logs_clean(site.logs, ["p0", "p1", "d0"])
+
+
+def test_etcd_stopped_and_restarted_under_load(site: Site) -> None:
+    p0 = site.start("p0", "producer", "p0", seed=1)
+    d = site.start("d0", "consumer", "d0")
+    site.join(p0, "prefill-a")
+    site.follow(d)
+    assert wait_for(lambda: serving_agents(d) == [("p0", p0.hello["epoch"])], 30.0)
+    site.etcd.stop()
+    # established peers keep transferring with etcd down, for longer than the etcd lease TTL
+    deadline = time.monotonic() + TTL_S + 2
+    moved = 0
+    while time.monotonic() < deadline:
+        handoff(p0, d, f"down{moved}", [moved % 16], [31 - moved % 16])
+        moved += 1
+    assert moved >= 2
+    # a new P cannot register while etcd is down: a clear error names the endpoint
+    p1 = site.start("p1", "producer", "p1", seed=2)
+    with pytest.raises(Exception, match=f"EtcdUnavailableError: etcd at {site.etcd.endpoint} unavailable"):
+        p1.call("join", [site.etcd.endpoint], CLUSTER, "prefill-b", TTL_S, 0.0)
+    assert p0.call("registration")["keepalive_failures"] >= 1
+    send(p1, "join", [site.etcd.endpoint], CLUSTER, "prefill-b", TTL_S, 30.0)  # retries with backoff meanwhile
+    time.sleep(1.0)
+    site.etcd.start()
+    p1._reply(40.0, "join")
+    both = sorted([("p0", p0.hello["epoch"]), ("p1", p1.hello["epoch"])])
+    assert wait_for(lambda: sorted(serving_agents(d)) == both, 30.0)
+    assert lost_events(d) == []  # etcd's outage expired no one
+    assert wait_for(lambda: p0.call("registration")["keepalive_failures"] == 0, 10.0)
+    handoff(p0, d, "after0", [20], [0])
+    handoff(p1, d, "after1", [21], [1])
+    site.stop_all()
+    assert_logs_clean(site.logs, ["p0", "p1", "d0"])
