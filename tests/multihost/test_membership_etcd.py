@@ -168,3 +168,48 @@ def test_etcd_outage_keeps_peers_fails_new_registrations_clearly_and_recovers(lo
         watcher.close()
         reg.close()
         late.close()
+
+
+class _FakeProducer:
+    """What ProducerPresence reads of a Producer: its address, agent, epoch, TP rank, leases and grant()."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.address, self.tp_rank = "tcp://h:9", 0
+        self.transport = SimpleNamespace(agent="pf", epoch=3, name="nixl")
+        self.ledger = SimpleNamespace(leases={"t1": object()})
+        self.granted: list[str] = []
+
+    def grant(self, request: str, **_kw: object) -> str:
+        self.granted.append(request)
+        return request
+
+
+@pytest.mark.multihost
+def test_drain_refuses_new_grants_waits_for_live_leases_then_leaves(local_etcd: eh.EtcdServer) -> None:
+    from kvlifecycle.membership import DrainingError, ProducerPresence
+
+    rec = Recorder()
+    producer = _FakeProducer()
+    presence = ProducerPresence(producer, session_for(local_etcd), "pf")  # type: ignore[arg-type]
+    presence.register()
+    watcher = watch(session_for(local_etcd), rec)
+    try:
+        assert presence.grant("before") == "before"
+        result: list[bool] = []
+        drainer = threading.Thread(target=lambda: result.append(presence.drain(timeout_s=20.0)), daemon=True)
+        drainer.start()
+        assert wait_for(lambda: presence.draining and len(rec.kinds()) == 2, 4 * TTL_S)
+        assert rec.events[1][0] == "updated" and rec.events[1][2].state is MemberState.DRAINING
+        with pytest.raises(DrainingError):
+            presence.grant("during")
+        assert producer.granted == ["before"] and drainer.is_alive()  # the live lease holds the drain
+        producer.ledger.leases.clear()  # the last lease ends
+        drainer.join(10)
+        assert result == [True]
+        assert wait_for(lambda: len(rec.kinds()) == 3, 4 * TTL_S)
+        assert rec.events[2][0] == "lost" and watcher.peers() == {}
+    finally:
+        watcher.close()
+        presence.close()
