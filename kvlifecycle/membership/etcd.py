@@ -25,6 +25,13 @@ log = logging.getLogger("kvlifecycle.membership")
 
 T = TypeVar("T")
 
+# A watch stream to an etcd that went silent (its host cut off, no reset) must break, so the watcher resyncs
+# instead of waiting on a dead stream: gRPC pings every 10 s and gives up 5 s later. Not more often: etcd answers
+# pings below its --grpc-keepalive-min-time (5 s), or any ping while no stream is open, with "too many pings" and
+# closes the connection: so pings only while a call (the watch) is open.
+GRPC_KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                  ("grpc.keepalive_permit_without_calls", 0)]
+
 
 class MembershipError(RuntimeError):
     pass
@@ -121,8 +128,8 @@ class EtcdSession:
         with self._lock:
             if self._client is None:
                 pyetcd = _import_client()
-                endpoints = [pyetcd.Endpoint(*parse_endpoint(e), secure=False,
-                                             time_retry=self.options.backoff_max_s) for e in self.options.endpoints]
+                endpoints = [pyetcd.Endpoint(*parse_endpoint(e), secure=False, time_retry=self.options.backoff_max_s,
+                                             opts=GRPC_KEEPALIVE) for e in self.options.endpoints]
                 self._client = pyetcd.MultiEndpointEtcd3Client(
                     endpoints=endpoints, timeout=self.options.request_timeout_s, failover=True)
             return self._client

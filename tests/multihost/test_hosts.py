@@ -82,6 +82,16 @@ def site(cluster: nh.Cluster, tmp_path: Path) -> Iterator[Site]:
         server.stop()
 
 
+def shape(host: nh.Host, rate: str | None) -> None:
+    """Slow the host's uplink to ``rate`` (a token bucket on its veth), or lift that (None)."""
+    if rate is None:
+        host.run(["tc", "qdisc", "del", "dev", host.device, "root"])
+        return
+    out = host.run(["tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", rate, "burst", "64kb",
+                    "latency", "500ms"])
+    assert out.returncode == 0, out.stderr
+
+
 def serving_agents(d: HostWorker) -> list[tuple[str, int]]:
     return [(s["agent"], s["epoch"]) for s in d.call("serving")]
 
@@ -152,6 +162,7 @@ def test_p_killed_mid_transfer_d_learns_through_etcd_fails_the_load_and_the_rest
     site.follow(d)
     first_epoch = p0.hello["epoch"]
     assert wait_for(lambda: serving_agents(d) == [("p0", first_epoch)], 30.0)
+    shape(site.cluster.hosts["p0"], "40mbit")  # the 64 MiB read surely outlives the kill
     blocks = list(range(big["blocks"]))
     grant = p0.call("alloc_grant", "doomed", blocks)
     d.call("reserve", "doomed", blocks)
@@ -172,6 +183,7 @@ def test_p_killed_mid_transfer_d_learns_through_etcd_fails_the_load_and_the_rest
     assert d.call("links") == [] and serving_agents(d) == []
 
     # P restarts on its host: a new agent epoch registers under the same key and serves
+    shape(site.cluster.hosts["p0"], None)
     p0b = site.start("p0", "producer", "p0", log_name="p0-second", seed=2, **big)
     assert p0b.hello["epoch"] > first_epoch
     site.join(p0b, "prefill-a")
@@ -193,9 +205,7 @@ def test_partition_mid_transfer_d_fails_the_load_through_etcd_then_heals_without
     assert wait_for(lambda: serving_agents(d) == [("p0", epoch)], 30.0)
     handoff(p0, d, "before", [1, 2], [3, 4])
     host = site.cluster.hosts["p0"]
-    # P's uplink slowed to 40 Mbit/s: the 64 MiB read is surely still in flight when the link goes down
-    assert host.run(["tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", "40mbit", "burst", "64kb",
-                     "latency", "500ms"]).returncode == 0
+    shape(host, "40mbit")  # the 64 MiB read is surely still in flight when the link goes down
     blocks = list(range(big["blocks"]))
     grant = p0.call("alloc_grant", "cut", blocks)
     d.call("reserve", "cut", blocks)
@@ -214,7 +224,7 @@ def test_partition_mid_transfer_d_fails_the_load_through_etcd_then_heals_without
     released = collect_released(p0, 1, timeout_s=30.0)  # P's block lease ends once (D's heartbeats stopped)
     assert [r[0] for r in released] == ["cut"]
     assert p0.call("state")["leases"] == []
-    host.run(["tc", "qdisc", "del", "dev", host.device, "root"])
+    shape(host, None)
     p0.stop()
     # service resumes with P's next incarnation
     p0b = site.start("p0", "producer", "p0", log_name="p0-second", seed=2, **big)
@@ -246,8 +256,7 @@ def test_scale_out_then_drain_with_requests_in_flight_fails_none(site: Site) -> 
     both = sorted([("p0", p0.hello["epoch"]), ("p1", p1.hello["epoch"])])
     assert wait_for(lambda: sorted(serving_agents(d)) == both, 30.0)
     host = site.cluster.hosts["p0"]
-    assert host.run(["tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", "80mbit", "burst", "64kb",
-                     "latency", "500ms"]).returncode == 0
+    shape(host, "80mbit")
     addr = p0.hello["address"]
     inflight = []
     for i in range(2):  # two 24 MiB reads from p0, in flight over its slowed link while it drains
@@ -270,7 +279,7 @@ def test_scale_out_then_drain_with_requests_in_flight_fails_none(site: Site) -> 
         assert d.call("digest", src) == p0.call("digest", src)
         d.call("finish", request)
     assert sorted(r[0] for r in collect_released(p0, 2)) == ["inflight0", "inflight1"]
-    host.run(["tc", "qdisc", "del", "dev", host.device, "root"])
+    shape(host, None)
     handoff(p1, d, "after-drain", [4, 5], [110, 111])
     site.stop_all()
     assert_logs_clean(site.logs, ["p0", "p1", "d0"])
