@@ -1,5 +1,8 @@
-"""D's directory of P workers, fed by etcd: each new P rank is connected (handshake, metadata, probe), each lost
-one is invalidated in the :class:`~kvlifecycle.handoff.Consumer` at once.
+"""Following the other side through etcd.
+
+D's directory of P workers (:class:`ProducerDirectory`): each new P rank is connected (handshake, metadata, probe),
+each lost one is invalidated in the :class:`~kvlifecycle.handoff.Consumer` at once. P's view of D workers
+(:class:`ConsumerDirectory`): the leases bound to a lost D agent are released at once, not at their TTL.
 
 The lost epoch of an agent is dead for good here: a registration that names it again (or an older one) is refused,
 so a P cut off for longer than its TTL cannot slip back in with loads that D already failed; it returns as a new
@@ -21,7 +24,7 @@ from kvlifecycle.membership.keys import Member, MemberKey, MemberState, Role
 from kvlifecycle.membership.watcher import PeerWatcher
 
 if TYPE_CHECKING:
-    from kvlifecycle.handoff import Consumer
+    from kvlifecycle.handoff import Consumer, Producer
 
 log = logging.getLogger("kvlifecycle.membership")
 
@@ -131,3 +134,36 @@ class ProducerDirectory:
                     self._connected[key] = member
                 self._note("connected", key, member)
                 break
+
+
+class ConsumerDirectory:
+    """Follows the D ranks of the cluster for one :class:`Producer`: a lost D's leases are released at once (a
+    lease bound to several D ranks goes with the first of them lost: its reads cannot all complete)."""
+
+    def __init__(self, producer: Producer, session: EtcdSession) -> None:
+        self.producer = producer
+        self.events: list[PeerEvent] = []
+        self._lock = threading.Lock()
+        self.watcher = PeerWatcher(session, Role.DECODE, on_joined=self._joined, on_lost=self._lost)
+
+    def start(self, *, retry_for_s: float = 0.0) -> None:
+        self.watcher.start(retry_for_s=retry_for_s)
+
+    def close(self) -> None:
+        self.watcher.close()
+
+    def _joined(self, key: MemberKey, member: Member) -> None:
+        with self._lock:
+            self.events.append(PeerEvent("joined", key, member.agent, member.epoch, time.time()))
+
+    def _lost(self, key: MemberKey, member: Member) -> None:
+        """The lost epoch is over: its leases end as at a restart of that D. The ledger records the peer at the next
+        epoch (``epoch + 1``, the least that is not the lost one; a real restart's epoch is larger still), which
+        releases every lease bound to it with reason ``peer_restarted``, so the log says why they ended and the
+        replay checkers read it as the fence it is (the D side fences itself: :class:`ConsumerPresence`)."""
+        released = self.producer.ledger.peer_restarted(member.agent, member.epoch + 1)
+        with self._lock:
+            self.events.append(PeerEvent("lost", key, member.agent, member.epoch, time.time(),
+                                         f"released {len(released)} lease(s)"))
+        log.warning("D %s (epoch %d) lost: released %d lease(s) bound to it", member.agent, member.epoch,
+                    len(released))

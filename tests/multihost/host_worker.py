@@ -46,13 +46,15 @@ class MemberWorker(_Worker):
         return EtcdSession(EtcdOptions(tuple(endpoints), cluster=cluster, lease_ttl_s=ttl_s, request_timeout_s=1.0,
                                        backoff_max_s=0.5))
 
-    # -- P ----------------------------------------------------------------------------------------------------------
+    # -- both: register in etcd, follow the other side --------------------------------------------------------------
     def join(self, endpoints: list[str], cluster: str, instance: str, ttl_s: int = 2,
              retry_for_s: float = 10.0) -> dict[str, Any]:
-        from kvlifecycle.membership import ProducerPresence
+        from kvlifecycle.membership import ConsumerPresence, ProducerPresence
 
         if self.presence is None:
-            self.presence = ProducerPresence(self.role, self._session(endpoints, cluster, ttl_s), instance)
+            session = self._session(endpoints, cluster, ttl_s)
+            kind = ProducerPresence if self.cfg.side == "producer" else ConsumerPresence
+            self.presence = kind(self.role, session, instance)
         self.presence.register(retry_for_s=retry_for_s)
         return {"key": self.presence.registration.key.path, "lease": self.presence.registration.lease_id}
 
@@ -70,13 +72,18 @@ class MemberWorker(_Worker):
     def drain(self, timeout_s: float = 30.0) -> bool:
         return bool(self.presence.drain(timeout_s=timeout_s))
 
-    # -- D ----------------------------------------------------------------------------------------------------------
     def follow(self, endpoints: list[str], cluster: str, ttl_s: int = 2, push: bool = True) -> None:
-        from kvlifecycle.membership import ProducerDirectory
+        """D follows the P ranks (connects, invalidates); P follows the D ranks (releases a lost one's leases)."""
+        from kvlifecycle.membership import ConsumerDirectory, ProducerDirectory
 
-        self.directory = ProducerDirectory(self.role, self._session(endpoints, cluster, ttl_s), push=push)
+        session = self._session(endpoints, cluster, ttl_s)
+        if self.cfg.side == "producer":
+            self.directory = ConsumerDirectory(self.role, session)
+        else:
+            self.directory = ProducerDirectory(self.role, session, push=push)
         self.directory.start(retry_for_s=10.0)
 
+    # -- D ----------------------------------------------------------------------------------------------------------
     def peer_events(self) -> list[dict[str, Any]]:
         return [{"kind": e.kind, "key": e.key.path, "agent": e.agent, "epoch": e.epoch, "at": e.at,
                  "detail": e.detail} for e in list(self.directory.events)]

@@ -316,3 +316,36 @@ def test_etcd_stopped_and_restarted_under_load(site: Site) -> None:
     handoff(p1, d, "after1", [21], [1])
     site.stop_all()
     assert_logs_clean(site.logs, ["p0", "p1", "d0"])
+
+
+def test_d_killed_mid_transfer_p_releases_its_lease_through_etcd_before_the_lease_ttl(site: Site) -> None:
+    import msgspec
+
+    big = {"regions": 32, "blocks": 128, "block_bytes": 16384}
+    p0 = site.start("p0", "producer", "p0", seed=1, ttl_s=60.0, **big)  # block lease: a minute
+    d = site.start("d0", "consumer", "d0", log_name="d0-first", **big)
+    site.join(p0, "prefill-a")
+    site.join(d, "decode-a")
+    site.follow(p0)
+    site.follow(d)
+    assert wait_for(lambda: serving_agents(d) == [("p0", p0.hello["epoch"])], 30.0)
+    assert wait_for(lambda: [e["kind"] for e in p0.call("peer_events")] == ["joined"], 10.0)
+    shape(site.cluster.hosts["p0"], "40mbit")
+    blocks = list(range(big["blocks"]))
+    grant = p0.call("alloc_grant", "orphan", blocks)
+    d.call("reserve", "orphan", blocks)
+    d.conn.send_bytes(msgspec.msgpack.encode(["pull_then_die", ["orphan", [[p0.hello["address"], grant]]], {}]))
+    d.proc.join(30)
+    died = time.time()
+    assert d.proc.exitcode == 9
+    released = collect_released(p0, 1, timeout_s=5 * TTL_S + 5)
+    assert released == [["orphan", grant["transfer"], "peer_restarted"]]  # by etcd: its TTL is a minute
+    lost = [e for e in p0.call("peer_events") if e["kind"] == "lost"]
+    assert [(e["agent"], e["detail"]) for e in lost] == [("d0", "released 1 lease(s)")]
+    print(f"\nD SIGKILLed mid-transfer: P released its 60 s lease {lost[0]['at'] - died:.2f}s later, through etcd")
+    shape(site.cluster.hosts["p0"], None)
+    site.stop_all()
+    assert_logs_clean(site.logs, ["p0"])
+    d_log = replay(site.logs / "d0-first")  # D crashed: its log replays to the load it had in flight
+    assert check(d_log) == []
+    assert check_pair([replay(site.logs / "p0"), d_log]) == []
