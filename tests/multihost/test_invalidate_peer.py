@@ -4,7 +4,10 @@ is gone. (The same runs across hosts, driven by etcd, in test_hosts.py.) Every w
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import etcd_harness as eh
 import pytest
 
 pytest.importorskip("torch")
@@ -22,8 +25,17 @@ COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=2, num_kv_heads=2
                     kv_layout="NHD")
 
 
-def test_a_lost_p_fails_its_live_load_drops_its_link_and_its_late_notification_is_ignored(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@dataclass
+class Pair:
+    prod: Producer
+    cons: Consumer
+    sl: SourceLedger
+    tl: TargetLedger
+    td: LoopbackTransport
+
+
+@pytest.fixture
+def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
     import torch
 
     kv = {side: [torch.zeros((BLOCKS, BYTES), dtype=torch.uint8) for _ in range(REGIONS)] for side in "pd"}
@@ -34,35 +46,71 @@ def test_a_lost_p_fails_its_live_load_drops_its_link_and_its_late_notification_i
     prod = Producer(sl, tp, COMPAT)
     cons = Consumer(tl, td, COMPAT, options=HandoffOptions(heartbeat_every_s=0.05))
     try:
-        link = cons.connect(prod.address)
-        monkeypatch.setattr(td, "poll", lambda _handle: XferStatus.PENDING)  # the read never completes
-        sl.allocate("r", [1, 2])
-        sl.prefill_done("r")
-        grant = prod.grant("r")
-        tl.reserve("r", [3, 4])
-        transfer = cons.pull("r", grant, address=prod.address)
-        deadline = time.monotonic() + 10
-        while transfer not in tl.loads and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert transfer in tl.loads  # claimed, posted, in flight
-
-        assert cons.invalidate_peer(link.agent, link.epoch, "etcd lease gone") == [transfer]
-        assert cons.pending() == 0 and cons.links == {}
-        assert "r" not in tl.requests and tl.counts()["FREE"] == BLOCKS  # policy "fail": the blocks went back
-        assert tl.stats["failed"] == 1
-        # a late completion from the lost incarnation matches no load: nothing changes
-        td._deliver(link.agent, Notification("r", grant.transfer, grant.generation, link.epoch, "done", 0))
-        time.sleep(0.1)
-        assert tl.stats["loaded"] == 0 and tl.counts()["READY_FOR_ATTENTION"] == 0
-        # an epoch newer than the invalidated one is not touched by it, and a new handshake works
-        assert cons.invalidate_peer(link.agent, link.epoch - 1) == []
-        monkeypatch.undo()
-        again = cons.connect(prod.address)
-        assert again.agent == link.agent and prod.address in cons.links
+        yield Pair(prod, cons, sl, tl, td)
     finally:
         cons.close()
         prod.close()
         tp.close()
         td.close()
-    sl.fail(grant.transfer, grant.generation, "test end")  # P was never told: its lease is still there
+    for lease in list(sl.leases.values()):  # P was never told of D's failed loads: end what is left
+        sl.fail(lease.transfer, lease.generation, "test end")
     assert check_source(sl) == [] and check_target(tl) == []
+
+
+def start_stuck_load(pair: Pair, monkeypatch: pytest.MonkeyPatch, request: str = "r") -> tuple[str, object]:
+    """A pull claimed and posted whose read never completes."""
+    monkeypatch.setattr(pair.td, "poll", lambda _handle: XferStatus.PENDING)
+    pair.sl.allocate(request, [1, 2])
+    pair.sl.prefill_done(request)
+    grant = pair.prod.grant(request)
+    pair.tl.reserve(request, [3, 4])
+    transfer = pair.cons.pull(request, grant, address=pair.prod.address)
+    deadline = time.monotonic() + 10
+    while transfer not in pair.tl.loads and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert transfer in pair.tl.loads  # claimed, posted, in flight
+    return transfer, grant
+
+
+def test_a_lost_p_fails_its_live_load_drops_its_link_and_its_late_notification_is_ignored(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    cons, tl = pair.cons, pair.tl
+    link = cons.connect(pair.prod.address)
+    transfer, grant = start_stuck_load(pair, monkeypatch)
+    assert cons.invalidate_peer(link.agent, link.epoch, "etcd lease gone") == [transfer]
+    assert cons.pending() == 0 and cons.links == {}
+    assert "r" not in tl.requests and tl.counts()["FREE"] == BLOCKS  # policy "fail": the blocks went back
+    assert tl.stats["failed"] == 1
+    # a late completion from the lost incarnation matches no load: nothing changes
+    pair.td._deliver(link.agent, Notification("r", grant.transfer, grant.generation, link.epoch, "done", 0))
+    time.sleep(0.1)
+    assert tl.stats["loaded"] == 0 and tl.counts()["READY_FOR_ATTENTION"] == 0
+    # an epoch newer than the invalidated one is not touched by it, and a new handshake works
+    assert cons.invalidate_peer(link.agent, link.epoch - 1) == []
+    monkeypatch.undo()
+    again = cons.connect(pair.prod.address)
+    assert again.agent == link.agent and pair.prod.address in cons.links
+
+
+@pytest.mark.multihost
+def test_a_d_that_finds_its_own_etcd_lease_expired_fences_its_loads(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch, local_etcd: eh.EtcdServer) -> None:
+    from kvlifecycle.membership import ConsumerPresence, EtcdOptions, EtcdSession
+
+    session = EtcdSession(EtcdOptions((local_etcd.endpoint,), cluster="f", lease_ttl_s=2, request_timeout_s=1.0))
+    presence = ConsumerPresence(pair.cons, session, "d-fence")
+    presence.register()
+    try:
+        pair.cons.connect(pair.prod.address)
+        transfer, _ = start_stuck_load(pair, monkeypatch)
+        lease_id = presence.registration.lease_id
+        session.call("revoke", lambda c: c.revoke_lease(lease_id))  # as if D had been cut off past the TTL
+        deadline = time.monotonic() + 10
+        while not presence.registration.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert presence.registration.lost
+        assert pair.cons.wait_idle(10)
+        assert transfer not in pair.tl.loads and pair.tl.stats["failed"] == 1 and pair.cons.links == {}
+    finally:
+        presence.close()
+        session.close()
