@@ -31,7 +31,8 @@ log = logging.getLogger("kvlifecycle.membership")
 
 @dataclass(frozen=True, slots=True)
 class PeerEvent:
-    """One change D acted on, for logs and tests: ``kind`` is joined | connected | lost | refused | draining."""
+    """One change a directory acted on, for logs and tests: ``kind`` is joined | connected | lost | refused |
+    draining."""
 
     kind: str
     key: MemberKey

@@ -24,6 +24,8 @@ import msgspec
 from kvlifecycle.tools.demo import COMMAND_TIMEOUT_S, WorkerConfig, WorkerProcess, _Worker, worker_main
 
 HERE = Path(__file__).resolve().parent
+# a start imports torch and NIXL: on a loaded 2-core machine that has taken over a minute
+START_TIMEOUT_S = max(COMMAND_TIMEOUT_S, 180.0)
 
 
 class MemberWorker(_Worker):
@@ -37,14 +39,17 @@ class MemberWorker(_Worker):
         from kvlifecycle import events as ev
 
         self._failures: list[str] = []
+        self._sessions: list[Any] = []
         self.ledger.listeners.append(
             lambda e: self._failures.append(e.reason) if isinstance(e, ev.TgtLoadFailed) else None)
 
     def _session(self, endpoints: list[str], cluster: str, ttl_s: int) -> Any:
         from kvlifecycle.membership import EtcdOptions, EtcdSession
 
-        return EtcdSession(EtcdOptions(tuple(endpoints), cluster=cluster, lease_ttl_s=ttl_s, request_timeout_s=1.0,
-                                       backoff_max_s=0.5))
+        session = EtcdSession(EtcdOptions(tuple(endpoints), cluster=cluster, lease_ttl_s=ttl_s,
+                                          request_timeout_s=1.0, backoff_max_s=0.5))
+        self._sessions.append(session)
+        return session
 
     # -- both: register in etcd, follow the other side --------------------------------------------------------------
     def join(self, endpoints: list[str], cluster: str, instance: str, ttl_s: int = 2,
@@ -127,6 +132,8 @@ class MemberWorker(_Worker):
             self.directory.close()
         if self.presence is not None:
             self.presence.close()
+        for session in self._sessions:
+            session.close()
         return super().stop()
 
 
@@ -156,7 +163,7 @@ class _PopenProcess:
 class HostWorker(WorkerProcess):
     """A :class:`WorkerProcess` whose process runs inside ``host`` (its namespace), NIXL over UCX TCP on its veth."""
 
-    def __init__(self, host: Any, cfg: WorkerConfig, *, log: Path, start_timeout_s: float = COMMAND_TIMEOUT_S) -> None:
+    def __init__(self, host: Any, cfg: WorkerConfig, *, log: Path, start_timeout_s: float = START_TIMEOUT_S) -> None:
         parent, child = socket.socketpair()
         self.cfg, self.host = cfg, host
         env = {**os.environ, **host.ucx_env()}
