@@ -6,14 +6,13 @@ each lost one is invalidated in the :class:`~kvlifecycle.handoff.Consumer` at on
 
 The lost epoch of an agent is dead for good here: a registration that names it again (or an older one) is refused,
 so a P cut off for longer than its TTL cannot slip back in with loads that D already failed; it returns as a new
-epoch. Handshakes run on a connector thread of their own, so a slow or unreachable P never delays the watcher's
-report of another P's loss.
+epoch. Handshakes run on a thread per P rank being connected, retried while that rank stays registered, so a slow
+or unreachable P never delays the watcher's report of another P's loss, nor another P's handshake.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -46,28 +45,28 @@ class ProducerDirectory:
     """Follows the P ranks of the cluster for one :class:`Consumer`."""
 
     def __init__(self, consumer: Consumer, session: EtcdSession, *, push: bool = False,
-                 connect_retry_for_s: float = 10.0) -> None:
+                 connect_retry_for_s: float = 300.0) -> None:
         self.consumer, self.session, self.push = consumer, session, push
         self.connect_retry_for_s = connect_retry_for_s
         self.events: list[PeerEvent] = []
         self._dead: dict[str, int] = {}  # agent -> highest epoch declared lost
         self._connected: dict[MemberKey, Member] = {}
         self._lock = threading.Lock()
-        self._todo: queue.SimpleQueue[tuple[MemberKey, Member] | None] = queue.SimpleQueue()
+        self._connectors: list[threading.Thread] = []
         self._stop = threading.Event()
         self.watcher = PeerWatcher(session, Role.PREFILL, on_joined=self._joined, on_lost=self._lost,
                                    on_updated=self._updated)
-        self._connector = threading.Thread(target=self._connect_loop, name="etcd-connector", daemon=True)
 
     def start(self, *, retry_for_s: float = 0.0) -> None:
-        self._connector.start()
         self.watcher.start(retry_for_s=retry_for_s)
 
     def close(self) -> None:
         self._stop.set()
-        self._todo.put(None)
         self.watcher.close()
-        self._connector.join(self.connect_retry_for_s + 5)
+        with self._lock:
+            connectors = list(self._connectors)
+        for thread in connectors:  # each is at most one handshake (bounded by its request timeout) from its end
+            thread.join(30)
 
     def serving(self) -> dict[MemberKey, Member]:
         """The P ranks connected and taking new grants (not draining): where new requests may go."""
@@ -87,7 +86,7 @@ class ProducerDirectory:
             log.warning("%s: refusing agent %s epoch %d, declared lost", key, member.agent, member.epoch)
             return
         self._note("joined", key, member)
-        self._todo.put((key, member))
+        self._connect_soon(key, member)
 
     def _updated(self, key: MemberKey, member: Member) -> None:
         with self._lock:
@@ -104,37 +103,55 @@ class ProducerDirectory:
         failed = self.consumer.invalidate_peer(member.agent, member.epoch, why)
         self._note("lost", key, member, f"{why}; failed {len(failed)} load(s)")
 
-    # -- connector thread -------------------------------------------------------------------------------------------
-    def _connect_loop(self) -> None:
+    # -- connector threads (one per P rank being connected) ---------------------------------------------------------
+    def _connect_soon(self, key: MemberKey, member: Member) -> None:
+        thread = threading.Thread(target=self._connect, args=(key, member), name=f"etcd-connect-{key.instance}",
+                                  daemon=True)
+        with self._lock:
+            self._connectors = [t for t in self._connectors if t.is_alive()] + [thread]
+        thread.start()
+
+    def _current(self, key: MemberKey, member: Member) -> bool:
+        """``member`` is still what etcd says ``key`` is, and not declared lost."""
+        with self._lock:
+            if self._dead.get(member.agent, -1) >= member.epoch:
+                return False
+        now = self.watcher.peers().get(key)
+        return now is not None and (now.agent, now.epoch) == (member.agent, member.epoch)
+
+    def _connect(self, key: MemberKey, member: Member) -> None:
+        """Handshake until it works, the member goes (lost or replaced), a permanent refusal, or
+        ``connect_retry_for_s``: a P that is registered but slow (a loaded host) is retried, not given up on."""
+        from kvlifecycle.handshake import CompatMismatchError
+
         options = self.session.options
-        while not self._stop.is_set():
-            item = self._todo.get()
-            if item is None:
+        backoff = Backoff(options.backoff_initial_s, options.backoff_max_s)
+        deadline = time.monotonic() + self.connect_retry_for_s
+        tries = 0
+        while not self._stop.is_set() and self._current(key, member):
+            tries += 1
+            try:
+                link = self.consumer.connect(member.address, push=self.push)
+            except CompatMismatchError as exc:
+                self._note("refused", key, member, f"incompatible: {exc}")
+                log.error("%s: %s is incompatible: %s", key, member.address, exc)
                 return
-            key, member = item
-            backoff = Backoff(options.backoff_initial_s, options.backoff_max_s)
-            deadline = time.monotonic() + self.connect_retry_for_s
-            while not self._stop.is_set():
-                with self._lock:
-                    if self._dead.get(member.agent, -1) >= member.epoch:
-                        break  # lost before the handshake succeeded
-                try:
-                    link = self.consumer.connect(member.address, push=self.push)
-                except Exception as exc:  # a handshake can fail many ways (refused, timeout, compat): all retried
-                    wait = backoff.next()
-                    if time.monotonic() + wait > deadline:
-                        self._note("refused", key, member, f"connect failed: {exc}")
-                        log.warning("%s: could not connect to %s: %s", key, member.address, exc)
-                        break
-                    self._stop.wait(wait)
-                    continue
-                if link.epoch != member.epoch:
-                    log.warning("%s: %s answered epoch %d, etcd said %d", key, member.address, link.epoch,
-                                member.epoch)
-                with self._lock:
-                    self._connected[key] = member
-                self._note("connected", key, member)
-                break
+            except Exception as exc:  # refused, timed out, the transport: retried while the member is registered
+                wait = backoff.next()
+                if time.monotonic() + wait > deadline:
+                    self._note("refused", key, member, f"connect failed {tries} time(s): {exc}")
+                    log.warning("%s: gave up connecting to %s after %d tries: %s", key, member.address, tries, exc)
+                    return
+                log.info("%s: connect to %s failed (try %d), retrying in %.2fs: %s", key, member.address, tries,
+                         wait, exc)
+                self._stop.wait(wait)
+                continue
+            if link.epoch != member.epoch:
+                log.warning("%s: %s answered epoch %d, etcd said %d", key, member.address, link.epoch, member.epoch)
+            with self._lock:
+                self._connected[key] = member
+            self._note("connected", key, member, f"after {tries} try(s)")
+            return
 
 
 class ConsumerDirectory:

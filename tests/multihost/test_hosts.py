@@ -98,6 +98,12 @@ def serving_agents(d: HostWorker) -> list[tuple[str, int]]:
     return [(s["agent"], s["epoch"]) for s in d.call("serving")]
 
 
+def wait_serving(d: HostWorker, want: list[tuple[str, int]]) -> None:
+    """Wait (bounded) until D serves exactly ``want`` (agent, epoch) pairs; else fail with D's directory events."""
+    if not wait_for(lambda: sorted(serving_agents(d)) == sorted(want), CONNECT_S):
+        pytest.fail(f"D serves {serving_agents(d)}, not {want}; its directory saw {d.call('peer_events')}")
+
+
 def collect_released(p: HostWorker, want: int, timeout_s: float = 20.0) -> list:
     released: list = []
     deadline = time.monotonic() + timeout_s
@@ -138,7 +144,7 @@ def test_two_p_hosts_one_d_host_discovered_through_etcd(site: Site) -> None:
     site.join(p1, "prefill-b")
     site.follow(d)
     want = sorted([("p0", p0.hello["epoch"]), ("p1", p1.hello["epoch"])])
-    assert wait_for(lambda: sorted(serving_agents(d)) == want, CONNECT_S)
+    wait_serving(d, want)
     links = d.call("links")
     assert [(x["agent"], x["address"]) for x in links] == [("p0", p0.hello["address"]), ("p1", p1.hello["address"])]
     assert [x["probe_backend"] for x in links] == ["UCX", "UCX"]  # UCX_TLS=tcp: over the veth links
@@ -163,7 +169,7 @@ def test_p_killed_mid_transfer_d_learns_through_etcd_fails_the_load_and_the_rest
     site.join(p0, "prefill-a")
     site.follow(d)
     first_epoch = p0.hello["epoch"]
-    assert wait_for(lambda: serving_agents(d) == [("p0", first_epoch)], CONNECT_S)
+    wait_serving(d, [("p0", first_epoch)])
     shape(site.cluster.hosts["p0"], "40mbit")  # the 64 MiB read surely outlives the kill
     blocks = list(range(big["blocks"]))
     grant = p0.call("alloc_grant", "doomed", blocks)
@@ -189,7 +195,7 @@ def test_p_killed_mid_transfer_d_learns_through_etcd_fails_the_load_and_the_rest
     p0b = site.start("p0", "producer", "p0", log_name="p0-second", seed=2, **big)
     assert p0b.hello["epoch"] > first_epoch
     site.join(p0b, "prefill-a")
-    assert wait_for(lambda: serving_agents(d) == [("p0", p0b.hello["epoch"])], CONNECT_S)
+    wait_serving(d, [("p0", p0b.hello["epoch"])])
     handoff(p0b, d, "after", [3, 4, 5], [10, 11, 12])
     site.stop_all()
     assert_logs_clean(site.logs, ["p0-second", "d0"])
@@ -204,7 +210,7 @@ def test_partition_mid_transfer_d_fails_the_load_through_etcd_then_heals_without
     site.join(p0, "prefill-a")
     site.follow(d)
     epoch = p0.hello["epoch"]
-    assert wait_for(lambda: serving_agents(d) == [("p0", epoch)], CONNECT_S)
+    wait_serving(d, [("p0", epoch)])
     handoff(p0, d, "before", [1, 2], [3, 4])
     host = site.cluster.hosts["p0"]
     shape(host, "40mbit")  # the 64 MiB read is surely still in flight when the link goes down
@@ -231,7 +237,7 @@ def test_partition_mid_transfer_d_fails_the_load_through_etcd_then_heals_without
     # service resumes with P's next incarnation
     p0b = site.start("p0", "producer", "p0", log_name="p0-second", seed=2, **big)
     site.join(p0b, "prefill-a")
-    assert wait_for(lambda: serving_agents(d) == [("p0", p0b.hello["epoch"])], CONNECT_S)
+    wait_serving(d, [("p0", p0b.hello["epoch"])])
     handoff(p0b, d, "after", [5, 6], [7, 8])
     site.stop_all()
     assert_logs_clean(site.logs, ["p0-first", "d0"])
@@ -251,12 +257,12 @@ def test_scale_out_then_drain_with_requests_in_flight_fails_none(site: Site) -> 
     d = site.start("d0", "consumer", "d0", **big)
     site.join(p0, "prefill-a")
     site.follow(d)
-    assert wait_for(lambda: serving_agents(d) == [("p0", p0.hello["epoch"])], CONNECT_S)
+    wait_serving(d, [("p0", p0.hello["epoch"])])
     # scale-out: a second P host joins and D connects to it
     p1 = site.start("p1", "producer", "p1", seed=2, **big)
     site.join(p1, "prefill-b")
     both = sorted([("p0", p0.hello["epoch"]), ("p1", p1.hello["epoch"])])
-    assert wait_for(lambda: sorted(serving_agents(d)) == both, CONNECT_S)
+    wait_serving(d, both)
     host = site.cluster.hosts["p0"]
     shape(host, "80mbit")
     addr = p0.hello["address"]
@@ -292,7 +298,7 @@ def test_etcd_stopped_and_restarted_under_load(site: Site) -> None:
     d = site.start("d0", "consumer", "d0")
     site.join(p0, "prefill-a")
     site.follow(d)
-    assert wait_for(lambda: serving_agents(d) == [("p0", p0.hello["epoch"])], CONNECT_S)
+    wait_serving(d, [("p0", p0.hello["epoch"])])
     site.etcd.stop()
     # established peers keep transferring with etcd down, for longer than the etcd lease TTL
     deadline = time.monotonic() + TTL_S + 2
@@ -311,7 +317,7 @@ def test_etcd_stopped_and_restarted_under_load(site: Site) -> None:
     site.etcd.start()
     p1._reply(40.0, "join")
     both = sorted([("p0", p0.hello["epoch"]), ("p1", p1.hello["epoch"])])
-    assert wait_for(lambda: sorted(serving_agents(d)) == both, CONNECT_S)
+    wait_serving(d, both)
     assert lost_events(d) == []  # etcd's outage expired no one
     assert wait_for(lambda: p0.call("registration")["keepalive_failures"] == 0, 10.0)
     handoff(p0, d, "after0", [20], [0])
@@ -330,7 +336,7 @@ def test_d_killed_mid_transfer_p_releases_its_lease_through_etcd_before_the_leas
     site.join(d, "decode-a")
     site.follow(p0)
     site.follow(d)
-    assert wait_for(lambda: serving_agents(d) == [("p0", p0.hello["epoch"])], CONNECT_S)
+    wait_serving(d, [("p0", p0.hello["epoch"])])
     assert wait_for(lambda: [e["kind"] for e in p0.call("peer_events")] == ["joined"], 10.0)
     shape(site.cluster.hosts["p0"], "40mbit")
     blocks = list(range(big["blocks"]))
