@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvlifecycle.membership.etcd import Backoff, EtcdSession
 from kvlifecycle.membership.keys import Member, MemberKey, MemberState, Role
@@ -28,16 +28,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvlifecycle.membership")
 
 
+PeerEventKind = Literal["joined", "connected", "lost", "refused", "draining"]
+
+
 @dataclass(frozen=True, slots=True)
 class PeerEvent:
-    """One change a directory acted on, for logs and tests: ``kind`` is joined | connected | lost | refused |
-    draining."""
+    """One change a directory acted on, for logs and tests."""
 
-    kind: str
+    kind: PeerEventKind
     key: MemberKey
     agent: str
     epoch: int
-    at: float  # time.time() when D handled it
+    at: float  # time.time() when the directory handled it
     detail: str = ""
 
 
@@ -73,7 +75,7 @@ class ProducerDirectory:
         with self._lock:
             return {k: m for k, m in self._connected.items() if m.state is MemberState.SERVING}
 
-    def _note(self, kind: str, key: MemberKey, member: Member, detail: str = "") -> None:
+    def _note(self, kind: PeerEventKind, key: MemberKey, member: Member, detail: str = "") -> None:
         with self._lock:
             self.events.append(PeerEvent(kind, key, member.agent, member.epoch, time.time(), detail))
 
