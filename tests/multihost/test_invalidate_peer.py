@@ -1,5 +1,6 @@
 """Consumer.invalidate_peer in one process over the loopback transport: what D does when the control plane says a P
-is gone. (The same runs across hosts, driven by etcd, in test_hosts.py.) Every wait is bounded."""
+is gone, and D's fence when its own etcd lease is found expired. (The same runs across hosts, driven by etcd, in
+test_hosts.py.) Every wait is bounded."""
 
 from __future__ import annotations
 
