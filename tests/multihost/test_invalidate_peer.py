@@ -58,9 +58,16 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
     assert check_source(sl) == [] and check_target(tl) == []
 
 
+def stall_reads(transport: LoopbackTransport, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads through ``transport`` never complete and never notify P (a loopback read is otherwise instant)."""
+    post = transport.post
+    monkeypatch.setattr(transport, "post", lambda *a, **kw: post(*a, **{**kw, "notification": None}))
+    monkeypatch.setattr(transport, "poll", lambda _handle: XferStatus.PENDING)
+
+
 def start_stuck_load(pair: Pair, monkeypatch: pytest.MonkeyPatch, request: str = "r") -> tuple[str, object]:
     """A pull claimed and posted whose read never completes."""
-    monkeypatch.setattr(pair.td, "poll", lambda _handle: XferStatus.PENDING)
+    stall_reads(pair.td, monkeypatch)
     pair.sl.allocate(request, [1, 2])
     pair.sl.prefill_done(request)
     grant = pair.prod.grant(request)
@@ -115,3 +122,58 @@ def test_a_d_that_finds_its_own_etcd_lease_expired_fences_its_loads(
     finally:
         presence.close()
         session.close()
+
+
+def test_losing_one_p_rank_of_a_two_part_load_fails_it_and_the_other_rank_releases_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """P TP 2 → D TP 1: D's load reads both P ranks; one is lost: the load fails and the surviving rank is told."""
+    import torch
+
+    hnd = {"kv_layout": "HND", "num_kv_heads": 4, "head_size": 8, "block_size": 4, "dtype": "float16",
+           "model_id": "m", "num_layers": 2}
+    tag = time.monotonic_ns()
+    ps, ledgers, transports = [], [], []
+    for rank in (0, 1):
+        kv = [torch.zeros((BLOCKS, 128), dtype=torch.uint8) for _ in range(REGIONS)]
+        t = LoopbackTransport(f"p{rank}-mp-{tag}")
+        t.register(KVLayout(MemoryKind.DRAM, 0, BLOCKS, tuple(x.data_ptr() for x in kv), (128,) * REGIONS))
+        led = SourceLedger(BLOCKS, worker=f"p{rank}", default_ttl_s=30.0)
+        ps.append(Producer(led, t, CompatInfo(tp_size=2, **hnd), tp_rank=rank,
+                           options=HandoffOptions(unit_bytes=16)))
+        ledgers.append(led)
+        transports.append((t, kv))
+    dkv = [torch.zeros((BLOCKS, 256), dtype=torch.uint8) for _ in range(REGIONS)]
+    td = LoopbackTransport(f"d-mp-{tag}")
+    td.register(KVLayout(MemoryKind.DRAM, 0, BLOCKS, tuple(x.data_ptr() for x in dkv), (256,) * REGIONS))
+    tl = TargetLedger(BLOCKS, worker="d")
+    cons = Consumer(tl, td, CompatInfo(tp_size=1, **hnd), options=HandoffOptions(unit_bytes=16,
+                                                                                  heartbeat_every_s=0.05))
+    try:
+        links = [cons.connect(p.address, push=False) for p in ps]
+        stall_reads(td, monkeypatch)
+        grants = []
+        for p, led in zip(ps, ledgers, strict=True):
+            led.allocate("tp", [1, 2])
+            led.prefill_done("tp")
+            grants.append(p.grant("tp"))
+        tl.reserve("tp", [3, 4])
+        transfer = cons.pull("tp", [(p.address, g) for p, g in zip(ps, grants, strict=True)])
+        deadline = time.monotonic() + 10
+        while transfer not in tl.loads and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert transfer in tl.loads
+        assert cons.invalidate_peer(links[0].agent, links[0].epoch) == [transfer]
+        assert tl.stats["failed"] == 1 and [lk.agent for lk in cons.links.values()] == [links[1].agent]
+        # the surviving rank was told (LoadFailed) and released its lease now, not at its TTL
+        assert grants[1].transfer not in ledgers[1].leases
+        assert [r.reason for r in ledgers[1].take_released()] == ["failed"]
+        assert grants[0].transfer in ledgers[0].leases  # the lost one was not waited for
+    finally:
+        cons.close()
+        for p in ps:
+            p.close()
+        for t, _ in transports:
+            t.close()
+        td.close()
+    ledgers[0].fail(grants[0].transfer, grants[0].generation, "test end")
+    assert all(check_source(led) == [] for led in ledgers) and check_target(tl) == []
