@@ -56,7 +56,7 @@ def main() -> int:
         hosts = {name: cluster.add_host(name) for name in ("etcd", "p", "d")}
         for h in hosts.values():
             print(f"  host {h.name:<4} namespace {h.netns:<18} {h.address} on {h.device}")
-        etcd = eh.EtcdServer(out / "etcd-data", host=hosts["etcd"])
+        etcd = eh.EtcdServer(out / "etcd", host=hosts["etcd"])
         etcd.start()
         workers: list[HostWorker] = []
 
@@ -115,7 +115,7 @@ def main() -> int:
             for w in reversed(workers):
                 if w.proc.is_alive():
                     w.stop()
-            etcd.stop()
+            etcd.close()
     problems = [str(v) for n in ("p-second", "d") for v in check(replay(out / n), quiescent=True)]
     problems += [str(v) for v in check_pair([replay(out / "p-second"), replay(out / "d")])]
     for line in problems:

@@ -35,18 +35,18 @@ def require_multihost() -> None:
 @pytest.fixture(scope="session")
 def swept() -> list[str]:
     require_multihost()
-    return nh.sweep_leftovers()
+    return nh.sweep_leftovers() + eh.sweep_leftovers()
 
 
 @pytest.fixture
 def local_etcd(tmp_path: Path, swept: list[str]) -> Iterator[eh.EtcdServer]:
     """etcd on 127.0.0.1 (random ports), for the membership tests that need no second host."""
     server = eh.EtcdServer(tmp_path / "etcd", client_port=eh.free_port(), peer_port=eh.free_port())
-    server.start()
     try:
+        server.start()
         yield server
     finally:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture

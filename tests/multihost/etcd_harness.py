@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 from netns_harness import Host
 
 READY_LINE = "ready to serve client requests"
-START_TIMEOUT_S = 20.0
+START_TIMEOUT_S = 90.0  # etcd opens and fsyncs its WAL: slow on a loaded machine
 
 
 def etcd_binary() -> str | None:
@@ -27,24 +29,56 @@ def etcd_binary() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1 *below* the ephemeral range: the kernel hands ephemeral ports to outgoing
+    connections at any time, so one of those taken for etcd could be in use by the time etcd restarts."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+TMPFS = Path("/dev/shm")
+
+
+def sweep_leftovers() -> list[str]:
+    """Remove the tmpfs data dirs of earlier runs whose process is gone (``kvl-<pid>-etcd-*``)."""
+    swept = []
+    for path in TMPFS.glob("kvl-*-etcd-*") if TMPFS.is_dir() else []:
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(str(path))
+    return swept
 
 
 @dataclass
 class EtcdServer:
-    data_dir: Path
+    """``work`` holds etcd's log; its data goes to a tmpfs when there is one (its fsyncs then cost nothing on a
+    loaded disk) and :meth:`close` removes it."""
+
+    work: Path
     host: Host | None = None  # None: the current namespace, on 127.0.0.1
     client_port: int = 2379
     peer_port: int = 2380
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    data_dir: Path = field(init=False)
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.log = self.data_dir.parent / f"{self.data_dir.name}.log"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.log = self.work / "etcd.log"
+        base = TMPFS if TMPFS.is_dir() and os.access(TMPFS, os.W_OK) else self.work
+        self.data_dir = Path(tempfile.mkdtemp(prefix=f"kvl-{os.getpid()}-etcd-", dir=base))
 
     @property
     def address(self) -> str:
@@ -102,3 +136,8 @@ class EtcdServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
         self.proc = None
+
+    def close(self) -> None:
+        """Stop etcd and remove its data."""
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)

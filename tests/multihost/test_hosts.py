@@ -74,14 +74,14 @@ class Site:
 def site(cluster: nh.Cluster, tmp_path: Path) -> Iterator[Site]:
     for name in ("etcd", "p0", "p1", "d0"):
         cluster.add_host(name)
-    server = eh.EtcdServer(tmp_path / "etcd-data", host=cluster.hosts["etcd"])
-    server.start()
+    server = eh.EtcdServer(tmp_path / "etcd", host=cluster.hosts["etcd"])
     s = Site(cluster, server, tmp_path)
     try:
+        server.start()
         yield s
     finally:
         s.stop_all()
-        server.stop()
+        server.close()
 
 
 def shape(host: nh.Host, rate: str | None) -> None:
