@@ -345,6 +345,58 @@ class Consumer:
                 if any(link.agent == agent and link.epoch < epoch for link, _, _ in load.parts):
                     load.failed = True
 
+    def invalidate_peer(self, agent: str, epoch: int, reason: str = "peer lost", *,
+                        timeout_s: float = 10.0) -> list[str]:
+        """The control plane declared P agent ``agent`` gone up to ``epoch`` (its etcd lease expired, or its key was
+        deleted): at once, its loads fail per the ledger's failure policy, its links and transport peer are dropped,
+        and whatever it still sends (late notifications) matches no load and is ignored. The other P ranks of a
+        failed multi-part load are told (``LoadFailed``); the lost one is not waited for. Runs on the service thread;
+        returns the D transfer ids it failed. A later :meth:`connect` to a new incarnation works as usual. Never call
+        it from the service thread (an ``on_abandoned`` hook): it waits for that thread."""
+        done: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+
+        def lost(link: PeerLink) -> bool:
+            return link.agent == agent and link.epoch <= epoch
+
+        def job() -> None:  # loads started before this job have been launched (claimed, live) or abandoned
+            with self._lock:
+                loads = [ld for ld in self._loads.values() if ld.live and any(lost(lk) for lk, _, _ in ld.parts)]
+                links = [self.links.pop(addr) for addr in [a for a, lk in self.links.items() if lost(lk)]]
+                for load in loads:
+                    load.failed = True
+                    self._loads.pop(load.transfer, None)
+                self._settled.notify_all()
+            why = f"{reason}: {agent} epoch {epoch}"
+            for load in loads:
+                for part, handle in load.handles.items():
+                    with contextlib.suppress(TransportError):
+                        load.via.get(part, self.transport).release(handle)
+                if load.transfer in self.ledger.loads:
+                    self.ledger.fail(load.transfer, why)
+                for link, grant, _ in load.parts:  # the other P ranks of a multi-part load release now
+                    if not lost(link):
+                        with contextlib.suppress(SideChannelError):
+                            link.client.request(LoadFailed(grant.transfer, grant.generation, why,
+                                                           self.ledger.hlc.tick()), timeout_s=1.0)
+            for link in links:
+                for data, peer in {(self.transport, link.agent), (link.data or self.transport,
+                                                                   link.data_peer or link.agent)}:
+                    try:
+                        data.remove_peer(peer)
+                    except TransportError as exc:
+                        log.info("removing lost peer %s from %s: %s", agent, data.name, exc)
+            # a load started meanwhile still holds a link: its launch (queued behind this job) runs before the close
+            self._jobs.put(lambda: [link.client.close() for link in links])
+            log.warning("peer %s (epoch <= %d) invalidated (%s): %d load(s) failed, %d link(s) dropped",
+                        agent, epoch, reason, len(loads), len(links))
+            done.put([load.transfer for load in loads])
+
+        self._jobs.put(job)
+        try:
+            return done.get(timeout=timeout_s)
+        except queue.Empty as exc:
+            raise TimeoutError(f"invalidating {agent} did not finish in {timeout_s}s") from exc
+
     def fetch_grant(self, address: str, request: str) -> GrantReply:
         """Ask P for a published grant (engines usually carry it in the request instead)."""
         link = self.links[address]

@@ -4,6 +4,7 @@
 #   main venv (.venv)          scripts/setup.sh          core, NIXL (DRAM) transports, CLI
 #   vLLM venv (.venv-vllm)     scripts/setup-vllm-env.sh     real vLLM on CPU (cached after the first run)
 #   SGLang venv (.venv-sglang) scripts/setup-sglang-env.sh   real SGLang on CPU (cached after the first run)
+#   etcd server               scripts/setup-etcd.sh         the multi-host tests (Debian etcd-server)
 #
 # KVL_SKIP_ENGINES=1 skips the two engine environments for a quick core run (their tests then skip).
 # In CI (CI=true) nothing may be skipped: KVL_REQUIRE_ALL=1 turns such skips into failures.
@@ -14,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 bash scripts/typecheck.sh
+bash scripts/setup-etcd.sh
 if [[ "${KVL_SKIP_ENGINES:-0}" != "1" ]]; then
     bash scripts/setup-vllm-env.sh
     bash scripts/setup-sglang-env.sh

@@ -38,6 +38,7 @@ class WorkerConfig:
     log_dir: str | None = None
     tp_rank: int = 0
     port: int = 0
+    host: str = "127.0.0.1"  # the side channel's bind address (a host's own address across hosts)
     secret: str | None = None
     ttl_s: float = 30.0
     unit_bytes: int = 0
@@ -101,7 +102,7 @@ class _Worker:
             def on_connect(_link: Any, probe: Any) -> None:
                 select.on_selected(selection, probe)
 
-        options = HandoffOptions(secret=cfg.secret.encode() if cfg.secret else None, port=cfg.port,
+        options = HandoffOptions(secret=cfg.secret.encode() if cfg.secret else None, host=cfg.host, port=cfg.port,
                                  unit_bytes=cfg.unit_bytes, heartbeat_every_s=cfg.heartbeat_every_s,
                                  load_timeout_s=cfg.load_timeout_s, on_connect=on_connect)
         side = "source" if cfg.side == "producer" else "target"
@@ -256,14 +257,17 @@ class _Worker:
         return {"registered": self.transport.registered_regions()}
 
 
-def worker_main(cfg_raw: bytes, conn: Connection) -> None:
-    """Entry point of a worker process: build the side, answer commands until ``stop`` or the pipe closes."""
+def worker_main(cfg_raw: bytes, conn: Connection, worker_type: type | None = None) -> None:
+    """Entry point of a worker process: build the side, answer commands until ``stop`` or the pipe closes.
+    ``worker_type``: a subclass of the worker with more commands (the multi-host tests add membership)."""
     cfg = WorkerConfig(**msgspec.msgpack.decode(cfg_raw))
     try:
-        if cfg.side.startswith("raw"):
+        if worker_type is not None:
+            worker: Any = worker_type(cfg)
+        elif cfg.side.startswith("raw"):
             from kvlifecycle.tools.bench_transport import RawWorker
 
-            worker: Any = RawWorker(cfg)
+            worker = RawWorker(cfg)
         elif cfg.side.startswith("load-"):
             from kvlifecycle.tools.bench_load import LoadWorker
 
