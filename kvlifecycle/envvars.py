@@ -182,6 +182,8 @@ PYTHON = _var("KVL_PYTHON", str, None, "the interpreter the SGLang environment i
               "scripts/setup-sglang-env.sh", default_doc="python3.11, else python3")
 MODEL_CACHE = _var("KVL_MODEL_CACHE", Path, None, "where the tiny test model is built once",
                    "tests/vllm/vllm_harness.py", "bench/vllm_pd.py", default_doc="~/.cache/kvlifecycle/models")
+FUZZ_EXAMPLES = _var("KVL_FUZZ_EXAMPLES", int, 150, "examples per property of the event-log reader's fuzz tests",
+                     "tests/test_log_fuzz.py")
 
 REGISTRY: Mapping[str, EnvVar[object]] = {
     v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)
