@@ -43,10 +43,9 @@ def test_decode_notification_is_total(raw: bytes) -> None:
 
 
 def test_decode_notification_refuses_deep_values_undecoded() -> None:
-    """A ninth, unknown element is skipped by msgspec recursively: RecursionError, unless refused before."""
+    """A ninth, unknown element is skipped by msgspec recursively (a RecursionError where the interpreter's stack
+    limit is low enough, as on Python 3.11 here), unless refused before: it is refused, undecoded."""
     hidden = b"\x99" + encode_notification(Notification("r", "t", 1))[1:] + b"\x91" * 3000 + b"\xc0"
-    with pytest.raises(RecursionError):
-        msgspec.msgpack.decode(hidden, type=Notification)
     with pytest.raises(MalformedNotificationError, match="deeper"):
         decode_notification(hidden)
 
