@@ -1,7 +1,8 @@
 """kvlifecycle as an SGLang P/D transfer backend: ``--disaggregation-transfer-backend kvlifecycle``.
 
 Importing this package imports no SGLang (the plugin entry point loads :mod:`.plugin`, which defers SGLang imports
-to call time); the backend classes live in :mod:`.conn` and are exported lazily here.
+to call time); the classes SGLang instantiates live in :mod:`.conn` and are exported lazily here, the manager's
+prefill and decode halves in :mod:`.prefill` and :mod:`.decode`, the control messages in :mod:`.wire`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ __all__ = [
     "KVLifecycleKVSender",
 ]
 
-BACKEND_NAME = "kvlifecycle"
+BACKEND_NAME = "kvlifecycle"  # the --disaggregation-transfer-backend value; defined here alone
 
 
 def __getattr__(name: str) -> Any:

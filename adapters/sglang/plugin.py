@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-BACKEND_NAME = "kvlifecycle"
+from kvlifecycle.adapters.sglang import BACKEND_NAME
+
 MEMBER_NAME = "KVLIFECYCLE"
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 

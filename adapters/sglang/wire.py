@@ -3,6 +3,11 @@
 SGLang's own frames keep their formats where SGLang code parses them (``ABORT`` from
 ``CommonKVReceiver._send_abort_notification``); everything else is a typed msgspec struct behind one tag, so a
 malformed or foreign frame is refused with a reason instead of half-parsed. Imports neither sglang nor torch.
+
+:func:`decode` is total and bounded, as the side channel's decode is: the frame count, the tag, the body's size and
+then its nesting depth (:func:`kvlifecycle.untrusted.check_msgpack`, before msgspec sees a byte: msgspec recurses
+without a depth limit) are checked first; any bytes give a typed message or :class:`MalformedMessage`, never another
+exception. The manager counts and drops what is refused, logging at a bounded rate.
 """
 
 from __future__ import annotations
@@ -11,8 +16,11 @@ from typing import Union
 
 import msgspec
 
+from kvlifecycle.untrusted import UntrustedInputError, check_msgpack
+
 TAG = b"KVL1"
 MAX_BODY_BYTES = 1 << 20  # a room's page list at 4 B/page: 256k pages; anything larger is refused
+MAX_DEPTH = 4  # the deepest message nests 2 levels (a struct holding a list); a little room, no more
 
 
 class Register(msgspec.Struct, frozen=True, tag="reg"):
@@ -139,11 +147,20 @@ def is_ours(frames: list[bytes]) -> bool:
 
 
 def decode(frames: list[bytes]) -> Message:
+    """The message in ``frames``, or :class:`MalformedMessage` saying why not; total (any frames in, no other
+    exception out) and bounded (size and depth are checked before the body is decoded)."""
     if len(frames) != 2 or frames[0] != TAG:
         raise MalformedMessage(f"expected [{TAG!r}, body], got {len(frames)} frame(s)")
-    if len(frames[1]) > MAX_BODY_BYTES:
-        raise MalformedMessage(f"body of {len(frames[1])} bytes exceeds {MAX_BODY_BYTES}")
+    body = frames[1]
+    if not isinstance(body, bytes):
+        raise MalformedMessage(f"a body is bytes, not {type(body).__name__}")
+    if len(body) > MAX_BODY_BYTES:
+        raise MalformedMessage(f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
     try:
-        return _decoder.decode(frames[1])
-    except msgspec.DecodeError as exc:
-        raise MalformedMessage(f"undecodable kvlifecycle message: {exc}") from exc
+        check_msgpack(body, max_depth=MAX_DEPTH)
+    except UntrustedInputError as exc:
+        raise MalformedMessage(f"refused before decoding: {exc}") from exc
+    try:
+        return _decoder.decode(body)
+    except Exception as exc:  # DecodeError/ValidationError, and anything a decoder could still raise: the input's
+        raise MalformedMessage(f"undecodable kvlifecycle message: {type(exc).__name__}: {exc}") from exc

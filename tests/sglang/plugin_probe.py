@@ -21,6 +21,15 @@ try:
         for kind in ("MANAGER", "SENDER", "RECEIVER", "BOOTSTRAP_SERVER")
         if (cls := utils.get_kv_class(backend, getattr(KVClassType, kind))) is not None
     }
+    # the one manager class SGLang gets for both roles makes the half of the role it is given (nothing initialised)
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    manager = utils.get_kv_class(backend, KVClassType.MANAGER)
+    out["halves"] = {
+        mode.name: f"{type(half).__module__}.{type(half).__qualname__}" if isinstance(half, manager) else None
+        for mode in (DisaggregationMode.PREFILL, DisaggregationMode.DECODE)
+        if (half := manager.__new__(manager, None, mode, None)) is not None
+    }
 except ValueError as exc:
     out["member"] = None
     out["error"] = str(exc)

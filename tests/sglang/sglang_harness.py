@@ -50,9 +50,15 @@ def free_port() -> int:
 
 
 def base_env(log_dir: Path | None = None, **extra: str) -> dict[str, str]:
+    """The SGLang processes' environment. ``KVL_TEST_PYTHONPATH`` (opt-in) goes first on their ``PYTHONPATH``:
+    ``tests/sglang/worktree_site`` there makes them import this checkout instead of the one the SGLang venv's
+    editable install is bound to (a worktree's run)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVL_SGLANG_")}
     env.update(UCX_TLS="self,sm,tcp", UCX_NET_DEVICES="lo", SGLANG_HOST_IP="127.0.0.1", HOST_IP="127.0.0.1",
                SGLANG_PLUGINS="kvlifecycle", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if os.environ.get("KVL_TEST_PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ["KVL_TEST_PYTHONPATH"],
+                                                        os.environ.get("PYTHONPATH", "")) if p)
     if log_dir is not None:
         env["KVL_SGLANG_LOG_DIR"] = str(log_dir)
     env.update(extra)

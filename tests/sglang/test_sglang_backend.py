@@ -57,6 +57,10 @@ def test_plugin_path_adds_kvlifecycle_and_leaves_nixl_alone() -> None:
         "RECEIVER": "kvlifecycle.adapters.sglang.conn.KVLifecycleKVReceiver",
         "BOOTSTRAP_SERVER": "kvlifecycle.adapters.sglang.conn.KVLifecycleKVBootstrapServer",
     }
+    assert probe["halves"] == {  # one class for both roles; made for a role, it is that role's half
+        "PREFILL": "kvlifecycle.adapters.sglang.prefill.PrefillKVManager",
+        "DECODE": "kvlifecycle.adapters.sglang.decode.DecodeKVManager",
+    }
     assert probe["nixl"]["MANAGER"] == "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
     assert probe["nixl"]["SENDER"] == "sglang.srt.disaggregation.nixl.conn.NixlKVSender"
     assert probe["kvargs_shared"] == "KVArgs"

@@ -5,9 +5,32 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kvlifecycle.adapters.sglang import wire
+
+MESSAGE_TYPES = (wire.Register, wire.RoomMeta, wire.Claim, wire.Heartbeat, wire.Status, wire.AbortAck, wire.Refused,
+                 wire.GiveUp)
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# msgpack-shaped values, nested and of every kind a peer could send, some tagged as our messages
+_leaves = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20) \
+    | st.binary(max_size=40) | st.sampled_from(["reg", "meta", "claim", "hb", "status", "ack", "refused", "giveup"])
+_values = st.recursive(_leaves, lambda inner: st.lists(inner, max_size=6)
+                       | st.dictionaries(st.sampled_from(["type", "room", "agent", "epoch", "rooms", "reason"])
+                                         | st.text(max_size=8), inner, max_size=6), max_leaves=30)
+
+
+def _decode_is_total(frames: list[bytes]) -> None:
+    """Either a typed message or MalformedMessage: any other exception fails the test."""
+    try:
+        msg = wire.decode(frames)
+    except wire.MalformedMessage:
+        return
+    assert isinstance(msg, MESSAGE_TYPES)
 
 
 def test_messages_round_trip() -> None:
@@ -76,3 +99,52 @@ def test_plane_pushes_pages_and_an_aux_row_byte_exact() -> None:
         t.join(timeout=5)
         a.close()
         b.close()
+
+
+@FUZZ
+@given(body=st.binary(max_size=512))
+def test_any_body_decodes_to_a_message_or_is_refused(body: bytes) -> None:
+    _decode_is_total([wire.TAG, body])
+
+
+@FUZZ
+@given(frames=st.lists(st.binary(max_size=64) | st.just(wire.TAG), max_size=4))
+def test_any_frames_decode_to_a_message_or_are_refused(frames: list[bytes]) -> None:
+    _decode_is_total(frames)
+
+
+@FUZZ
+@given(value=_values)
+def test_any_msgpack_value_decodes_to_a_message_or_is_refused(value: object) -> None:
+    _decode_is_total([wire.TAG, msgspec.msgpack.encode(value)])
+
+
+@FUZZ
+@given(data=st.data())
+def test_a_corrupted_message_decodes_to_a_message_or_is_refused(data: st.DataObject) -> None:
+    hb = wire.Heartbeat("d0", 3, "decode", "127.0.0.1", 5000, rooms=list(range(6)), hlc=9)
+    body = bytearray(wire.encode(hb)[1])
+    for _ in range(data.draw(st.integers(1, 4))):
+        body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(body)))
+    _decode_is_total([wire.TAG, bytes(body[:cut])])
+
+
+@pytest.mark.parametrize("opener", [b"\x91", b"\x81\xa1k"])  # fixarray of one; fixmap {"k": ...}
+def test_deep_nesting_is_refused_before_the_decoder_sees_it(opener: bytes) -> None:
+    """msgspec recurses without a limit (RecursionError, or a C stack overflow): the pre-scan refuses first."""
+    body = opener * 200_000 + b"\xc0"
+    with pytest.raises(wire.MalformedMessage, match="deeper than"):
+        wire.decode([wire.TAG, body])
+
+
+def test_nesting_at_the_bound_reaches_the_decoder() -> None:
+    """A value exactly MAX_DEPTH deep passes the pre-scan and is judged (and refused) by the typed decoder."""
+    body = b"\x91" * wire.MAX_DEPTH + b"\xc0"
+    with pytest.raises(wire.MalformedMessage, match="undecodable"):
+        wire.decode([wire.TAG, body])
+
+
+def test_non_bytes_body_is_refused() -> None:
+    with pytest.raises(wire.MalformedMessage, match="bytes"):
+        wire.decode([wire.TAG, "not bytes"])  # type: ignore[list-item]
