@@ -155,10 +155,13 @@ class ProducerCore:
             self.transport.release(push.handle)
         self._pushes = still
 
-    def service(self) -> None:
+    def run_jobs(self) -> None:
         jobs, self._jobs = self._jobs, []
         for job in jobs:
             job()
+
+    def service(self) -> None:
+        self.run_jobs()
         if self._pushes:
             self._poll_pushes()
         for _sender, note in self.transport.notifications():
@@ -414,6 +417,10 @@ class ConsumerCore:
                 link.connecting = 0
                 if reply is not None:
                     self._on_meta(pending.agent, reply)
+                elif any(not load.launched and any(p.link_agent == pending.agent for p in load.parts)
+                         for load in self.loads.values()):
+                    rank, ranks = self._views.get(pending.agent, (0, 1))
+                    self.connect(pending.agent, rank, ranks, push=True)  # the engine connects again
             return
         load = self.loads.get(pending.transfer)
         if load is None:
@@ -441,6 +448,8 @@ class ConsumerCore:
                 self._fail(load, "peer restarted (new agent epoch)")
                 continue
             if not load.live:
+                if not load.launched and now - load.started > self.load_timeout_s:
+                    self._abandon(load, "no handshake with the producer before the load timeout")
                 continue
             for part, handle in list(load.handles.items()):
                 status = self.transport.poll(handle)

@@ -224,7 +224,12 @@ class Simulation:
             self.world.exercise("post_fail")
 
     def _do_advance(self, dt: float) -> None:
+        if self.config.prompt_jobs:  # P's service thread starts a queued push within ms, never a lease later
+            for w in self.world.p:
+                w.core.run_jobs()
         self.world.clock.advance(dt)
+        if self.config.transfer_deadline_s is not None and self.world.fabric.expire(self.config.transfer_deadline_s):
+            self.world.exercise("handle_fail")
 
     def _do_cancel_p(self, pick: int) -> None:
         live = [r for r in self.requests if any(r in w.requests for w in self._group_of(r))]
@@ -334,7 +339,7 @@ class Simulation:
                  and not any(w.ledger.requests or w.core.busy() for w in world.p)
                  and not any(d.ledger.requests or d.arrivals or d.core.busy() for d in world.d))
         if not quiet:
-            world.clock.advance(cfg.ttl_s / 3)
+            self._do_advance(cfg.ttl_s / 3)
         return quiet
 
     def record(self, index: int, step: Step) -> None:
@@ -395,7 +400,8 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
         sim.world.close()
         dirs = [w.dir for w in [*sim.world.p, *sim.world.d]]
         if not sim.violations and not leaks:
-            sim.violations += checks.log_checks(dirs)
+            sim.violations += checks.log_checks(
+                (w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d])
         out_dirs: list[Path] = []
         if keep_logs is not None:
             keep_logs.mkdir(parents=True, exist_ok=True)

@@ -58,12 +58,15 @@ class _Xfer:
     status: XferStatus = XferStatus.PENDING
     error: TransportError | None = None
     stats: XferStats | None = None
+    posted_at: float = 0.0
 
 
 class SimFabric:
     """What the endpoints share: the address space, the live agents by name, the transfers in flight."""
 
-    def __init__(self, *, autorun: bool = False, note_sink: NoteSink | None = None) -> None:
+    def __init__(self, *, autorun: bool = False, note_sink: NoteSink | None = None,
+                 now: Callable[[], float] = lambda: 0.0) -> None:
+        self.now = now
         self.memory = AddressSpace()
         self.agents: dict[str, SimTransport] = {}
         self.in_flight: list[_Xfer] = []
@@ -101,6 +104,15 @@ class SimFabric:
         x = self.in_flight.pop(index % len(self.in_flight))
         x.status, x.error = XferStatus.FAILED, TransferFailedError(reason)
         return x
+
+    def expire(self, deadline_s: float) -> int:
+        """Fail every transfer posted more than ``deadline_s`` ago (the data plane's per-transfer timeout)."""
+        cut = self.now() - deadline_s
+        late = [x for x in self.in_flight if x.posted_at < cut]
+        for x in late:
+            x.status, x.error = XferStatus.FAILED, TransferFailedError(f"no completion within {deadline_s}s")
+        self.in_flight = [x for x in self.in_flight if x.posted_at >= cut]
+        return len(late)
 
     def fail_to(self, agent: str, reason: str) -> None:
         """Every transfer from or to ``agent`` fails (it crashed)."""
@@ -266,7 +278,7 @@ class SimTransport:
             raise TransferFailedError("injected post failure")
         epoch, remote = self._peers[plan.peer]
         handle = TransferHandle(next(self.fabric._ids), op, plan.peer, epoch, transfer)
-        x = _Xfer(handle, self, remote, plan, local, remote_ids, regs, notification)
+        x = _Xfer(handle, self, remote, plan, local, remote_ids, regs, notification, posted_at=self.fabric.now())
         self._handles[handle.id] = x
         self.fabric.in_flight.append(x)
         return handle

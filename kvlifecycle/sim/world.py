@@ -43,6 +43,12 @@ class SimConfig:
     ttl_s: float = 2.0
     max_requests: int = 10
     steps: int = 90
+    # The lease protocol assumes a transfer settles within its lease: a transfer older than this fails (the data
+    # plane's per-transfer timeout). None: no bound, and a read can outlive its lease (see docs/simulation.md).
+    transfer_deadline_s: float | None = 1.0
+    # P's service thread runs a queued push before time moves on (it polls every ms); False lets a lease expire
+    # between the push request and the write's post (see docs/simulation.md)
+    prompt_jobs: bool = True
     faults: frozenset[str] = frozenset()  # empty: every injectable fault (see faults.INJECTABLE)
     drain_rounds: int = 60
 
@@ -265,7 +271,7 @@ class World:
         self.config, self.root, self.seed = config, root, seed
         self.clock = ManualClock(1000.0)
         self.network = Network()
-        self.fabric = SimFabric(note_sink=self._note)
+        self.fabric = SimFabric(note_sink=self._note, now=self.clock.now)
         self.coverage: Counter[str] = Counter()
         self.watches: list[LedgerWatch] = []
         self.crashed_requests = 0
