@@ -153,4 +153,23 @@ KNOWN_FINDINGS = {
         "notification before D polls the DONE (the notification's HLC is stamped at post time)"
     ),
 }
+KNOWN_FINDINGS["push-timeout-frees-target"] = (
+    "D asks P to push; P accepts and posts the WRITE, but its reply is lost or late: the Consumer fails the load "
+    "on the side-channel timeout, which frees (policy fail) or hands back (recompute) the target blocks while "
+    "P's write into them is still in flight; the LoadFailed it sends releases P's lease but cancels no write"
+)
+_UNDER_TRANSFER = re.compile(r"^[PD]\d+: (?:target|source) block\(s\) .* while transfer (\S+) (?:writes|reads) them")
+
+
+def known_finding(world, violation: str) -> str | None:
+    """The KNOWN_FINDINGS key ``violation`` is an instance of, or None."""
+    found = _UNDER_TRANSFER.search(violation)
+    if found:
+        transfer = found.group(1)
+        if any(isinstance(e, ev.TgtLoadFailed) and e.transfer == transfer
+               and e.reason.startswith("push request failed") for d in world.d for e in d.watch.events):
+            return "push-timeout-frees-target"
+    return None
+
+
 _RELEASED_CANCELLED = re.compile(r"P released (\S+) \(cancelled\)")

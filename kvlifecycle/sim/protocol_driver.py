@@ -408,7 +408,8 @@ class ConsumerCore:
         pending = self._calls.pop(reply.call, None)
         if pending is None or pending.agent != src:
             return  # a duplicate, or the reply to a call that already timed out
-        self._settle(pending, reply)
+        # the blocking client gave up at its deadline: a reply after it is a timeout (a late reply is dropped)
+        self._settle(pending, reply if self.now() < pending.deadline else None)
 
     def _settle(self, pending: _Pending, reply: Reply | None) -> None:
         if pending.kind == "meta":

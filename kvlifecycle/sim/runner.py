@@ -32,6 +32,7 @@ class RunResult:
     trace: list[tuple[int, Step, tuple[Any, ...]]] = field(default_factory=list)
     log_dirs: list[Path] = field(default_factory=list)
     failed_at: int | None = None  # index of the step after which the first violation showed (None: the drain/end)
+    known: list[str] = field(default_factory=list)  # instances of checks.KNOWN_FINDINGS (the run stopped there)
 
     @property
     def ok(self) -> bool:
@@ -50,10 +51,22 @@ class Simulation:
         self.world = World(config, root, seed, drift=config.allows("drift"))
         self.world.on_ready_hook = self._on_ready
         self.violations: list[str] = []
+        self.known: list[str] = []
         self.requests: dict[str, tuple[int, str, int, str]] = {}  # request -> (group, d, blocks, mode)
         self.keep_trace = keep_trace
         self.trace: list[tuple[int, Step, tuple[Any, ...]]] = []
         self._seen = {id(w): 0 for w in self.world.watches}
+
+    def classify(self) -> None:
+        """Move violations that are instances of a known finding to ``known``."""
+        still = []
+        for v in self.violations:
+            key = checks.known_finding(self.world, v)
+            if key is None:
+                still.append(v)
+            else:
+                self.known.append(f"{key}: {v}")
+        self.violations = still
 
     def _on_ready(self, d: DWorker, request: str) -> None:
         self.world.ready_checked += 1
@@ -382,7 +395,8 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
                                       f"[{traceback.format_exc(limit=-2).splitlines()[-3].strip()}]")
             sim.violations += checks.step_checks(sim.world)
             sim.record(i, step)
-            if sim.violations:
+            sim.classify()
+            if sim.violations or sim.known:
                 failed_at = i
                 break
         if not sim.violations:
@@ -390,16 +404,17 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
                 for _ in range(config.drain_rounds):
                     quiet = sim.drain_round()
                     sim.violations += checks.step_checks(sim.world)
-                    if quiet or sim.violations:
+                    sim.classify()
+                    if quiet or sim.violations or sim.known:
                         break
             except Exception as exc:
                 sim.violations.append(f"drain: {type(exc).__name__}: {exc}")
             sim.record(len(executed), ("drain",))
-            if not sim.violations:
+            if not sim.violations and not sim.known:
                 leaks = checks.quiescence_checks(sim.world)
         sim.world.close()
         dirs = [w.dir for w in [*sim.world.p, *sim.world.d]]
-        if not sim.violations and not leaks:
+        if not sim.violations and not leaks and not sim.known:
             sim.violations += checks.log_checks(
                 (w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d])
         out_dirs: list[Path] = []
@@ -410,7 +425,8 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
                 shutil.rmtree(target, ignore_errors=True)
                 shutil.copytree(d, target)
                 out_dirs.append(target)
-        return RunResult(seed, executed, sim.violations, leaks, sim.world.coverage, sim.trace, out_dirs, failed_at)
+        return RunResult(seed, executed, sim.violations, leaks, sim.world.coverage, sim.trace, out_dirs, failed_at,
+                         sim.known)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
