@@ -23,6 +23,13 @@ def edge_names(spec: MachineSpec) -> list[str]:
 
 ALL_EDGES: tuple[str, ...] = tuple(edge_names(SOURCE_MACHINE) + edge_names(TARGET_MACHINE))
 
+# Edges the simulated engines cannot take, and why; they are listed, never counted as unexercised.
+NOT_MODELED = {
+    "source: PREFIX_CACHED -> PINNED_FOR_TRANSFER (grant)": "prefix-cache hits (share) are not simulated yet",
+    "target: LOADING -> FREE (cancel [not in_flight])": "unreachable: a LOADING request always has a live load "
+                                                        "(check_target's loading-without-transfer)",
+}
+
 
 def _edge_index(spec: MachineSpec) -> dict[tuple[type, int, int], list[str]]:
     """(event type, source state, dest state) -> the edges an event of that type may have taken."""
@@ -53,6 +60,7 @@ _REFUSAL_FAULTS = {
     ("heartbeat", "lease already expired"): "heartbeat_after_expiry",
     ("fail", "stale token"): "fail_after_release",
     ("start_load", "stale token"): "stale_epoch_refused",
+    ("heartbeat", "stale token"): "stale_epoch_refused",
 }
 
 

@@ -8,6 +8,7 @@ The list is ordered by send time and a sequence number, so a run that picks by i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,7 @@ class Network:
     def heal(self) -> None:
         self.partitions.clear()
 
-    def forget_node(self, node: str) -> None:
-        """A crashed node: what was addressed to it is lost (its sockets are gone)."""
-        self.in_flight = [m for m in self.in_flight if m.dst != node]
+    def forget_node(self, node: str, keep: Callable[[Any], bool] = lambda _payload: False) -> None:
+        """A crashed node: what was addressed to it is lost (its sockets are gone), except what ``keep`` says
+        still reaches the node's next incarnation (transport notifications go to the agent's name)."""
+        self.in_flight = [m for m in self.in_flight if m.dst != node or keep(m.payload)]

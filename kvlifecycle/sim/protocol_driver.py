@@ -14,6 +14,7 @@ side-channel request is a message and a later reply (or a timeout) instead of a 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,7 @@ class ProducerCore:
         self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
         self._pushes: list[_Push] = []
         self._jobs: list[Callable[[], None]] = []
+        self.writes_posted: Counter[str] = Counter()  # transfer -> WRITEs posted for it (bookkeeping for the checks)
 
     def publish(self, grant: GrantInfo) -> None:
         self.grants[grant.request] = grant
@@ -131,6 +133,7 @@ class ProducerCore:
             self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"post failed: {exc}")
             return
         self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
+        self.writes_posted[msg.transfer] += 1
 
     def _push_failed(self, transfer: str, generation: int, peer: str, note: Notification, reason: str) -> None:
         failed = Notification(note.request, note.transfer, note.generation, note.epoch, "failed", note.part,

@@ -52,6 +52,7 @@ class Simulation:
         self.world.on_ready_hook = self._on_ready
         self.violations: list[str] = []
         self.known: list[str] = []
+        self._post_failures = 0
         self.requests: dict[str, tuple[int, str, int, str]] = {}  # request -> (group, d, blocks, mode)
         self.keep_trace = keep_trace
         self.trace: list[tuple[int, Step, tuple[Any, ...]]] = []
@@ -74,9 +75,14 @@ class Simulation:
 
     # -- choosing ---------------------------------------------------------------------------------------------------
     def _p_requests(self, phase: str) -> list[str]:
-        return [r for r in self.requests
-                if any(w.requests.get(r) is not None and w.requests[r].phase == phase
-                       for w in self.world.groups[self.requests[r][0]])]
+        out = []
+        for request, (group, *_rest) in self.requests.items():
+            for w in self.world.groups[group]:
+                pr = w.requests.get(request)
+                if pr is not None and pr.phase == phase:
+                    out.append(request)
+                    break
+        return out
 
     def choose(self) -> Step:
         rng, cfg, world = self.rng, self.config, self.world
@@ -89,6 +95,8 @@ class Simulation:
             menu.append(("grant", 3))
         if self._p_requests("granted"):
             menu.append(("regrant", 0.3))
+        if self._p_requests("prefilled"):
+            menu.append(("p_local", 0.3))
         if any(d.arrivals for d in world.d):
             menu.append(("admit", 4))
         if world.network.in_flight:
@@ -100,10 +108,10 @@ class Simulation:
         if world.fabric.in_flight:
             menu.append(("complete", 5))
             if cfg.allows("handle_fail"):
-                menu.append(("fail_xfer", 0.4))
+                menu.append(("fail_xfer", 1.0))
         menu += [("service", 8), ("advance", 2.5 if cfg.allows("expiry") else 0.5)]
         if cfg.allows("cancel"):
-            menu += [("cancel_p", 0.6), ("cancel_d", 0.6)]
+            menu += [("cancel_p", 1.0), ("cancel_d", 0.6)]
         if any(req.state == TargetState.READY_FOR_ATTENTION for d in world.d for req in d.ledger.requests.values()):
             menu.append(("finish", 3))
         if any(d.waiting_reserved() for d in world.d):
@@ -148,6 +156,9 @@ class Simulation:
         kind, args = step[0], step[1:]
         getattr(self, f"_do_{kind}")(*args)
         self.world.reconcile()
+        if self.world.fabric.post_failures > self._post_failures:
+            self._post_failures = self.world.fabric.post_failures
+            self.world.exercise("post_fail")
 
     def _do_arrive(self, group: int, d: int, nblocks: int, push: bool) -> None:
         world = self.world
@@ -179,6 +190,15 @@ class Simulation:
             for w in self._group_of(request):
                 if w.requests.get(request) is not None and w.requests[request].phase == phase:
                     w.grant(request, d, mode)
+
+    def _do_p_local(self, pick: int) -> None:
+        """The request finished on P alone (no handoff): its READY blocks are freed or cached."""
+        todo = self._p_requests("prefilled")
+        if todo:
+            request = todo[pick % len(todo)]
+            for w in self._group_of(request):
+                if w.requests.get(request) is not None and w.requests[request].phase == "prefilled":
+                    w.ledger.free(request, cache=pick % 2 == 1)
 
     def _do_regrant(self, pick: int) -> None:
         self._do_grant(pick, "granted")
@@ -228,13 +248,10 @@ class Simulation:
         w = self.world.node(node)
         if w is None:
             return
-        before = w.transport._fail_posts
         if node in self.world.p_by_name:
             w.service(cache=cache)
         else:
             w.core.service()
-        if w.transport._fail_posts < before:
-            self.world.exercise("post_fail")
 
     def _do_advance(self, dt: float) -> None:
         if self.config.prompt_jobs:  # P's service thread starts a queued push within ms, never a lease later
@@ -253,6 +270,7 @@ class Simulation:
             if request in w.ledger.requests:
                 self.world.exercise(f"cancel_p:{p_phase(w, request)}")
                 w.ledger.cancel(request)
+                w.release_eagerly(request)
                 req = w.ledger.requests.get(request)
                 if req is not None and not req.leases and w.requests[request].phase == "granted":
                     w.ledger.free(request)  # already released: the engine frees at once

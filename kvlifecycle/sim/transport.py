@@ -67,6 +67,7 @@ class SimFabric:
     def __init__(self, *, autorun: bool = False, note_sink: NoteSink | None = None,
                  now: Callable[[], float] = lambda: 0.0) -> None:
         self.now = now
+        self.post_failures = 0
         self.memory = AddressSpace()
         self.agents: dict[str, SimTransport] = {}
         self.in_flight: list[_Xfer] = []
@@ -275,6 +276,7 @@ class SimTransport:
             raise RemoteMismatchError("region out of range")
         if self._fail_posts:
             self._fail_posts -= 1
+            self.fabric.post_failures += 1
             raise TransferFailedError("injected post failure")
         epoch, remote = self._peers[plan.peer]
         handle = TransferHandle(next(self.fabric._ids), op, plan.peer, epoch, transfer)

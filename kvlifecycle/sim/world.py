@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlifecycle.clock import ManualClock
-from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.ledger import BlockBusyError, SourceLedger, TargetLedger
 from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.sim import storage
 from kvlifecycle.sim.clock import NodeClock
@@ -83,7 +83,7 @@ class PWorker:
         cfg = self.world.config
         ledger = SourceLedger(cfg.p_blocks, worker=self.name, clock=self.clock, hlc=self.clock.hlc(),
                               default_ttl_s=cfg.ttl_s)
-        ledger.incarnation = zlib.crc32(f"{self.name}/{self.boots}".encode())
+        ledger.incarnation = self.world.incarnation(self.name, self.boots)
         ledger.log, torn = storage.reopen(self.dir, ledger.header())
         if torn:
             self.world.exercise("torn_tail")
@@ -100,7 +100,7 @@ class PWorker:
         if tear is not None:
             storage.tear_tail(self.dir, tear)
         self.transport.close()
-        self.world.network.forget_node(self.name)
+        self.world.network.forget_node(self.name, keep=lambda payload: isinstance(payload, NoteMsg))
         self.watch.detach()
         self.world.crashed_requests += len(self.ledger.requests)
         for region in self.regions:
@@ -113,12 +113,30 @@ class PWorker:
     def allocate(self, request: str, n: int) -> bool:
         if len(self.free_list) < n:
             return False
-        blocks = np.array([self.free_list.pop() for _ in range(n)], dtype=np.int32)
+        blocks = np.array(self.free_list[-n:][::-1], dtype=np.int32)
+        try:
+            self.ledger.allocate(request, blocks)
+        except BlockBusyError:  # the eager allocator offered a block a lease still pins: the ledger refused it
+            self.world.exercise("allocator_reuse")
+            return False
+        del self.free_list[-n:]
         if any(int(b) in self.world.recently_freed.get(self.name, set()) for b in blocks):
             self.world.exercise("allocator_reuse")
-        self.ledger.allocate(request, blocks)
         self.requests[request] = PRequest(blocks, "allocated")
         return True
+
+    def release_eagerly(self, request: str) -> None:
+        """The engine aborted ``request`` and hands its blocks to the allocator at once (vLLM frees on abort):
+        the ledger must refuse them while a lease still pins them."""
+        req = self.requests.get(request)
+        if req is not None:
+            self._give_back(req.blocks.tolist())
+
+    def _give_back(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b not in self.free_list:
+                self.free_list.append(b)  # LIFO: the allocator hands these out next, at once
+        self.world.recently_freed.setdefault(self.name, set()).update(blocks)
 
     def prefill(self, request: str) -> None:
         req = self.requests[request]
@@ -151,9 +169,7 @@ class PWorker:
 
     def reconcile(self) -> None:
         for request in [r for r in self.requests if r not in self.ledger.requests]:
-            blocks = self.requests.pop(request).blocks.tolist()
-            self.free_list.extend(blocks)  # LIFO: the allocator hands these out next, at once
-            self.world.recently_freed.setdefault(self.name, set()).update(blocks)
+            self._give_back(self.requests.pop(request).blocks.tolist())
 
 
 @dataclass(slots=True)
@@ -204,7 +220,7 @@ class DWorker:
         if tear is not None:
             storage.tear_tail(self.dir, tear)
         self.transport.close()
-        self.world.network.forget_node(self.name)
+        self.world.network.forget_node(self.name, keep=lambda payload: isinstance(payload, NoteMsg))
         self.watch.detach()
         self.world.crashed_requests += len(self.ledger.requests)
         self.arrivals.clear()
@@ -293,6 +309,10 @@ class World:
         self.d_by_name = {w.name: w for w in self.d}
         if drift:
             self.exercise("clock_drift")
+
+    def incarnation(self, name: str, boots: int) -> int:
+        """A worker's incarnation (in its transfer ids): new on every start, reproducible from the seed."""
+        return zlib.crc32(f"{name}/{boots}".encode())
 
     def drift(self, name: str) -> float:
         if not self._drift:
