@@ -24,6 +24,7 @@ class NodeClock:
     def now(self) -> float:
         return self.offset + self.global_clock.now() * (1.0 + self.drift)
 
-    def hlc(self) -> HybridLogicalClock:
-        """A hybrid logical clock over this node's time (ms), never the system clock."""
-        return HybridLogicalClock(wall_ms=lambda: int(self.now() * 1000.0))
+    def hlc(self, skew_s: float = 0.0) -> HybridLogicalClock:
+        """A hybrid logical clock over the simulated wall time (ms) with this node's NTP-sized skew, never the
+        system clock. (Monotonic clocks of different hosts share no origin; their wall clocks agree to ms.)"""
+        return HybridLogicalClock(wall_ms=lambda: int((self.global_clock.now() + skew_s) * 1000.0))

@@ -129,7 +129,7 @@ class Simulation:
         kind = rng.choices(kinds, weights)[0]
         pick = rng.randrange(1 << 16)
         if kind == "arrive":
-            push = cfg.allows("push") and rng.random() < 0.35
+            push = rng.random() < 0.35
             return (kind, rng.randrange(len(world.groups)), rng.randrange(len(world.d)), rng.randint(1, 3), push)
         if kind == "complete":
             return (kind, pick, cfg.allows("duplicate_completion") and rng.random() < 0.15)
@@ -434,7 +434,7 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
         dirs = [w.dir for w in [*sim.world.p, *sim.world.d]]
         if not sim.violations and not leaks and not sim.known:
             sim.violations += checks.log_checks(
-                (w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d])
+                ((w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d]), sim.known)
         out_dirs: list[Path] = []
         if keep_logs is not None:
             keep_logs.mkdir(parents=True, exist_ok=True)

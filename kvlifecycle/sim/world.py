@@ -81,7 +81,7 @@ class PWorker:
     def boot(self) -> None:
         self.boots += 1
         cfg = self.world.config
-        ledger = SourceLedger(cfg.p_blocks, worker=self.name, clock=self.clock, hlc=self.clock.hlc(),
+        ledger = SourceLedger(cfg.p_blocks, worker=self.name, clock=self.clock, hlc=self.clock.hlc(self.clock.drift),
                               default_ttl_s=cfg.ttl_s)
         ledger.incarnation = self.world.incarnation(self.name, self.boots)
         ledger.log, torn = storage.reopen(self.dir, ledger.header())
@@ -198,7 +198,7 @@ class DWorker:
     def boot(self) -> None:
         self.boots += 1
         cfg = self.world.config
-        ledger = TargetLedger(cfg.d_blocks, worker=self.name, clock=self.clock, hlc=self.clock.hlc(),
+        ledger = TargetLedger(cfg.d_blocks, worker=self.name, clock=self.clock, hlc=self.clock.hlc(self.clock.drift),
                               failure_policy=self.policy)
         ledger.incarnation = zlib.crc32(f"{self.name}/{self.boots}".encode())
         ledger.log, torn = storage.reopen(self.dir, ledger.header())
