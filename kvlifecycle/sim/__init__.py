@@ -5,6 +5,7 @@ Core-side: numpy and the standard library only. Nothing here starts a thread or 
 seed gives the same run, event for event.
 """
 
+from kvlifecycle.sim.runner import RunResult, run_seed, run_steps
+from kvlifecycle.sim.world import SimConfig
 
-
-
+__all__ = ["RunResult", "SimConfig", "run_seed", "run_steps"]

@@ -100,16 +100,16 @@ class Simulation:
         if any(d.arrivals for d in world.d):
             menu.append(("admit", 4))
         if world.network.in_flight:
-            menu += [("deliver", 12)]
+            menu += [("deliver", 30)]
             if cfg.allows("drop"):
                 menu.append(("drop", 0.6))
             if cfg.allows("duplicate"):
                 menu.append(("dup", 0.6))
         if world.fabric.in_flight:
-            menu.append(("complete", 5))
+            menu.append(("complete", 10))
             if cfg.allows("handle_fail"):
                 menu.append(("fail_xfer", 1.0))
-        menu += [("service", 8), ("advance", 2.5 if cfg.allows("expiry") else 0.5)]
+        menu += [("service", 6), ("advance", 1.5 if cfg.allows("expiry") else 0.3)]
         if cfg.allows("cancel"):
             menu += [("cancel_p", 1.0), ("cancel_d", 0.6)]
         if any(req.state == TargetState.READY_FOR_ATTENTION for d in world.d for req in d.ledger.requests.values()):
@@ -449,13 +449,16 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_seed(seed: int, config: SimConfig = SimConfig(), *, keep_trace: bool = False,
+DEFAULT_CONFIG = SimConfig()
+
+
+def run_seed(seed: int, config: SimConfig = DEFAULT_CONFIG, *, keep_trace: bool = False,
              keep_logs: Path | None = None) -> RunResult:
     """One seeded run: the RNG picks every step."""
     return _execute(config, seed, None, keep_trace=keep_trace, keep_logs=keep_logs)
 
 
-def run_steps(steps: list[Step], seed: int = 0, config: SimConfig = SimConfig(), *, keep_trace: bool = False,
+def run_steps(steps: list[Step], seed: int = 0, config: SimConfig = DEFAULT_CONFIG, *, keep_trace: bool = False,
               keep_logs: Path | None = None) -> RunResult:
     """Replay a recorded step list (the shrinker's runs)."""
     return _execute(config, seed, list(steps), keep_trace=keep_trace, keep_logs=keep_logs)

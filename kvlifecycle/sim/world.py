@@ -42,7 +42,7 @@ class SimConfig:
     block_bytes: int = 64  # a multiple of 16 x the widest TP group
     ttl_s: float = 2.0
     max_requests: int = 10
-    steps: int = 90
+    steps: int = 140
     # The lease protocol assumes a transfer settles within its lease: a transfer older than this fails (the data
     # plane's per-transfer timeout). None: no bound, and a read can outlive its lease (see docs/simulation.md).
     transfer_deadline_s: float | None = 1.0

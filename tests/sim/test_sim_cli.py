@@ -32,7 +32,7 @@ def test_planted_failure_prints_its_reproducer_and_a_shrunk_trace(
     """Plant a bug (a failed load leaves its sibling handles posted), find it, shrink it, and open its logs."""
     original = ConsumerCore._fail
 
-    def fail_without_releasing_handles(self, load, reason):  # noqa: ANN001, ANN202
+    def fail_without_releasing_handles(self, load, reason):
         load.handles.clear()
         original(self, load, reason)
 

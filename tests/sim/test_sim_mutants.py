@@ -1,6 +1,6 @@
 """Each mutant (one rule patched away) is caught by the simulation within a fixed seed budget. The seeds each
-needed, at the time of writing: epoch check skipped 24, release on expiry skipped 1, completion applied twice 4,
-READY before the last handle 358, old-epoch notification 21 (see docs/simulation.md)."""
+needed, at the time of writing: epoch check skipped 5, release on expiry skipped 2, completion applied twice 2,
+READY before the last handle 3, old-epoch notification 14 (see docs/simulation.md)."""
 
 from __future__ import annotations
 
