@@ -176,7 +176,7 @@ def known_finding(world, violation: str) -> str | None:
         if any(isinstance(e, ev.TgtLoadFailed) and e.transfer == transfer
                and e.reason.startswith("push request failed") for d in world.d for e in d.watch.events):
             return "push-timeout-frees-target"
-        if any(w.core.writes_posted[transfer] > 1 for w in world.p):
+        if any(w.core.pushes_accepted[transfer] > 1 for w in world.p):
             return "duplicate-push-request"
     return None
 

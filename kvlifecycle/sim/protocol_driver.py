@@ -77,7 +77,7 @@ class ProducerCore:
         self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
         self._pushes: list[_Push] = []
         self._jobs: list[Callable[[], None]] = []
-        self.writes_posted: Counter[str] = Counter()  # transfer -> WRITEs posted for it (bookkeeping for the checks)
+        self.pushes_accepted: Counter[str] = Counter()  # transfer -> WRITEs queued for it (bookkeeping for checks)
 
     def publish(self, grant: GrantInfo) -> None:
         self.grants[grant.request] = grant
@@ -123,6 +123,7 @@ class ProducerCore:
         note = Notification(msg.target_request, msg.transfer, msg.generation, self.transport.epoch, "done", msg.part,
                             hlc=self.ledger.hlc.tick())
         self._jobs.append(lambda: self._start_push(plan, src, dst, msg, note))
+        self.pushes_accepted[msg.transfer] += 1
         return Reply(call, True)
 
     def _start_push(self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest,
@@ -133,7 +134,6 @@ class ProducerCore:
             self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"post failed: {exc}")
             return
         self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
-        self.writes_posted[msg.transfer] += 1
 
     def _push_failed(self, transfer: str, generation: int, peer: str, note: Notification, reason: str) -> None:
         failed = Notification(note.request, note.transfer, note.generation, note.epoch, "failed", note.part,

@@ -25,6 +25,12 @@ def test_duplicate_push_request_reads_freed_source_blocks() -> None:
     _clean(889)
 
 
+@pytest.mark.xfail(strict=True, reason="finding duplicate-push-request: the first WRITE's post fails, D recomputes "
+                                       "the request locally, and the duplicate's WRITE lands in its READY blocks")
+def test_duplicate_push_request_writes_into_recomputed_blocks() -> None:
+    _clean(6542)
+
+
 @pytest.mark.xfail(strict=True, reason="finding push-timeout-frees-target: a lost PushRequest reply fails D's load "
                                        "and frees its blocks while P's WRITE into them is in flight")
 def test_push_timeout_frees_target_blocks_under_write() -> None:
