@@ -21,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
                "replay event logs: the state, the invariants, a request's story (--request), a block's life (--block)"),
     "explain": ("kvlifecycle.cli.explain",
                 "explain what went wrong in event logs: each finding's chain of events and one sentence"),
+    "sim": ("kvlifecycle.cli.sim", "deterministic P/D fault simulation over the real ledgers, seed by seed"),
     "timeline": ("kvlifecycle.cli.timeline", "merge P and D logs into a Perfetto/Chrome trace (and a PNG)"),
     "doctor": ("kvlifecycle.tools.doctor", "which NIXL plugins and paths work here, and how fast they are"),
     "proxy": ("kvlifecycle.cli.proxy", "OpenAI-compatible P/D proxy in front of prefill and decode servers"),

@@ -1,0 +1,100 @@
+"""``kvlifecycle sim``: the deterministic P/D fault simulation over the real ledgers (docs/simulation.md).
+
+Runs seeds, prints a coverage table (each machine edge and each fault, how often exercised), and for a failing seed
+the one command that reproduces it, a shrunk trace and both workers' logs (``kvlifecycle replay --check`` and
+``kvlifecycle timeline`` open them). With ``--json`` the last line is one JSON object. Exit code 1 on a violation or
+leak (or, with ``--require-coverage``, an unexercised edge or fault); 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _workers(text: str) -> tuple[tuple[int, ...], int]:
+    """``P=2+1,D=2``: prefill TP groups of 2 and 1 ranks, two decode workers."""
+    groups, d = (2, 1), 2
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        try:
+            if key.upper() == "P":
+                groups = tuple(int(x) for x in value.split("+"))
+            elif key.upper() == "D":
+                d = int(value)
+            else:
+                raise ValueError(key)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected P=<tp>+<tp>...,D=<n> (e.g. P=2+1,D=2)") from None
+    if not groups or min(groups) < 1 or d < 1 or 64 % max(groups):
+        raise argparse.ArgumentTypeError(f"{text!r}: TP widths must be 1, 2 or 4 and there must be a D worker")
+    return groups, d
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=int, default=200, metavar="N", help="run N seeds (default 200)")
+    parser.add_argument("--start", type=int, default=0, metavar="S0", help="first seed of --seeds (default 0)")
+    parser.add_argument("--seed", type=int, metavar="S", help="run just seed S (a reproducer)")
+    parser.add_argument("--faults", metavar="LIST",
+                        help="comma-separated faults to inject (default all): drop, duplicate, reorder, slow, "
+                             "partition, post_fail, handle_fail, duplicate_completion, cancel, expiry, p_restart, "
+                             "d_crash, drift")
+    parser.add_argument("--workers", type=_workers, metavar="SPEC", help="cluster shape, e.g. P=2+1,D=2 (default)")
+    parser.add_argument("--steps", type=int, metavar="N", help="scheduler steps per seed before the drain")
+    parser.add_argument("--out", type=Path, default=Path("kvl-sim-failures"), metavar="DIR",
+                        help="where a failing seed's shrunk trace and logs go (default ./kvl-sim-failures)")
+    parser.add_argument("--no-shrink", action="store_true", help="write the failing run's full trace, unshrunk")
+    parser.add_argument("--require-coverage", action="store_true",
+                        help="exit 1 when an edge or fault was exercised by no seed")
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlifecycle.sim.faults import parse_faults
+    from kvlifecycle.sim.report import coverage_rows, quote_args, run_many
+    from kvlifecycle.sim.world import SimConfig
+
+    try:
+        faults = parse_faults(args.faults)
+    except ValueError as exc:
+        print(f"kvlifecycle sim: {exc}", file=sys.stderr)
+        return 2
+    kwargs: dict = {"faults": faults}
+    if args.workers is not None:
+        kwargs["p_groups"], kwargs["d_workers"] = args.workers
+    if args.steps is not None:
+        kwargs["steps"] = args.steps
+    config = SimConfig(**kwargs)
+    repro = []
+    if args.faults:
+        repro += ["--faults", args.faults]
+    if args.workers is not None:
+        repro += ["--workers", f"P={'+'.join(map(str, config.p_groups))},D={config.d_workers}"]
+    if args.steps is not None:
+        repro += ["--steps", str(args.steps)]
+    seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)
+
+    def said(failure) -> None:
+        print(f"FAIL seed {failure.seed}: {failure.first}")
+        print(f"  reproduce: {failure.reproduce}")
+        if failure.trace:
+            print(f"  shrunk trace ({failure.shrunk_steps} of {failure.steps} steps): {failure.trace}")
+            print(f"  logs: {failure.logs}  (kvlifecycle replay --check {failure.logs}/*; "
+                  f"kvlifecycle timeline {failure.logs}/*)")
+
+    summary = run_many(seeds, config, out=args.out, cli_args=quote_args(repro), do_shrink=not args.no_shrink,
+                       on_failure=said)
+    print(f"{'count':>8}  edge / fault")
+    for count, name in coverage_rows(summary):
+        print(f"{count:>8}  {name}")
+    data = summary.to_json()
+    print(f"seeds {summary.seeds}, violations {summary.violations}, leaks {summary.leaks}, "
+          f"known findings {dict(summary.known)}, unexercised {len(data['unexercised'])}, "
+          f"{data['seeds_per_s']} seeds/s ({data['seeds_per_cpu_s']} per CPU second)")
+    if args.json:
+        data.pop("coverage")
+        print(json.dumps({**data, "coverage": dict(summary.coverage)}, sort_keys=True))
+    failed = summary.violations or summary.leaks or (args.require_coverage and data["unexercised"])
+    return 1 if failed else 0

@@ -1,0 +1,51 @@
+"""The faults the simulation injects or provokes, by name. A run counts each one it exercised; a fault listed
+here that no seed of a CI run exercised is reported as unexercised (and fails that run)."""
+
+from __future__ import annotations
+
+NETWORK = ("drop", "duplicate", "reorder", "slow_link", "partition", "heal")
+TRANSPORT = ("post_fail", "handle_fail", "sibling_fail_in_flight", "duplicate_completion", "late_completion")
+CANCEL = (
+    "cancel_p:before_grant",
+    "cancel_p:granted",
+    "cancel_p:claimed",
+    "cancel_p:in_flight",
+    "cancel_p:racing_completion",
+    "cancel_p:after",
+    "cancel_d:reserved",
+    "cancel_d:loading",
+    "cancel_d:ready",
+)
+LEASES = ("lease_expired", "heartbeat_after_expiry", "fail_after_release")
+RESTARTS = ("p_restart", "torn_tail", "d_crash", "stale_epoch_refused")
+ENGINE = ("allocator_reuse", "clock_drift", "push", "pull", "tp_handles")
+
+ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE
+
+# What --faults may switch off (the rest are observations of the run, not injections).
+INJECTABLE = {
+    "drop": ("drop",),
+    "duplicate": ("duplicate",),
+    "reorder": ("reorder",),
+    "slow": ("slow_link",),
+    "partition": ("partition",),
+    "post_fail": ("post_fail",),
+    "handle_fail": ("handle_fail",),
+    "duplicate_completion": ("duplicate_completion",),
+    "cancel": ("cancel",),
+    "expiry": ("expiry",),
+    "p_restart": ("p_restart",),
+    "d_crash": ("d_crash",),
+    "drift": ("drift",),
+}
+
+
+def parse_faults(text: str | None) -> frozenset[str]:
+    """``--faults``: a comma-separated subset of :data:`INJECTABLE` (``all`` or None: every one)."""
+    if text is None or text.strip() in ("", "all"):
+        return frozenset(INJECTABLE)
+    names = {t.strip() for t in text.split(",") if t.strip()}
+    unknown = names - set(INJECTABLE)
+    if unknown:
+        raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(sorted(INJECTABLE))}")
+    return frozenset(names)

@@ -1,0 +1,76 @@
+"""The simulated network: every message between workers (side-channel requests and replies, the grants a proxy
+carries, transport notifications) waits in one list of in-flight deliveries, and the scheduler decides what happens
+to each: deliver it (any of them: reordering), drop it, duplicate it, or hold it back (a slow link). A partition
+between two nodes drops what is sent across it until it heals (packet simulator of TigerBeetle's VOPR).
+
+The list is ordered by send time and a sequence number, so a run that picks by index is reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    seq: int
+    src: str
+    dst: str
+    sent_at: float
+    payload: Any
+
+
+class Network:
+    def __init__(self) -> None:
+        self.in_flight: list[Message] = []
+        self.partitions: set[frozenset[str]] = set()
+        self._seq = 0
+        self.sent = self.dropped = self.duplicated = self.delivered = 0
+
+    def send(self, src: str, dst: str, payload: Any, now: float) -> None:
+        self._seq += 1
+        self.sent += 1
+        if frozenset((src, dst)) in self.partitions:
+            self.dropped += 1
+            return
+        self.in_flight.append(Message(self._seq, src, dst, now, payload))
+
+    def take(self, index: int) -> Message | None:
+        """Remove and return the message at ``index`` (modulo the number in flight), for delivery."""
+        if not self.in_flight:
+            return None
+        msg = self.in_flight.pop(index % len(self.in_flight))
+        self.delivered += 1
+        return msg
+
+    def drop(self, index: int) -> Message | None:
+        if not self.in_flight:
+            return None
+        self.dropped += 1
+        return self.in_flight.pop(index % len(self.in_flight))
+
+    def duplicate(self, index: int) -> Message | None:
+        if not self.in_flight:
+            return None
+        msg = self.in_flight[index % len(self.in_flight)]
+        self._seq += 1
+        self.duplicated += 1
+        self.in_flight.append(Message(self._seq, msg.src, msg.dst, msg.sent_at, msg.payload))
+        return msg
+
+    def partition(self, a: str, b: str) -> None:
+        self.partitions.add(frozenset((a, b)))
+        # what is on the wire between them is lost too
+        lost = [m for m in self.in_flight if frozenset((m.src, m.dst)) == frozenset((a, b))]
+        self.dropped += len(lost)
+        self.in_flight = [m for m in self.in_flight if m not in lost]
+
+    def heal(self) -> None:
+        self.partitions.clear()
+
+    def forget_node(self, node: str, keep: Callable[[Any], bool] = lambda _payload: False) -> None:
+        """A crashed node: what was addressed to it is lost (its sockets are gone), except what ``keep`` says
+        still reaches the node's next incarnation (transport notifications go to the agent's name)."""
+        self.in_flight = [m for m in self.in_flight if m.dst != node or keep(m.payload)]

@@ -1,0 +1,464 @@
+"""The scheduler: one ``random.Random(seed)`` picks every next step among those enabled; each step is recorded as
+a plain tuple, so a run is also a step list that :func:`run_steps` replays (the shrinker drops steps and replays the
+rest; a step that no longer applies is a no-op). After the steps a fixed drain (no faults, no randomness) brings the
+cluster to quiescence; the checks run after every step and at the end.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlifecycle.machines import TargetState
+from kvlifecycle.sim import checks
+from kvlifecycle.sim.world import DWorker, SimConfig, World, d_phase, p_phase
+
+Step = tuple[Any, ...]
+
+
+@dataclass
+class RunResult:
+    seed: int
+    steps: list[Step]
+    violations: list[str]
+    leaks: list[str]
+    coverage: Counter[str]
+    trace: list[tuple[int, Step, tuple[Any, ...]]] = field(default_factory=list)
+    log_dirs: list[Path] = field(default_factory=list)
+    failed_at: int | None = None  # index of the step after which the first violation showed (None: the drain/end)
+    known: list[str] = field(default_factory=list)  # instances of checks.KNOWN_FINDINGS (the run stopped there)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.leaks
+
+
+def _tmp_root() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="kvl-sim-", dir=shm if shm.is_dir() else None))
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, seed: int, root: Path, *, keep_trace: bool = False) -> None:
+        self.config, self.seed, self.root = config, seed, root
+        self.rng = random.Random(seed)
+        self.world = World(config, root, seed, drift=config.allows("drift"))
+        self.world.on_ready_hook = self._on_ready
+        self.violations: list[str] = []
+        self.known: list[str] = []
+        self._post_failures = 0
+        self.requests: dict[str, tuple[int, str, int, str]] = {}  # request -> (group, d, blocks, mode)
+        self.keep_trace = keep_trace
+        self.trace: list[tuple[int, Step, tuple[Any, ...]]] = []
+        self._seen = {id(w): 0 for w in self.world.watches}
+
+    def classify(self) -> None:
+        """Move violations that are instances of a known finding to ``known``."""
+        still = []
+        for v in self.violations:
+            key = checks.known_finding(self.world, v)
+            if key is None:
+                still.append(v)
+            else:
+                self.known.append(f"{key}: {v}")
+        self.violations = still
+
+    def _on_ready(self, d: DWorker, request: str) -> None:
+        self.world.ready_checked += 1
+        self.violations += checks.tag_check(self.world, d, request)
+
+    # -- choosing ---------------------------------------------------------------------------------------------------
+    def _p_requests(self, phase: str) -> list[str]:
+        out = []
+        for request, (group, *_rest) in self.requests.items():
+            for w in self.world.groups[group]:
+                pr = w.requests.get(request)
+                if pr is not None and pr.phase == phase:
+                    out.append(request)
+                    break
+        return out
+
+    def choose(self) -> Step:
+        rng, cfg, world = self.rng, self.config, self.world
+        menu: list[tuple[str, float]] = []
+        if len(self.requests) < cfg.max_requests:
+            menu.append(("arrive", 3))
+        if self._p_requests("allocated"):
+            menu.append(("prefill", 3))
+        if self._p_requests("prefilled"):
+            menu.append(("grant", 3))
+        if self._p_requests("granted"):
+            menu.append(("regrant", 0.3))
+        if self._p_requests("prefilled"):
+            menu.append(("p_local", 0.3))
+        if any(d.arrivals for d in world.d):
+            menu.append(("admit", 4))
+        if world.network.in_flight:
+            menu += [("deliver", 30)]
+            if cfg.allows("drop"):
+                menu.append(("drop", 0.6))
+            if cfg.allows("duplicate"):
+                menu.append(("dup", 0.6))
+        if world.fabric.in_flight:
+            menu.append(("complete", 10))
+            if cfg.allows("handle_fail"):
+                menu.append(("fail_xfer", 1.0))
+        menu += [("service", 6), ("advance", 1.5 if cfg.allows("expiry") else 0.3)]
+        if cfg.allows("cancel"):
+            menu += [("cancel_p", 1.0), ("cancel_d", 0.6)]
+        if any(req.state == TargetState.READY_FOR_ATTENTION for d in world.d for req in d.ledger.requests.values()):
+            menu.append(("finish", 3))
+        if any(d.waiting_reserved() for d in world.d):
+            menu.append(("local_fill", 1))
+        menu.append(("evict", 0.3))
+        if cfg.allows("p_restart"):
+            menu.append(("crash_p", 0.25))
+        if cfg.allows("d_crash"):
+            menu.append(("crash_d", 0.2))
+        if cfg.allows("partition"):
+            menu += [("partition", 0.3), ("heal", 0.4)]
+        if cfg.allows("post_fail"):
+            menu.append(("post_fail", 0.4))
+        kinds, weights = zip(*menu, strict=True)
+        kind = rng.choices(kinds, weights)[0]
+        pick = rng.randrange(1 << 16)
+        if kind == "arrive":
+            push = rng.random() < 0.35
+            return (kind, rng.randrange(len(world.groups)), rng.randrange(len(world.d)), rng.randint(1, 3), push)
+        if kind == "complete":
+            return (kind, pick, cfg.allows("duplicate_completion") and rng.random() < 0.15)
+        if kind == "service":
+            nodes = [w.name for w in world.p] + [d.name for d in world.d]
+            return (kind, nodes[rng.randrange(len(nodes))], rng.random() < 0.2)
+        if kind == "advance":
+            return (kind, round(rng.choice((0.05, 0.1, 0.2, 0.4, 0.8, 1.5)) * cfg.ttl_s, 6))
+        if kind in ("crash_p", "crash_d"):
+            tear = round(rng.random(), 4) if rng.random() < 0.7 else -1.0
+            return (kind, pick, tear)
+        if kind == "partition":
+            a = world.p[rng.randrange(len(world.p))].name
+            return (kind, a, world.d[rng.randrange(len(world.d))].name)
+        if kind == "post_fail":
+            nodes = [w.name for w in world.p] + [d.name for d in world.d]
+            return (kind, nodes[rng.randrange(len(nodes))])
+        if kind == "heal":
+            return (kind,)
+        return (kind, pick)
+
+    # -- applying ---------------------------------------------------------------------------------------------------
+    def apply(self, step: Step) -> None:
+        kind, args = step[0], step[1:]
+        getattr(self, f"_do_{kind}")(*args)
+        self.world.reconcile()
+        if self.world.fabric.post_failures > self._post_failures:
+            self._post_failures = self.world.fabric.post_failures
+            self.world.exercise("post_fail")
+
+    def _do_arrive(self, group: int, d: int, nblocks: int, push: bool) -> None:
+        world = self.world
+        members = world.groups[group % len(world.groups)]
+        mode = "push" if push and len(members) == 1 else "pull"
+        if any(len(w.free_list) < nblocks for w in members):
+            return  # the engine queues it: no blocks now
+        request = f"r{len(self.requests)}"
+        self.requests[request] = (group % len(world.groups), world.d[d % len(world.d)].name, nblocks, mode)
+        for w in members:
+            w.allocate(request, nblocks)
+
+    def _group_of(self, request: str) -> list:
+        return self.world.groups[self.requests[request][0]]
+
+    def _do_prefill(self, pick: int) -> None:
+        todo = self._p_requests("allocated")
+        if todo:
+            request = todo[pick % len(todo)]
+            for w in self._group_of(request):
+                if w.requests.get(request) is not None and w.requests[request].phase == "allocated":
+                    w.prefill(request)
+
+    def _do_grant(self, pick: int, phase: str = "prefilled") -> None:
+        todo = self._p_requests(phase)
+        if todo:
+            request = todo[pick % len(todo)]
+            _, d, _, mode = self.requests[request]
+            for w in self._group_of(request):
+                if w.requests.get(request) is not None and w.requests[request].phase == phase:
+                    w.grant(request, d, mode)
+
+    def _do_p_local(self, pick: int) -> None:
+        """The request finished on P alone (no handoff): its READY blocks are freed or cached."""
+        todo = self._p_requests("prefilled")
+        if todo:
+            request = todo[pick % len(todo)]
+            for w in self._group_of(request):
+                if w.requests.get(request) is not None and w.requests[request].phase == "prefilled":
+                    w.ledger.free(request, cache=pick % 2 == 1)
+
+    def _do_regrant(self, pick: int) -> None:
+        self._do_grant(pick, "granted")
+
+    def _do_admit(self, pick: int) -> None:
+        ready = [(d, r) for d in self.world.d for r in d.arrivals]
+        if ready:
+            d, request = ready[pick % len(ready)]
+            d.admit(request)
+
+    def _do_deliver(self, pick: int) -> None:
+        net = self.world.network
+        if pick % len(net.in_flight):
+            self.world.exercise("reorder")
+        msg = net.take(pick)
+        if msg is not None:
+            if self.world.clock.now() - msg.sent_at > self.config.ttl_s / 2:
+                self.world.exercise("slow_link")
+            self.world.deliver(msg)
+
+    def _do_drop(self, pick: int) -> None:
+        if self.world.network.drop(pick) is not None:
+            self.world.exercise("drop")
+
+    def _do_dup(self, pick: int) -> None:
+        if self.world.network.duplicate(pick) is not None:
+            self.world.exercise("duplicate")
+
+    def _do_complete(self, pick: int, duplicate: bool) -> None:
+        x = self.world.fabric.complete(pick, duplicate_notification=duplicate)
+        if x is not None and duplicate and x.notification is not None:
+            self.world.exercise("duplicate_completion")
+
+    def _do_fail_xfer(self, pick: int) -> None:
+        fabric = self.world.fabric
+        if not fabric.in_flight:
+            return
+        x = fabric.in_flight[pick % len(fabric.in_flight)]
+        siblings = [y for y in fabric.in_flight if y is not x and y.owner is x.owner
+                    and y.handle.op is x.handle.op and _same_load(self.world, x, y)]
+        fabric.fail(pick)
+        self.world.exercise("handle_fail")
+        if siblings:
+            self.world.exercise("sibling_fail_in_flight")
+
+    def _do_service(self, node: str, cache: bool) -> None:
+        w = self.world.node(node)
+        if w is None:
+            return
+        if node in self.world.p_by_name:
+            w.service(cache=cache)
+        else:
+            w.core.service()
+
+    def _do_advance(self, dt: float) -> None:
+        if self.config.prompt_jobs:  # P's service thread starts a queued push within ms, never a lease later
+            for w in self.world.p:
+                w.core.run_jobs()
+        self.world.clock.advance(dt)
+        if self.config.transfer_deadline_s is not None and self.world.fabric.expire(self.config.transfer_deadline_s):
+            self.world.exercise("handle_fail")
+
+    def _do_cancel_p(self, pick: int) -> None:
+        live = [r for r in self.requests if any(r in w.requests for w in self._group_of(r))]
+        if not live:
+            return
+        request = live[pick % len(live)]
+        for w in self._group_of(request):
+            if request in w.ledger.requests:
+                self.world.exercise(f"cancel_p:{p_phase(w, request)}")
+                w.ledger.cancel(request)
+                w.release_eagerly(request)
+                req = w.ledger.requests.get(request)
+                if req is not None and not req.leases and w.requests[request].phase == "granted":
+                    w.ledger.free(request)  # already released: the engine frees at once
+
+    def _do_cancel_d(self, pick: int) -> None:
+        live = [(d, r) for d in self.world.d for r in d.ledger.requests]
+        if not live:
+            return
+        d, request = live[pick % len(live)]
+        phase = d_phase(d, request)
+        if d.ledger.requests[request].cancel_pending:
+            return
+        self.world.exercise(f"cancel_d:{phase}")
+        d.ledger.cancel(request)
+
+    def _do_finish(self, pick: int) -> None:
+        ready = [(d, r) for d in self.world.d for r, req in d.ledger.requests.items()
+                 if req.state == TargetState.READY_FOR_ATTENTION]
+        if ready:
+            d, request = ready[pick % len(ready)]
+            d.ledger.finish(request)
+
+    def _do_local_fill(self, pick: int) -> None:
+        todo = [(d, r) for d in self.world.d for r in d.waiting_reserved()]
+        if todo:
+            d, request = todo[pick % len(todo)]
+            d.ledger.local_fill(request)
+
+    def _do_evict(self, pick: int) -> None:
+        w = self.world.p[pick % len(self.world.p)]
+        cached = [b for b in w.free_list if int(w.ledger.block_states([b])[0]) == 5]  # PREFIX_CACHED
+        if cached:
+            w.ledger.evict(cached[:1])
+
+    def _do_crash_p(self, pick: int, tear: float) -> None:
+        w = self.world.p[pick % len(self.world.p)]
+        w.crash(None if tear < 0 else tear)
+        self.world.exercise("p_restart")
+
+    def _do_crash_d(self, pick: int, tear: float) -> None:
+        d = self.world.d[pick % len(self.world.d)]
+        d.crash(None if tear < 0 else tear)
+        self.world.exercise("d_crash")
+
+    def _do_partition(self, a: str, b: str) -> None:
+        self.world.network.partition(a, b)
+        self.world.exercise("partition")
+
+    def _do_heal(self) -> None:
+        if self.world.network.partitions:
+            self.world.exercise("heal")
+        self.world.network.heal()
+
+    def _do_post_fail(self, node: str) -> None:
+        w = self.world.node(node)
+        if w is not None:
+            w.transport.fail_next_posts(1)
+
+    # -- the drain: no faults, no randomness ------------------------------------------------------------------------
+    def drain_round(self) -> bool:
+        world, cfg = self.world, self.config
+        world.network.heal()
+        for w in [*world.p, *world.d]:
+            w.transport._fail_posts = 0
+        for _ in range(10_000):
+            msg = world.network.take(0)
+            if msg is None:
+                break
+            world.deliver(msg)
+        while world.fabric.in_flight:
+            world.fabric.complete(0)
+        for w in world.p:
+            w.service()
+        for d in world.d:
+            d.core.service()
+        for request in list(self.requests):
+            for w in self._group_of(request):
+                pr = w.requests.get(request)
+                if pr is not None and pr.phase == "allocated":
+                    w.prefill(request)
+                elif pr is not None and pr.phase == "prefilled":
+                    w.grant(request, self.requests[request][1], self.requests[request][3])
+        for d in world.d:
+            for request in list(d.arrivals):
+                if not d.admit(request) and world.clock.now() - d.arrivals[request].since > 2 * cfg.ttl_s:
+                    d.give_up(request)
+            for request, req in list(d.ledger.requests.items()):
+                if req.state == TargetState.READY_FOR_ATTENTION:
+                    d.ledger.finish(request)
+            for request in d.waiting_reserved():
+                if d.policy == "recompute":
+                    d.ledger.local_fill(request)
+                else:
+                    d.ledger.cancel(request)
+        world.reconcile()
+        quiet = (not world.network.in_flight and not world.fabric.in_flight
+                 and not any(w.ledger.requests or w.core.busy() for w in world.p)
+                 and not any(d.ledger.requests or d.arrivals or d.core.busy() for d in world.d))
+        if not quiet:
+            self._do_advance(cfg.ttl_s / 3)
+        return quiet
+
+    def record(self, index: int, step: Step) -> None:
+        if not self.keep_trace:
+            return
+        new: list[tuple[str, Any]] = []
+        for watch in self.world.watches:
+            seen = self._seen.get(id(watch), 0)
+            new += [(watch.ledger.worker, e) for e in watch.events[seen:]]
+            self._seen[id(watch)] = len(watch.events)
+        self.trace.append((index, step, tuple(new)))
+
+
+def _same_load(world: World, x: Any, y: Any) -> bool:
+    for d in world.d:
+        for _request, grants, _epoch in d.expect.values():
+            names = {g.transfer for g in grants}
+            if x.handle.transfer in names and y.handle.transfer in names:
+                return True
+    return False
+
+
+def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_trace: bool,
+             keep_logs: Path | None) -> RunResult:
+    root = _tmp_root()
+    sim = Simulation(config, seed, root, keep_trace=keep_trace)
+    executed: list[Step] = []
+    failed_at: int | None = None
+    leaks: list[str] = []
+    try:
+        plan = steps if steps is not None else None
+        count = len(plan) if plan is not None else config.steps
+        for i in range(count):
+            step = plan[i] if plan is not None else sim.choose()
+            executed.append(step)
+            try:
+                sim.apply(step)
+            except Exception as exc:  # a command the ledgers or the core raised on: a finding, not a crash
+                sim.violations.append(f"step {i} {step}: {type(exc).__name__}: {exc} "
+                                      f"[{traceback.format_exc(limit=-2).splitlines()[-3].strip()}]")
+            sim.violations += checks.step_checks(sim.world)
+            sim.record(i, step)
+            sim.classify()
+            if sim.violations or sim.known:
+                failed_at = i
+                break
+        if not sim.violations:
+            try:
+                for _ in range(config.drain_rounds):
+                    quiet = sim.drain_round()
+                    sim.violations += checks.step_checks(sim.world)
+                    sim.classify()
+                    if quiet or sim.violations or sim.known:
+                        break
+            except Exception as exc:
+                sim.violations.append(f"drain: {type(exc).__name__}: {exc}")
+            sim.record(len(executed), ("drain",))
+            if not sim.violations and not sim.known:
+                leaks = checks.quiescence_checks(sim.world)
+        sim.world.close()
+        dirs = [w.dir for w in [*sim.world.p, *sim.world.d]]
+        if not sim.violations and not leaks and not sim.known:
+            sim.violations += checks.log_checks(
+                ((w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d]), sim.known)
+        out_dirs: list[Path] = []
+        if keep_logs is not None:
+            keep_logs.mkdir(parents=True, exist_ok=True)
+            for d in dirs:
+                target = keep_logs / d.name
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.copytree(d, target)
+                out_dirs.append(target)
+        return RunResult(seed, executed, sim.violations, leaks, sim.world.coverage, sim.trace, out_dirs, failed_at,
+                         sim.known)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+DEFAULT_CONFIG = SimConfig()
+
+
+def run_seed(seed: int, config: SimConfig = DEFAULT_CONFIG, *, keep_trace: bool = False,
+             keep_logs: Path | None = None) -> RunResult:
+    """One seeded run: the RNG picks every step."""
+    return _execute(config, seed, None, keep_trace=keep_trace, keep_logs=keep_logs)
+
+
+def run_steps(steps: list[Step], seed: int = 0, config: SimConfig = DEFAULT_CONFIG, *, keep_trace: bool = False,
+              keep_logs: Path | None = None) -> RunResult:
+    """Replay a recorded step list (the shrinker's runs)."""
+    return _execute(config, seed, list(steps), keep_trace=keep_trace, keep_logs=keep_logs)

@@ -1,0 +1,81 @@
+"""Mutants of the ledgers and of the protocol driver that the simulation must catch: each is a function that
+patches one rule away (through pytest's ``monkeypatch``)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from kvlifecycle import events as ev
+from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.sim.protocol_driver import ConsumerCore
+from kvlifecycle.sim.world import World
+
+
+def epoch_check_skipped(mp: Any) -> None:
+    """The allocator may hand out a pinned block: its epoch moves on under a live lease."""
+    mp.setattr(SourceLedger, "_check_allocatable", lambda self, command, request, ids: None)
+
+
+def release_on_expiry_skipped(mp: Any) -> None:
+    """``sweep`` releases nothing: a lease nobody completes pins its blocks forever."""
+    mp.setattr(SourceLedger, "sweep", lambda self: [])
+
+
+def completion_applied_twice(mp: Any) -> None:
+    """D applies each completion twice, and the ledger counts the repeat as progress."""
+    original = TargetLedger._on_part_done
+
+    def on_part_done(self: TargetLedger, e: ev.TgtPartDone) -> None:
+        load = self.loads[e.transfer]
+        if e.part in load.done:  # a repeat: counted as the next missing part
+            missing = [p for p in range(load.parts) if p not in load.done]
+            e = ev.TgtPartDone(e.hlc, e.at, e.transfer, missing[0] if missing else e.part)
+        original(self, e)
+
+    def part_done(self: TargetLedger, transfer: str, part: int = 0) -> bool:
+        if transfer not in self.loads:
+            return False
+        hlc, at = self._stamp()
+        self._record(ev.TgtPartDone(hlc, at, transfer, part))
+        return True
+
+    def consumer_part_done(self: ConsumerCore, load: Any, part: int) -> None:
+        for _ in range(2):
+            if load.transfer in self.ledger.loads:
+                self.ledger.part_done(load.transfer, part)
+        load.done.add(part)
+        if len(load.done) == len(load.parts):
+            self.loads.pop(load.transfer, None)
+
+    mp.setattr(TargetLedger, "_on_part_done", on_part_done)
+    mp.setattr(TargetLedger, "part_done", part_done)
+    mp.setattr(ConsumerCore, "_part_done", consumer_part_done)
+
+
+def ready_before_last_handle(mp: Any) -> None:
+    """The first completed part makes the request READY_FOR_ATTENTION."""
+    original = TargetLedger._on_part_done
+
+    def on_part_done(self: TargetLedger, e: ev.TgtPartDone) -> None:
+        load = self.loads[e.transfer]
+        load.done.update(range(load.parts))
+        original(self, e)
+
+    mp.setattr(TargetLedger, "_on_part_done", on_part_done)
+
+
+def old_epoch_notification_accepted(mp: Any) -> None:
+    """A restarted worker keeps its incarnation, so its transfer ids repeat: a notification from the old agent
+    epoch names a lease (or load) of the new one and is accepted."""
+    mp.setattr(World, "incarnation", lambda self, name, boots: zlib.crc32(name.encode()))
+
+
+MUTANTS: dict[str, Callable[[Any], None]] = {
+    "epoch check skipped": epoch_check_skipped,
+    "release on lease expiry skipped": release_on_expiry_skipped,
+    "completion applied twice": completion_applied_twice,
+    "READY before the last handle finished": ready_before_last_handle,
+    "notification accepted from an old agent epoch": old_epoch_notification_accepted,
+}

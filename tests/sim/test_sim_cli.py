@@ -1,0 +1,58 @@
+"""``kvlifecycle sim``: the JSON summary, and a planted failure that shows its reproducer, a shrunk trace and logs
+that ``replay --check`` and ``timeline`` open."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlifecycle.cli import main
+from kvlifecycle.sim.protocol_driver import ConsumerCore
+
+
+def test_json_summary_is_the_last_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["sim", "--seeds", "3", "--json", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    assert data["seeds"] == 3 and data["violations"] == 0 and data["leaks"] == 0
+    assert {"unexercised", "seeds_per_s", "coverage", "known_findings"} <= set(data)
+    assert any("target: RESERVED -> LOADING (start_load)" in line for line in out)  # the coverage table
+
+
+def test_unknown_fault_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--faults", "meteor"]) == 2
+    assert "unknown fault" in capsys.readouterr().err
+
+
+def test_planted_failure_prints_its_reproducer_and_a_shrunk_trace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plant a bug (a failed load leaves its sibling handles posted), find it, shrink it, and open its logs."""
+    original = ConsumerCore._fail
+
+    def fail_without_releasing_handles(self, load, reason):
+        load.handles.clear()
+        original(self, load, reason)
+
+    monkeypatch.setattr(ConsumerCore, "_fail", fail_without_releasing_handles)
+    out_dir = tmp_path / "failures"
+    code = main(["sim", "--seeds", "40", "--out", str(out_dir), "--json"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(lines[-1])
+    assert code == 1 and data["failing_seeds"]
+    seed = data["failing_seeds"][0]
+    failure = data["failures"][0]
+    assert f"reproduce: kvlifecycle sim --seed {seed}" in "\n".join(lines)
+    assert failure["shrunk_steps"] < failure["steps"]
+    trace = Path(failure["trace"]).read_text()
+    assert trace.startswith(f"# seed {seed}: {failure['shrunk_steps']} step(s)")
+    logs = sorted(str(p) for p in Path(failure["logs"]).iterdir())
+    assert len(logs) == 5  # P0 P1 P2 D0 D1
+    assert main(["replay", "--check", *logs]) in (0, 1)  # readable: 2 would mean it could not open them
+    assert main(["timeline", *logs, "-o", str(tmp_path / "t.json")]) == 0
+    # the reproducer reproduces
+    capsys.readouterr()
+    assert main(["sim", "--seed", str(seed), "--out", str(tmp_path / "again"), "--no-shrink"]) == 1
+    assert f"FAIL seed {seed}" in capsys.readouterr().out
