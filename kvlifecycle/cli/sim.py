@@ -16,7 +16,8 @@ from pathlib import Path
 
 def _workers(text: str) -> tuple[tuple[int, ...], int]:
     """``P=2+1,D=2``: prefill TP groups of 2 and 1 ranks, two decode workers."""
-    groups, d = (2, 1), 2
+    groups: tuple[int, ...] = (2, 1)
+    d = 2
     for part in text.split(","):
         key, _, value = part.strip().partition("=")
         try:
