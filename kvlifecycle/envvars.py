@@ -184,6 +184,8 @@ MODEL_CACHE = _var("KVL_MODEL_CACHE", Path, None, "where the tiny test model is 
                    "tests/vllm/vllm_harness.py", "bench/vllm_pd.py", default_doc="~/.cache/kvlifecycle/models")
 FUZZ_EXAMPLES = _var("KVL_FUZZ_EXAMPLES", int, 150, "examples per property of the event-log reader's fuzz tests",
                      "tests/test_log_fuzz.py")
+TEST_PYTHONPATH = _var("KVL_TEST_PYTHONPATH", str, None, "put in front of the SGLang driver processes' PYTHONPATH "
+                       "(tests of another checkout: tests/sglang/worktree_site)", "tests/sglang/sglang_harness.py")
 
 REGISTRY: Mapping[str, EnvVar[object]] = {
     v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)
