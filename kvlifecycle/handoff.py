@@ -373,11 +373,12 @@ class Consumer:
                         load.via.get(part, self.transport).release(handle)
                 if load.transfer in self.ledger.loads:
                     self.ledger.fail(load.transfer, why)
-                for link, grant, _ in load.parts:  # the other P ranks of a multi-part load release now
+                for link, grant, part in load.parts:  # the other P ranks of a multi-part load release now
                     if not lost(link):
                         with contextlib.suppress(SideChannelError):
                             link.client.request(LoadFailed(grant.transfer, grant.generation, why,
-                                                           self.ledger.hlc.tick()), timeout_s=1.0)
+                                                           self.ledger.hlc.tick(), load.tokens.get(part, b""),
+                                                           self._consumer_index(link)), timeout_s=1.0)
             for link in links:
                 for data, peer in {(self.transport, link.agent), (link.data or self.transport,
                                                                    link.data_peer or link.agent)}:

@@ -19,7 +19,7 @@ from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.invariants import check_source, check_target
 from kvlifecycle.ledger import SourceLedger, TargetLedger
-from kvlifecycle.transport import KVLayout, MemoryKind, Notification, XferStatus
+from kvlifecycle.transport import KVLayout, MemoryKind, Notification, XferStatus, encode_notification
 
 BLOCKS, REGIONS, BYTES = 8, 2, 64
 COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=16, block_size=1,
@@ -90,7 +90,8 @@ def test_a_lost_p_fails_its_live_load_drops_its_link_and_its_late_notification_i
     assert "r" not in tl.requests and tl.counts()["FREE"] == BLOCKS  # policy "fail": the blocks went back
     assert tl.stats["failed"] == 1
     # a late completion from the lost incarnation matches no load: nothing changes
-    pair.td._deliver(link.agent, Notification("r", grant.transfer, grant.generation, link.epoch, "done", 0))
+    pair.td.receive_raw(link.agent, encode_notification(
+        Notification("r", grant.transfer, grant.generation, link.epoch, "done", 0)))
     time.sleep(0.1)
     assert tl.stats["loaded"] == 0 and tl.counts()["READY_FOR_ATTENTION"] == 0
     # an epoch newer than the invalidated one is not touched by it, and a new handshake works
