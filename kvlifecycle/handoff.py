@@ -377,8 +377,8 @@ class Consumer:
                     if not lost(link):
                         with contextlib.suppress(SideChannelError):
                             link.client.request(LoadFailed(grant.transfer, grant.generation, why,
-                                                           self.ledger.hlc.tick(), load.tokens.get(part, b""),
-                                                           self._consumer_index(link)), timeout_s=1.0)
+                                                           self.ledger.hlc.tick(), load.tokens.get(part, b"")),
+                                            timeout_s=1.0)
             for link in links:
                 for data, peer in {(self.transport, link.agent), (link.data or self.transport,
                                                                    link.data_peer or link.agent)}:
