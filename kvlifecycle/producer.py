@@ -84,6 +84,7 @@ class Producer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.notifications_seen = 0
+        self._pushes_accepted: set[tuple[str, int, int]] = set()  # (transfer, generation, part): writes accepted
         self.claims = ClaimBook()  # per-claim tokens: only a lease's claimant may renew, fail or complete it
         self.server = SideChannelServer(
             {
@@ -237,6 +238,11 @@ class Producer:
         why = self._check_claim(msg.transfer, msg.generation, msg.token)  # only the claimant has P write for it
         if why:
             return Ack(False, self._refuse_token("push", msg.transfer, why))
+        key = (msg.transfer, msg.generation, msg.part)
+        if key in self._pushes_accepted:
+            # a duplicated request (a retry, or the network delivering it twice): one WRITE per part, ever; a second
+            # would read the source blocks after the first's completion freed them, or land in blocks D recomputed
+            return Ack(True, "duplicate: this part's write was already accepted")
         if not self.ledger.heartbeat(msg.transfer, msg.generation):  # renew before the write
             return Ack(False, "lease is gone (released, expired or stale)")
         try:  # D may hold a prefix already: it then gets P's tail; a D block left empty is refused
@@ -253,6 +259,7 @@ class Producer:
             msg.token,  # the claim's token: D takes this completion (or failure) only from the P it claimed
             hlc=self.ledger.hlc.tick(),
         )
+        self._pushes_accepted.add(key)
         self._jobs.put(lambda: self._start_push(plan, src, dst, msg, note))
         return Ack(True)
 
@@ -346,6 +353,8 @@ class Producer:
                 self.ledger.sweep()
                 if len(self.claims):
                     self.claims.prune(self._lease_is_live)
+                if self._pushes_accepted:  # a push of a lease that ended is refused anyway: forget it
+                    self._pushes_accepted = {k for k in self._pushes_accepted if self._lease_is_live(k[0], k[1])}
                 self.ledger.commit()
             except Exception:
                 log.exception("producer service step failed")

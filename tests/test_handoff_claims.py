@@ -154,3 +154,23 @@ def test_an_unclaimed_lease_can_still_be_kept_alive_and_handed_back_without_a_to
     assert legit.request(LoadFailed(g.transfer, g.generation, "not needed by D")).ok
     assert g.transfer not in prod.ledger.leases
     assert refusals(prod, "fail") == 0 and refusals(prod, "heartbeat") == 0
+
+
+def test_a_push_request_delivered_twice_writes_once(p) -> None:
+    """A retried or duplicated PushRequest is acknowledged without a second WRITE: a second one would read the
+    source blocks after the first completion freed them, or land in blocks D recomputed (found by the simulation,
+    seeds 889 and 6542). Two consumers, so the lease outlives the first write and the duplicate meets it live."""
+    prod, legit, _, td, (kv, dkv) = p
+    kv[5].fill_(7)
+    g = granted(prod, "twice", [5], consumers=2)
+    token = claim(legit, g).token
+    legit.request(GetMeta(COMPAT, 0, td.agent, td.epoch, td.local_metadata()))
+    first = legit.request(PushRequest(g.transfer, g.generation, td.agent, td.epoch, [2], "twice", 0, token))
+    assert first.ok
+    assert until(lambda: prod.ledger.leases[g.transfer].done == {0})  # the write landed and counted
+    assert int(dkv[2].sum()) == 7 * BYTES
+    dkv[2].zero_()
+    again = legit.request(PushRequest(g.transfer, g.generation, td.agent, td.epoch, [2], "twice", 0, token))
+    assert again.ok and "duplicate" in again.detail
+    assert prod._jobs.empty() and prod._pushes == []  # nothing queued or in flight for it
+    assert int(dkv[2].sum()) == 0 and prod.ledger.leases[g.transfer].done == {0}

@@ -160,11 +160,6 @@ KNOWN_FINDINGS["push-timeout-frees-target"] = (
     "on the side-channel timeout, which frees (policy fail) or hands back (recompute) the target blocks while "
     "P's write into them is still in flight; the LoadFailed it sends releases P's lease but cancels no write"
 )
-KNOWN_FINDINGS["duplicate-push-request"] = (
-    "a PushRequest delivered twice (a duplicated or replayed message): the Producer claims and queues a second "
-    "WRITE of the same lease; the first completion releases the lease, P frees or caches the blocks, and the "
-    "second WRITE still reads them (and lands in D's blocks after D finished with them)"
-)
 _UNDER_TRANSFER = re.compile(r"^[PD]\d+: (?:target|source) block\(s\) .* while transfer (\S+) (?:writes|reads) them")
 
 
@@ -176,8 +171,6 @@ def known_finding(world, violation: str) -> str | None:
         if any(isinstance(e, ev.TgtLoadFailed) and e.transfer == transfer
                and e.reason.startswith("push request failed") for d in world.d for e in d.watch.events):
             return "push-timeout-frees-target"
-        if any(w.core.pushes_accepted[transfer] > 1 for w in world.p):
-            return "duplicate-push-request"
     return None
 
 

@@ -76,6 +76,7 @@ class ProducerCore:
         self.epochs = EpochTracker()
         self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
         self._pushes: list[_Push] = []
+        self._accepted: set[tuple[str, int, int]] = set()  # (transfer, generation, part) of the WRITEs accepted
         self._jobs: list[Callable[[], None]] = []
         self.pushes_accepted: Counter[str] = Counter()  # transfer -> WRITEs queued for it (bookkeeping for checks)
 
@@ -117,12 +118,15 @@ class ProducerCore:
         plan = self._push_plans.get((msg.agent, msg.epoch))
         if lease is None or plan is None:
             return Reply(call, False, "no live lease" if lease is None else "push unavailable")
+        if (msg.transfer, msg.generation, msg.part) in self._accepted:  # as the Producer: one WRITE per part
+            return Reply(call, True, "duplicate: this part's write was already accepted")
         if not self.ledger.heartbeat(msg.transfer, msg.generation):  # claim before the write
             return Reply(call, False, "lease is gone (released, expired or stale)")
         dst, src = np.asarray(msg.blocks, dtype=np.int32), lease.blocks
         note = Notification(msg.target_request, msg.transfer, msg.generation, self.transport.epoch, "done", msg.part,
                             hlc=self.ledger.hlc.tick())
         self._jobs.append(lambda: self._start_push(plan, src, dst, msg, note))
+        self._accepted.add((msg.transfer, msg.generation, msg.part))
         self.pushes_accepted[msg.transfer] += 1
         return Reply(call, True)
 

@@ -19,15 +19,16 @@ def _clean(seed: int, config: SimConfig | None = None) -> None:
     assert result.ok and not result.known, (result.violations + result.leaks + result.known)[:1]
 
 
-@pytest.mark.xfail(strict=True, reason="finding duplicate-push-request: a duplicated PushRequest posts a second "
-                                       "WRITE that reads the source blocks after the first completion freed them")
 def test_duplicate_push_request_reads_freed_source_blocks() -> None:
+    """Fixed finding duplicate-push-request (seed 889): a duplicated PushRequest posted a second WRITE that read
+    the source blocks after the first completion freed them. P now accepts one WRITE per (transfer, generation,
+    part)."""
     _clean(889)
 
 
-@pytest.mark.xfail(strict=True, reason="finding duplicate-push-request: the first WRITE's post fails, D recomputes "
-                                       "the request locally, and the duplicate's WRITE lands in its READY blocks")
 def test_duplicate_push_request_writes_into_recomputed_blocks() -> None:
+    """Fixed finding duplicate-push-request (seed 6542): the first WRITE's post failed, D recomputed the request
+    locally, and the duplicate's WRITE landed in its READY blocks."""
     _clean(6542)
 
 
