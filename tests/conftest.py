@@ -26,7 +26,8 @@ ALLOWED_SKIP_MARKERS = ("CUDA", "cuda", "GPU")
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
     report = outcome.get_result()
-    if require_all() and report.skipped:
+    # an expected failure (a strict xfail: a known finding, see tests/sim/test_sim_findings.py) is not a skip
+    if require_all() and report.skipped and not hasattr(report, "wasxfail"):
         reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
         if not any(marker in reason for marker in ALLOWED_SKIP_MARKERS):
             report.outcome = "failed"
