@@ -1,5 +1,9 @@
 """OpenTelemetry traces and metrics for KV handoffs, fed by a ledger's events.
 
+One concept in one module, longer than most: the mapping from ledger events to spans and instruments. Its parts
+(trace identity, the span tree per handoff, the instruments, the env-driven exporters) share the per-handoff state
+and are read together; splitting them would spread one event's handling over several files.
+
 ``instrument(ledger)`` subscribes to a :class:`~kvlifecycle.ledger.SourceLedger` or
 :class:`~kvlifecycle.ledger.TargetLedger` (``ledger.listeners``) and turns its events into:
 
