@@ -3,7 +3,9 @@
 # registry needed there). Wheels it lacks travel in the git-ignored .whl/ (bench/fetch-gpu-wheels.sh fills it).
 #   bash bench/gpu_run.sh tests bench        # CUDA IPC + VRAM conformance tests, then `kvlifecycle bench gpu`
 #   bash bench/gpu_run.sh driver             # bench/driver_costs.py: one post's driver calls, and alternatives
-# Env: BENCH_ARGS (e.g. "--json --reps 30"), TEST_TIMEOUT, BENCH_TIMEOUT, OUT (where logs go; default /tmp/out).
+#   bash bench/gpu_run.sh layerwise          # kvlifecycle bench gpu-layerwise: streaming vs post-prefill, T_visible
+# Env: BENCH_ARGS (e.g. "--json --reps 30"), LAYERWISE_ARGS, TESTS (replaces the two CUDA IPC test files), TEST_TIMEOUT,
+#      BENCH_TIMEOUT, LAYERWISE_TIMEOUT, OUT (where logs go; default /tmp/out).
 R=$(pwd)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -18,9 +20,11 @@ python3 -c "import torch, triton, nixl._api, zmq, msgspec; print('torch', torch.
 for step in "$@"; do
   case $step in
     tests) timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -c "$R/pyproject.toml" -p no:cacheprovider -q -rs --timeout 120 \
-             "$R/tests/transports/test_cuda_ipc.py" "$R/tests/transports/test_native_post.py" ${EXTRA_TESTS} 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
+             ${TESTS:-"$R/tests/transports/test_cuda_ipc.py" "$R/tests/transports/test_native_post.py"} ${EXTRA_TESTS} 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
     bench) timeout "${BENCH_TIMEOUT:-240}" python3 -m kvlifecycle bench gpu ${BENCH_ARGS} --out "$OUT/bench.json" 2>&1 \
              | tee "$OUT/bench.txt" ;;
+    layerwise) timeout "${LAYERWISE_TIMEOUT:-240}" python3 -m kvlifecycle bench gpu-layerwise ${LAYERWISE_ARGS} \
+             --out "$OUT/layerwise.json" 2>&1 | tee "$OUT/layerwise.txt" ;;
     driver) timeout "${DRIVER_TIMEOUT:-180}" python3 "$R/bench/driver_costs.py" ${DRIVER_ARGS} 2>&1 | tee "$OUT/driver.txt" ;;
     *) echo "unknown step $step" ;;
   esac

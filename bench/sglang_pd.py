@@ -75,7 +75,8 @@ def main() -> int:
     ap.add_argument("--item-bytes", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=3)
     args = ap.parse_args()
-    args.num_pages = (2 * args.rooms + 8) * args.pages_per_room
+    # the driver's plan gives every room it knows its own pages (2 x rooms, plus the scenario rooms): room for all
+    args.num_pages = (2 * args.rooms + 12) * args.pages_per_room
     runs: dict[str, list[dict]] = {"nixl": [], "kvlifecycle": []}
     t0 = time.monotonic()
     with progress("SGLang P/D", 2 * args.repeat, json_output=args.json) as tick:

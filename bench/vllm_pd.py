@@ -5,6 +5,14 @@ Same workload for both: a tiny random Llama, ``--requests`` distinct prompts of 
 Prints TTFT and end-to-end medians, their ratio (KVLifecycle / NIXL; goal ≤ 1.0), whether the outputs were equal
 (to each other and to a single instance of the model), and the idle CPU of each P/D pair. Not a test: no
 assertions on speed. Run it through bench/vllm_pd.sh.
+
+``--layerwise`` instead runs pull after the prefill, push after the prefill and layer-wise streaming side by side
+(``--prompt-lengths 512,1500,4000``), with TTFT, T_visible and where TTFT goes per mode (bench/vllm_pd_layerwise.py).
+
+``--tp-shapes 2x2,2x1,1x2`` (P TP x D TP) instead runs KVLifecycleConnector P/D at those tensor-parallel sizes
+(a TP 2 server binds rank i to core i, so P and D share both cores) and, in the same run, a single TP 1 instance
+on the same two cores: per shape ``outputs_equal`` (to the single instance), TTFT and end-to-end medians, and the
+TTFT ratio P/D / single.
 """
 
 from __future__ import annotations
@@ -85,6 +93,75 @@ def run_pair(kind: str, model: Path, prompts: list[str], output_tokens: int, log
             server.stop()
 
 
+def tp_server(name: str, model: Path, tp: int, log_dir: Path, **kwargs: object) -> h.VLLMServer:
+    """TP 1 on core 0 (P) or 1 (D) as in the pair runs; TP 2 with rank i on core i."""
+    if tp == 1:
+        cores = P_CORES if name.endswith("prefill") else D_CORES
+        return h.vllm_server(name, model, h.free_port(), log_dir, cores=cores, **kwargs)  # type: ignore[arg-type]
+    return h.vllm_server(name, model, h.free_port(), log_dir, extra_args=["--tensor-parallel-size", str(tp)],
+                         extra_env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))},
+                         **kwargs)  # type: ignore[arg-type]
+
+
+def serve_prompts(servers: list[h.VLLMServer], port: int, prompts: list[str], output_tokens: int,
+                  what: str, allow_failures: bool = False) -> dict:
+    """Start ``servers``, warm up once, stream every prompt through ``port``; stop them. Medians (over the requests
+    that answered) and outputs; ``allow_failures``: count failed requests (``failed``) instead of raising."""
+    started = time.perf_counter()
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(600)
+        startup_s = time.perf_counter() - started
+        h.stream_completion(port, h.prompt_of_length(len(prompts[0].split()), offset=99991), output_tokens)
+        results = [h.stream_completion(port, prompt, output_tokens, timeout_s=300) for prompt in prompts]
+        bad = [r for r in results if r.status != 200 or not r.text]  # an error mid-stream leaves no text
+        if bad and (not allow_failures or len(bad) == len(results)):
+            raise RuntimeError(f"{what}: {len(bad)} request(s) failed ({bad[0].status}: {bad[0].text[:300]!r})")
+        good = [r for r in results if r not in bad]
+        return {
+            "ttft_ms": round(1000 * statistics.median(r.ttft_s for r in good), 1),
+            "e2e_ms": round(1000 * statistics.median(r.e2e_s for r in good), 1),
+            "outputs": [r.text for r in results],
+            "failed": len(bad),
+            "startup_s": round(startup_s, 1),
+        }
+    finally:
+        for server in reversed(servers):
+            server.stop()
+
+
+def run_tp_shapes(shapes: list[tuple[int, int]], model: Path, prompts: list[str], output_tokens: int,
+                  log_dir: Path) -> dict:
+    single_server = h.vllm_server("single-2cores", model, h.free_port(), log_dir, cores=P_CORES + D_CORES)
+    single = serve_prompts([single_server], single_server.port, prompts, output_tokens, "single")
+    report: dict = {"single_ttft_ms": single["ttft_ms"], "single_e2e_ms": single["e2e_ms"], "shapes": {}}
+    for p_tp, d_tp in shapes:
+        side = h.free_port_pair()
+        shape_dir = log_dir / f"p{p_tp}-d{d_tp}"
+        # generous side-channel bounds, as in tests/vllm/test_vllm_tp.py: with P and D sharing both cores a rank's
+        # connector threads can go seconds without a core (5 s handshakes, 30 s and 60 s leases were seen to expire)
+        config = {"side_channel_port": side, "log_dir": str(shape_dir / "events"), "decode_tp_size": d_tp,
+                  "handshake_timeout_s": 30.0, "grant_wait_s": 30.0, "lease_ttl_s": 120.0}
+        kv = {"kv_connector": "KVLifecycleConnector", "kv_connector_module_path": "kvlifecycle.adapters.vllm",
+              "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail", "kv_connector_extra_config": config}
+        prefill = tp_server("prefill", model, p_tp, shape_dir, kv_transfer_config={**kv, "kv_role": "kv_producer"})
+        decode = tp_server("decode", model, d_tp, shape_dir, kv_transfer_config={**kv, "kv_role": "kv_consumer"})
+        proxy = h.proxy_process(h.free_port(), [prefill.url], [decode.url], shape_dir)
+        pd = serve_prompts([prefill, decode, proxy], proxy.port, prompts, output_tokens, f"P TP {p_tp} D TP {d_tp}",
+                           allow_failures=True)
+        report["shapes"][f"p{p_tp}-d{d_tp}"] = {
+            "outputs_equal": pd["outputs"] == single["outputs"],
+            "failed_requests": pd["failed"],
+            "ttft_ms": pd["ttft_ms"],
+            "e2e_ms": pd["e2e_ms"],
+            "ratio_ttft_vs_single": round(pd["ttft_ms"] / single["ttft_ms"], 3),
+            "startup_s": pd["startup_s"],
+        }
+    return report
+
+
 def single_outputs(model: Path, prompts: list[str], output_tokens: int, log_dir: Path) -> list[str]:
     server = h.vllm_server("single", model, h.free_port(), log_dir, cores=P_CORES)
     try:
@@ -111,13 +188,43 @@ def main(argv: list[str] | None = None) -> int:
                                                                  str(Path.home() / ".cache/kvlifecycle/models")))
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--skip-single", action="store_true", help="do not compare with a single instance")
+    parser.add_argument("--tp-shapes", default="", help="P/D TP shapes to run instead, e.g. 2x2,2x1,1x2")
+    parser.add_argument("--layerwise", action="store_true", help="pull, push and layer-wise streaming instead")
+    parser.add_argument("--prompt-lengths", default="512", help="--layerwise: prompt lengths, e.g. 512,1500,4000")
     args = parser.parse_args(argv)
+    if args.layerwise:
+        import vllm_pd_layerwise as lw
+
+        log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvl-bench-vllm-layerwise-"))
+        lengths = [int(n) for n in args.prompt_lengths.split(",")]
+        report = lw.run(Path(args.model_cache), lengths, args.requests, args.output_tokens, log_dir)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            lw.print_report(report)
+        return 0
     if args.requests < 5:
         parser.error("--requests must be at least 5")
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvl-bench-vllm-"))
     model = h.build_tiny_model(Path(args.model_cache))
     prompts = [h.prompt_of_length(args.prompt_tokens, offset=1 + 131 * i) for i in range(args.requests)]
+    if args.tp_shapes:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.tp_shapes.split(",")]
+        tp_report = run_tp_shapes(shapes, model, prompts, args.output_tokens, log_dir)  # type: ignore[arg-type]
+        tp_report.update(requests=args.requests, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                         log_dir=str(log_dir))
+        if args.json:
+            print(json.dumps(tp_report))
+            return 0
+        print(f"vLLM P/D TP shapes on CPU: {args.requests} requests x {args.prompt_tokens} prompt tokens -> "
+              f"{args.output_tokens} tokens; single TP 1 instance on cores {P_CORES + D_CORES}: TTFT median "
+              f"{tp_report['single_ttft_ms']} ms")
+        for name, shape in tp_report["shapes"].items():
+            print(f"{name}: outputs equal {shape['outputs_equal']} ({shape['failed_requests']} failed), TTFT median "
+                  f"{shape['ttft_ms']} ms "
+                  f"({shape['ratio_ttft_vs_single']} x single), e2e median {shape['e2e_ms']} ms")
+        return 0
     with progress("vLLM P/D", 2 + (not args.skip_single), json_output=args.json) as tick:
         nixl = run_pair("nixl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
         tick("NixlConnector pair")

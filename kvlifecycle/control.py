@@ -82,6 +82,43 @@ class LoadFailed(msgspec.Struct, frozen=True, tag=True):
     reason: str
     hlc: Counter = 0
     token: Token = b""
+    # which of the lease's consumers failed (-1: unknown). A lease read by several D ranks (D TP > P TP) is
+    # released only when every one of them settled, so a sibling still reading never sees its blocks reused.
+    consumer: Annotated[int, msgspec.Meta(ge=-1, le=1 << 20)] = -1
+
+
+class StreamRequest(msgspec.Struct, frozen=True, tag=True):
+    """D → P, at D's reservation time (before P computes): write each layer of P's request ``request`` into my
+    ``blocks`` (token order) as P computes it, and notify ``transfer`` per layer batch carrying ``token``. There is
+    no lease yet to claim: ``token`` is D's, and P echoes it so D takes only this P's notes for the stream.
+    ``write_window_s``: P posts no layer later than this after its receipt, and cancels what is in flight then
+    (a duration, no shared clock; the bound D's timeout relies on: ``kvlifecycle.protocol.bounds``)."""
+
+    request: str
+    transfer: str
+    agent: str
+    epoch: Counter
+    blocks: list[BlockId]
+    layers: Annotated[int, msgspec.Meta(ge=1, le=1 << 12)]
+    token: Token
+    write_window_s: Annotated[float, msgspec.Meta(gt=0, le=86400.0)]
+    part: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+
+
+class StreamCancel(msgspec.Struct, frozen=True, tag=True):
+    """D → P: post no further layer of this stream; P tells D (a ``failed`` note) once its writes settled."""
+
+    request: str
+    transfer: str
+    token: Token
+    reason: str = ""
+
+
+class StreamQuery(msgspec.Struct, frozen=True, tag=True):
+    """Proxy → P: has D's reservation for ``request`` arrived? (``Ack.ok``): the proxy submits the prefill once it
+    has, so that D reserves first; P never waits for it."""
+
+    request: str
 
 
 REPLY_TYPES = (GrantReply, Claimed)

@@ -127,21 +127,27 @@ SIDE_CHANNEL_PORT = _var("KVL_SIDE_CHANNEL_PORT", int, None, "P's side-channel b
                          default_doc="5700", fallbacks=("VLLM_NIXL_SIDE_CHANNEL_PORT",))
 LOG_DIR = _var("KVL_LOG_DIR", Path, None, "event logs, one directory per ledger, when the connector's `log_dir` "
                "option is not given", "kvlifecycle.adapters.vllm", default_doc="no log")
+ETCD_ENDPOINTS = _var("KVL_ETCD_ENDPOINTS", str, None, "etcd endpoints (`host:port,...`) where each worker registers "
+                      "when the connector's `etcd_endpoints` option is not given", "kvlifecycle.adapters.vllm",
+                      default_doc="no etcd")
 
 # --- the SGLang adapter ------------------------------------------------------------------------------------------
-SGLANG_HEARTBEAT_S = _var("KVL_SGLANG_HEARTBEAT_S", float, 1.0, "seconds between heartbeats, both ways",
+SGLANG_HEARTBEAT_S = _var("KVL_SGLANG_HEARTBEAT_S", float, 1.0, "seconds between a decode's reads of each prefill's "
+                          "epochs off its bootstrap server, and between its stream heartbeats to each prefill",
                           "kvlifecycle.adapters.sglang")
-SGLANG_PEER_TIMEOUT_S = _var("KVL_SGLANG_PEER_TIMEOUT_S", float, 10.0, "a peer silent this long is dead: its rooms "
-                             "fail", "kvlifecycle.adapters.sglang")
-SGLANG_CLAIM_TIMEOUT_S = _var("KVL_SGLANG_CLAIM_TIMEOUT_S", float, 120.0, "a prefill room no decode receiver claimed "
-                              "by then fails", "kvlifecycle.adapters.sglang")
-SGLANG_SERVE_TIMEOUT_S = _var("KVL_SGLANG_SERVE_TIMEOUT_S", float, 300.0, "a bootstrapped room the prefill has not "
-                              "served by then fails on both sides", "kvlifecycle.adapters.sglang")
-SGLANG_LEASE_TTL_S = _var("KVL_SGLANG_LEASE_TTL_S", float, 30.0, "P's lease on the pages of a granted chunk, renewed "
-                          "by D's heartbeats", "kvlifecycle.adapters.sglang")
-SGLANG_WRITE_TIMEOUT_S = _var("KVL_SGLANG_WRITE_TIMEOUT_S", float, 60.0, "one write must settle within this",
+SGLANG_PEER_TIMEOUT_S = _var("KVL_SGLANG_PEER_TIMEOUT_S", float, 10.0, "a prefill whose bootstrap server or stream "
+                             "heartbeat answers are silent this long is dead: the decode's rooms on it fail; a "
+                             "prefill ends the streams of a decode it has not heard this long",
+                             "kvlifecycle.adapters.sglang")
+SGLANG_CLAIM_TIMEOUT_S = _var("KVL_SGLANG_CLAIM_TIMEOUT_S", float, 120.0, "a prefill room no decode reserved for by "
+                              "then fails; so does a decode receiver whose prefill never appeared",
                               "kvlifecycle.adapters.sglang")
-SGLANG_LOG_DIR = _var("KVL_SGLANG_LOG_DIR", Path, None, "an event log per manager, in `<dir>/<agent>`",
+SGLANG_SERVE_TIMEOUT_S = _var("KVL_SGLANG_SERVE_TIMEOUT_S", float, 300.0, "a reserved room the prefill has not "
+                              "served by then fails on both sides", "kvlifecycle.adapters.sglang")
+SGLANG_WRITE_TIMEOUT_S = _var("KVL_SGLANG_WRITE_TIMEOUT_S", float, 60.0, "a room's writes end within the serve "
+                              "bound + this of the decode's reservation (its stream's write window)",
+                              "kvlifecycle.adapters.sglang")
+SGLANG_LOG_DIR = _var("KVL_SGLANG_LOG_DIR", Path, None, "an event log per manager, in `<dir>/<agent>.<epoch>`",
                       "kvlifecycle.adapters.sglang", default_doc="no log")
 
 # --- the transports ----------------------------------------------------------------------------------------------
@@ -186,6 +192,15 @@ FUZZ_EXAMPLES = _var("KVL_FUZZ_EXAMPLES", int, 150, "examples per property of th
                      "tests/test_log_fuzz.py")
 TEST_PYTHONPATH = _var("KVL_TEST_PYTHONPATH", str, None, "put in front of the SGLang driver processes' PYTHONPATH "
                        "(tests of another checkout: tests/sglang/worktree_site)", "tests/sglang/sglang_harness.py")
+
+TEST_STREAM_FAIL_LAYER = _var("KVL_TEST_STREAM_FAIL_LAYER", int, None, "tests: P's layer-wise streamer fails the "
+                              "post of this layer of every stream (an injected transport failure)",
+                              "tests/vllm/fault_site/sitecustomize.py")
+TEST_STREAM_GATE_LAYER = _var("KVL_TEST_STREAM_GATE_LAYER", int, None, "tests: P's layer-wise streamer holds the "
+                              "first post of this layer of its first stream until that stream's cancel reached P",
+                              "tests/vllm/fault_site/sitecustomize.py")
+TEST_STREAM_TRACE = _var("KVL_TEST_STREAM_TRACE", str, None, "tests: a file P's layer-wise streamer appends one line "
+                         "per gate, cancel, post and release to", "tests/vllm/fault_site/sitecustomize.py")
 
 REGISTRY: Mapping[str, EnvVar[object]] = {
     v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -30,7 +31,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import msgspec
@@ -40,6 +41,10 @@ from kvlifecycle.events import SCHEMA_VERSION, AnyEvent, Event, encode
 
 BATCH_DECODER = msgspec.msgpack.Decoder(list[AnyEvent])
 
+# A segment header as msgpack decodes it: a map from field name to whatever the writer put there. The reader checks
+# the fields it relies on where it reads them (_decode_header, ledger_from_header).
+LogHeader = dict[str, Any]
+
 MAGIC = b"KVLLOG\x01\n"
 FRAME = struct.Struct("<II")
 FRAME_SIZE = FRAME.size
@@ -47,7 +52,7 @@ _pack_frame = FRAME.pack
 CRC_SEED = 0x4B564C31  # a non-zero seed: a run of zero bytes is never a valid (empty) frame
 
 
-def _crc32(payload: Any) -> int:
+def _crc32(payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, CRC_SEED)
 
 
@@ -157,10 +162,12 @@ def _frame(payload: bytes) -> bytes:
     return FRAME.pack(len(payload), _crc32(payload)) + payload
 
 
-def _frame_ok(buf: Any, pos: int, end: int) -> int:
+def _frame_ok(buf: memoryview, pos: int, end: int) -> int:
     """Length of the valid frame at ``pos`` or -1."""
     if pos + FRAME_SIZE > end:
         return -1
+    length: int
+    crc: int
     length, crc = FRAME.unpack_from(buf, pos)
     if length > MAX_RECORD or pos + FRAME_SIZE + length > end:
         return -1
@@ -169,7 +176,7 @@ def _frame_ok(buf: Any, pos: int, end: int) -> int:
     return length
 
 
-def _any_valid_frame_after(buf: Any, start: int, end: int) -> int:
+def _any_valid_frame_after(buf: memoryview, start: int, end: int) -> int:
     """Offset of a valid frame anywhere in ``[start, end)``, or -1: tells mid-log corruption from a torn tail."""
     for pos in range(start, end - FRAME_SIZE + 1):
         if _frame_ok(buf, pos, end) >= 0:
@@ -190,7 +197,7 @@ class SegmentScan:
     """One segment read in a single pass: its header and every good record, plus what (if anything) follows them."""
 
     path: Path
-    header: dict
+    header: LogHeader
     offsets: list[int]
     payloads: list[memoryview]
     good_end: int
@@ -255,7 +262,7 @@ def scan_segment(path: Path, *, is_last: bool) -> SegmentScan:
     return SegmentScan(path, header, offsets, payloads, pos, size, reason)
 
 
-def _refuse_oversized(path: Path, buf: Any, pos: int, size: int) -> None:
+def _refuse_oversized(path: Path, buf: memoryview, pos: int, size: int) -> None:
     """A frame whose length field is whole but beyond :data:`MAX_RECORD`: no writer made it, and a torn write keeps
     a prefix of what was written (a whole length field is the written one), so this is corruption wherever it is."""
     if pos + FRAME_SIZE <= size:
@@ -266,7 +273,7 @@ def _refuse_oversized(path: Path, buf: Any, pos: int, size: int) -> None:
             )
 
 
-def _decode_header(path: Path, pos: int, payload: Any) -> dict:
+def _decode_header(path: Path, pos: int, payload: memoryview) -> LogHeader:
     """A segment header that passed its checksum: a map with this schema version and the fields the reader uses
     typed as the writer writes them, or :class:`CorruptLogError`."""
     try:
@@ -283,7 +290,7 @@ def _decode_header(path: Path, pos: int, payload: Any) -> dict:
     return header
 
 
-def _describe_bad_frame(buf: Any, pos: int, size: int) -> str:
+def _describe_bad_frame(buf: memoryview, pos: int, size: int) -> str:
     if pos + FRAME_SIZE > size:
         return f"partial frame header ({size - pos} of {FRAME_SIZE} bytes)"
     length, _ = FRAME.unpack_from(buf, pos)
@@ -305,7 +312,7 @@ class LogReader:
         self.segments = segment_paths(self.directory)
         if not self.segments:
             raise LogError(f"no event log segments (seg-*.kvl) in {self.directory}")
-        self.header: dict = {}
+        self.header: LogHeader = {}
         self.tail: TailRecovery | None = None
 
     def scans(self) -> Iterator[SegmentScan]:
@@ -333,7 +340,7 @@ class LogReader:
         for scan in self.scans():
             yield from decode_payloads(scan)
 
-    def read_header(self) -> dict:
+    def read_header(self) -> LogHeader:
         scan = scan_segment(self.segments[0], is_last=len(self.segments) == 1)
         if not scan.header:
             raise LogError(f"{self.segments[0]} has no readable header")
@@ -341,10 +348,10 @@ class LogReader:
         return scan.header
 
 
-def decode_frames(scan: SegmentScan) -> list[tuple[int, list[Event]]]:
+def decode_frames(scan: SegmentScan) -> list[tuple[int, list[AnyEvent]]]:
     """Each frame's events, with the frame's offset; a frame that passes its checksum but does not decode is
     corruption too."""
-    out = []
+    out: list[tuple[int, list[AnyEvent]]] = []
     for offset, payload in zip(scan.offsets, scan.payloads, strict=True):
         try:
             out.append((offset, BATCH_DECODER.decode(payload)))
@@ -359,6 +366,11 @@ def decode_payloads(scan: SegmentScan) -> list[Event]:
     for _, batch in decode_frames(scan):
         events += batch
     return events
+
+
+def _all_encoded(pending: list[bytes | Event]) -> TypeGuard[list[bytes]]:
+    """Whether a batch holds encoded events only (events appended by ``append_events`` wait unencoded)."""
+    return all(p.__class__ is bytes for p in pending)
 
 
 def _sync_every_interval(ref: weakref.ref[EventLog], stop: threading.Event, interval_s: float) -> None:
@@ -388,7 +400,7 @@ class EventLog:
         self,
         directory: str | os.PathLike[str],
         *,
-        header: dict | None = None,
+        header: LogHeader | None = None,
         fsync: FsyncPolicy | str = FsyncPolicy(),
         segment_bytes: int = 64 << 20,
         batch_bytes: int = 256 << 10,
@@ -451,7 +463,7 @@ class EventLog:
                 fh.truncate(good_end)
                 os.fsync(fh.fileno())
 
-    def _check_header_compatible(self, path: Path, found: dict) -> None:
+    def _check_header_compatible(self, path: Path, found: LogHeader) -> None:
         for key in ("side", "worker", "num_blocks"):
             if key in self.header and key in found and self.header[key] != found[key]:
                 raise LogError(
@@ -549,25 +561,30 @@ class EventLog:
         if not pending:
             return
         unencodable: list[str] = []
-        if any(p.__class__ is not bytes for p in pending):  # events appended unencoded (append_events)
-            pending = self._pending = self._encode_pending(pending, unencodable)
+        if _all_encoded(pending):
+            encoded = pending
+        else:  # events appended unencoded (append_events): the batch is kept encoded for a retry
+            encoded = self._encode_pending(pending, unencodable)
+            self._pending = [*encoded]
         why = (f"event log {self.directory}: {len(unencodable)} event(s) could not be encoded and were not written: "
                f"{'; '.join(unencodable[:3])}") if unencodable else ""
         try:
-            if pending:
-                self._write_encoded(pending)
+            if encoded:
+                self._write_encoded(encoded)
         except OSError as exc:  # the encoded batch stays pending for the next try
-            if why:
+            if why and sys.version_info >= (3, 11):
                 exc.add_note(why)
+            elif why:  # no exception notes before Python 3.11
+                warnings.warn(why, RuntimeWarning, stacklevel=3)
             raise
         if why:  # the rest of the batch is written; these could not be, and are named
             raise LogError(why)
 
     @staticmethod
-    def _encode_pending(pending: list[Any], unencodable: list[str]) -> list[bytes]:
-        out = []
+    def _encode_pending(pending: list[bytes | Event], unencodable: list[str]) -> list[bytes]:
+        out: list[bytes] = []
         for p in pending:
-            if p.__class__ is bytes:
+            if isinstance(p, bytes):
                 out.append(p)
                 continue
             try:
@@ -593,11 +610,11 @@ class EventLog:
                 size += len(pending[end])
                 end += 1
             if end == start:  # one event larger than a record: it cannot be written, and is named
-                self._pending = pending[start + 1 :]
+                self._pending = [*pending[start + 1 :]]
                 raise LogError(f"event log {self.directory}: an event of {len(pending[start])} bytes exceeds the "
                                f"maximum record size {MAX_RECORD} and was not written")
             self._write_frame(_array_head(end - start) + b"".join(pending[start:end]))
-            self._pending = pending[end:]  # what is written is never written again, even if a later frame fails
+            self._pending = [*pending[end:]]  # what is written is never written again, even if a later frame fails
             start = end
 
     def _write_frame(self, payload: bytes) -> None:

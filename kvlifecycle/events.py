@@ -27,6 +27,9 @@ def unpack_blocks(raw: bytes) -> np.ndarray:
 
 
 class Event(msgspec.Struct, frozen=True, array_like=True, tag_field="k"):
+    """Every event is frozen; a subclass says ``frozen=True`` again so that type checkers, which do not read
+    msgspec's inherited configuration, know it too."""
+
     hlc: int
     at: float
 
@@ -34,23 +37,23 @@ class Event(msgspec.Struct, frozen=True, array_like=True, tag_field="k"):
 # --- source (prefill) side -------------------------------------------------------------------------------------
 
 
-class SrcAllocated(Event, tag="sa"):
+class SrcAllocated(Event, tag="sa", frozen=True):
     request: str
     blocks: bytes  # int32 block ids
 
 
-class SrcShared(Event, tag="ss"):
+class SrcShared(Event, tag="ss", frozen=True):
     """The request references blocks another request holds (prefix hit): no epoch bump."""
 
     request: str
     blocks: bytes
 
 
-class SrcPrefillDone(Event, tag="sp"):
+class SrcPrefillDone(Event, tag="sp", frozen=True):
     request: str
 
 
-class SrcGranted(Event, tag="sg"):
+class SrcGranted(Event, tag="sg", frozen=True):
     request: str
     transfer: str
     generation: int
@@ -59,25 +62,28 @@ class SrcGranted(Event, tag="sg"):
     peer: str = ""
 
 
-class SrcLeaseRenewed(Event, tag="sr"):
+class SrcLeaseRenewed(Event, tag="sr", frozen=True):
     transfer: str
     expires_at: float
     peer: str = ""  # the consumer that renewed (claimed) it: a restart of that peer releases the lease
+    # False for a keepalive of a lease nobody claimed yet (D waits to start its read): that renewal must not make
+    # a cancel wait for a reader that does not exist. Older logs lack the field: every renewal claimed then.
+    claims: bool = True
 
 
-class SrcCancelDeferred(Event, tag="sd"):
+class SrcCancelDeferred(Event, tag="sd", frozen=True):
     """A cancel hit a lease whose consumer already claimed it: the pins stay until that consumer completes,
     fails or the lease expires (releasing under a reader is how wrong tokens happen, vLLM #21570)."""
 
     transfer: str
 
 
-class SrcConsumerDone(Event, tag="sc"):
+class SrcConsumerDone(Event, tag="sc", frozen=True):
     transfer: str
     consumer: int
 
 
-class SrcLeaseReleased(Event, tag="sl"):
+class SrcLeaseReleased(Event, tag="sl", frozen=True):
     """The one release path: ``reason`` is completed, failed, cancelled, expired or peer_restarted."""
 
     transfer: str
@@ -85,28 +91,28 @@ class SrcLeaseReleased(Event, tag="sl"):
     detail: str = ""
 
 
-class SrcFreed(Event, tag="sf"):
+class SrcFreed(Event, tag="sf", frozen=True):
     request: str
     cached: bool
 
 
-class SrcAborted(Event, tag="sx"):
+class SrcAborted(Event, tag="sx", frozen=True):
     request: str
 
 
-class SrcEvicted(Event, tag="se"):
+class SrcEvicted(Event, tag="se", frozen=True):
     blocks: bytes
 
 
 # --- target (decode) side --------------------------------------------------------------------------------------
 
 
-class TgtReserved(Event, tag="tr"):
+class TgtReserved(Event, tag="tr", frozen=True):
     request: str
     blocks: bytes
 
 
-class TgtLoadStarted(Event, tag="tl"):
+class TgtLoadStarted(Event, tag="tl", frozen=True):
     request: str
     transfer: str
     parts: int
@@ -114,40 +120,62 @@ class TgtLoadStarted(Event, tag="tl"):
     peer: str = ""
     peer_epoch: int = 0
     mode: str = "pull"  # pull: D reads P's pinned blocks; push: P writes into D's blocks
+    # 0: each part completes as a whole; n >= 1: layer-wise streaming, a part completes (TgtPartDone, recorded by the
+    # ledger itself) once each of the n layers of each of the request's blocks landed (TgtLayersLanded)
+    layers: int = 0
 
 
-class TgtPartDone(Event, tag="tp"):
+class TgtLayersLanded(Event, tag="ty", frozen=True):
+    """Layers ``[first_layer, first_layer + num_layers)`` of ``blocks`` (D's block ids) landed for ``part`` of a
+    streaming load: one event per layer batch, never one per block. A (part, block, layer) lands once."""
+
+    transfer: str
+    part: int
+    first_layer: int
+    num_layers: int
+    blocks: bytes
+
+
+class TgtLoadDeclined(Event, tag="tw", frozen=True):
+    """The source declined a streaming load before writing any byte (its prefill had started without D's
+    reservation): the blocks go back to RESERVED for the post-prefill path, whatever the failure policy."""
+
+    transfer: str
+    reason: str
+
+
+class TgtPartDone(Event, tag="tp", frozen=True):
     transfer: str
     part: int
 
 
-class TgtLoadFailed(Event, tag="tf"):
+class TgtLoadFailed(Event, tag="tf", frozen=True):
     transfer: str
     reason: str
     recompute: bool
 
 
-class TgtCancelled(Event, tag="tc"):
+class TgtCancelled(Event, tag="tc", frozen=True):
     request: str
 
 
-class TgtLocalFilled(Event, tag="tq"):
+class TgtLocalFilled(Event, tag="tq", frozen=True):
     request: str
 
 
-class TgtFinished(Event, tag="tz"):
+class TgtFinished(Event, tag="tz", frozen=True):
     request: str
 
 
 # --- both sides ------------------------------------------------------------------------------------------------
 
 
-class PeerEpochChanged(Event, tag="pe"):
+class PeerEpochChanged(Event, tag="pe", frozen=True):
     peer: str
     epoch: int
 
 
-class TransferObserved(Event, tag="to"):
+class TransferObserved(Event, tag="to", frozen=True):
     """Data-plane facts about one transfer (for metrics and timelines; changes no block state)."""
 
     transfer: str
@@ -159,7 +187,7 @@ class TransferObserved(Event, tag="to"):
     ok: bool
 
 
-class Refused(Event, tag="rf"):
+class Refused(Event, tag="rf", frozen=True):
     """A command that was refused: it changed nothing, and this records why."""
 
     command: str
@@ -182,6 +210,8 @@ AnyEvent = Union[  # noqa: UP007 - msgspec needs a real Union object here
     SrcEvicted,
     TgtReserved,
     TgtLoadStarted,
+    TgtLayersLanded,
+    TgtLoadDeclined,
     TgtPartDone,
     TgtLoadFailed,
     TgtCancelled,
@@ -213,9 +243,9 @@ def decode(payload: bytes) -> Event:
     return DECODER.decode(payload)
 
 
-def to_dict(event: Event) -> dict:
+def to_dict(event: Event) -> dict[str, Any]:
     """A JSON-friendly view (block arrays become lists)."""
-    out: dict = {"kind": type(event).__name__}
+    out: dict[str, Any] = {"kind": type(event).__name__}
     for name in event.__struct_fields__:
         value = getattr(event, name)
         out[name] = unpack_blocks(value).tolist() if name == "blocks" else value

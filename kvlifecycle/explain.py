@@ -67,6 +67,7 @@ class _Lease:
     grant: Step
     claim: Step | None = None
     renewals: list[Step] = field(default_factory=list)
+    completions: int = 0  # consumer_done records: all of them, and the lease ended under no reader
     release: Step | None = None
     let_go: Step | None = None  # the first free or reallocation of any of its blocks after the release
     reused: Step | None = None  # the first reallocation of any of its blocks after the release
@@ -114,6 +115,8 @@ class _Index:
                 lease = self.leases[e.transfer]
                 lease.renewals.append(s)
                 lease.claim = lease.claim or s
+            elif isinstance(e, ev.SrcConsumerDone) and e.transfer in self.leases:
+                self.leases[e.transfer].completions += 1
             elif isinstance(e, ev.SrcLeaseReleased) and e.transfer in self.leases:
                 lease = self.leases[e.transfer]
                 lease.release = s
@@ -154,7 +157,9 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
             if lease is None or lease.release is None:
                 continue
             rel = lease.release
-            reason = rel.reason
+            grant = lease.grant.event
+            done = isinstance(grant, ev.SrcGranted) and lease.completions >= grant.consumers
+            reason = "completed" if done else rel.reason  # a deferred cancel releases at the last completion
             what = f"transfer {transfer} (generation {lease.grant.generation}) of {start.worker}"
             if rel.index < start.index and reason != "completed":
                 gone = [x for x in (lease.let_go, lease.reused) if x is not None and x.index < start.index]

@@ -1,6 +1,9 @@
-"""Producer (P) and Consumer (D): a ledger tied to a transport and a side channel. This module holds the Consumer,
-the options and the block mapping both sides share; the Producer is in :mod:`kvlifecycle.producer` (importable
-from here too), the control messages in :mod:`kvlifecycle.control`, the claim tokens in :mod:`kvlifecycle.claims`.
+"""Producer (P) and Consumer (D): a ledger tied to a transport and a side channel. This module holds the Consumer
+(the options both sides take are in :mod:`kvlifecycle.handoff_options`, their block pairing in
+:mod:`kvlifecycle.block_mapping`); the Producer is in :mod:`kvlifecycle.producer` (importable
+from here too), the control messages in :mod:`kvlifecycle.control`, the claim tokens in :mod:`kvlifecycle.claims`,
+D's messages about a grant before its claim in :mod:`kvlifecycle.unclaimed`. The two send and serve every
+side-channel message: an engine's adapter calls them and reads the ledgers' events, nothing below.
 
 Flow (pull, the vLLM way): P's engine allocates and prefills (``SourceLedger.allocate`` / ``prefill_done``), then
 :meth:`Producer.grant` pins the blocks under a lease and publishes a :class:`GrantReply`. D reserves target blocks
@@ -29,14 +32,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import attrs
 import msgspec
 import numpy as np
 
-from kvlifecycle import validators as v
+from kvlifecycle.block_mapping import BlockMappingError, map_blocks
 from kvlifecycle.claims import TOKEN_BYTES
 from kvlifecycle.control import REPLY_TYPES as _CONTROL_REPLIES
 from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFailed, PushRequest
+from kvlifecycle.handoff_options import HandoffOptions
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
@@ -51,7 +54,10 @@ from kvlifecycle.handshake import (
 )
 from kvlifecycle.ledger import TargetLedger
 from kvlifecycle.path_selection import PRIMARY_PATH, PathChoice, PathSelector
-from kvlifecycle.sidechannel import SideChannelClient, SideChannelError, SideChannelRefused
+from kvlifecycle.producer import Producer
+from kvlifecycle.protocol import consumer as rules  # D's decisions, shared with the simulator
+from kvlifecycle.protocol.launch import LoadLaunch, beat_every
+from kvlifecycle.sidechannel import Ack, SideChannelClient, SideChannelError, SideChannelRefused
 from kvlifecycle.transport import (
     Notification,
     PeerMetadata,
@@ -63,10 +69,12 @@ from kvlifecycle.transport import (
     XferOp,
     XferStatus,
 )
+from kvlifecycle.unclaimed import UnclaimedGrants
 from kvlifecycle.untrusted import RateLimitedLog, check_msgpack
 
 __all__ = [  # the handoff's public names, wherever they are defined (Producer: kvlifecycle.producer)
     "REPLY_TYPES",
+    "Ack",
     "BlockMappingError",
     "Claimed",
     "Consumer",
@@ -76,40 +84,15 @@ __all__ = [  # the handoff's public names, wherever they are defined (Producer: 
     "Heartbeat",
     "LoadFailed",
     "PeerLink",
-    "Producer",  # noqa: F822 - given by __getattr__ below: kvlifecycle.producer imports this module
+    "Producer",
     "PushRequest",
+    "SideChannelError",  # what the Consumer's calls raise when P does not answer, or refuses (SideChannelRefused)
+    "SideChannelRefused",
     "compat_fields",
     "map_blocks",
 ]
 
 log = logging.getLogger("kvlifecycle.handoff")
-
-
-# --- block mapping ----------------------------------------------------------------------------------------------
-# (the control messages — GetGrant, GrantReply, Heartbeat, Claimed, PushRequest, LoadFailed — live in
-# kvlifecycle.control and are imported here for the callers that know them as kvlifecycle.handoff's)
-
-
-class BlockMappingError(ValueError):
-    """D's blocks cannot all be filled from the grant: some would be marked ready without their bytes."""
-
-
-def map_blocks(target: np.ndarray, source: np.ndarray, target_split: int = 1,
-               source_split: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Pair D's (target) blocks with P's (source) blocks, unit for unit: with a block-size change the bigger side's
-    blocks are cut into sub-blocks in token order; when P granted more than D reserved (D already holds a prefix),
-    D's blocks take P's **tail**. Refuses (:class:`BlockMappingError`) when a D block would receive nothing: it
-    would become READY_FOR_ATTENTION without its bytes."""
-    blocks = target.size
-    if target_split > 1:  # D blocks are bigger: D sub-blocks in token order, one per P block
-        target = (target[:, None] * target_split + np.arange(target_split)[None, :]).reshape(-1)[: source.size]
-    if source_split > 1:  # P blocks are bigger: P sub-blocks in token order, one per D block
-        source = (source[:, None] * source_split + np.arange(source_split)[None, :]).reshape(-1)[: target.size]
-    n = min(target.size, source.size)
-    if blocks and n < (blocks - 1) * target_split + 1:
-        raise BlockMappingError(f"{blocks} target blocks but the grant fills only {n} unit(s) of "
-                                f"{target_split} per block: the rest would be marked ready without bytes")
-    return target[:n], source[-n:] if source.size > n else source
 
 
 REPLY_TYPES = (MetaReply, *_CONTROL_REPLIES)
@@ -125,33 +108,6 @@ def compat_fields(detail: bytes) -> list[tuple[str, object, object]]:
         return [(name, mine, theirs) for name, mine, theirs in _fields_decoder.decode(detail)]
     except Exception:  # an older or hostile peer: the message still says what differs
         return []
-
-
-@attrs.frozen(kw_only=True)
-class HandoffOptions:
-    """How a :class:`Producer` or :class:`Consumer` runs; validated when made (a field of the wrong type or out of
-    range is refused with its name)."""
-
-    secret: bytes | None = attrs.field(default=None, validator=attrs.validators.optional(
-        attrs.validators.instance_of(bytes)))  # side-channel HMAC key shared by P and D
-    host: str = attrs.field(default="127.0.0.1", validator=v.text)
-    port: int = attrs.field(default=0, validator=v.port)
-    service_poll_s: float = attrs.field(default=0.0005, validator=v.positive)  # while transfers are in flight
-    # nothing in flight: sweep leases and commit the log at this rhythm
-    idle_poll_s: float = attrs.field(default=0.005, validator=v.positive)
-    request_timeout_s: float = attrs.field(default=5.0, validator=v.positive)
-    load_timeout_s: float = attrs.field(default=60.0, validator=v.positive)
-    # default: a sixth of the grant's TTL (vLLM's rhythm)
-    heartbeat_every_s: float | None = attrs.field(default=None, validator=v.optional(v.positive))
-    # head_size × dtype bytes, for heterogeneous TP views (0: views are already in bytes)
-    unit_bytes: int = attrs.field(default=0, validator=v.integer(0))
-    probe: bool = attrs.field(default=True, validator=v.flag)  # move a small test payload at connect time
-    probe_floor_gbps: float = attrs.field(default=0.2, validator=v.number)  # warn below this: never a silent slow path
-    # e.g. transports.select / OTel
-    on_connect: Callable[[PeerLink, ProbeResult | None], None] | None = attrs.field(default=None, validator=v.callback)
-    # a load that never started (claim refused: P's lease was already gone): the engine learns it here — the
-    # ledger has no load to fail, the reservation was cancelled (policy "fail") or kept for recompute
-    on_abandoned: Callable[[str, str], None] | None = attrs.field(default=None, validator=v.callback)
 
 
 # --- Consumer -----------------------------------------------------------------------------------------------------
@@ -178,24 +134,19 @@ class PeerLink:
 
 
 @dataclass(slots=True)
-class _Load:
+class _Load(LoadLaunch):  # its launch, progress and duties are the protocol core's, shared with the simulator
     request: str
     transfer: str  # D ledger's transfer id
     mode: str  # pull | push
     parts: list[tuple[PeerLink, GrantReply, int]]  # (link, grant, part index)
-    started: float
     handles: dict[int, TransferHandle] = field(default_factory=dict)  # part -> handle
     via: dict[int, Transport] = field(default_factory=dict)  # part -> the transport that owns its handle
-    done: set[int] = field(default_factory=set)
-    last_beat: float = 0.0
-    failed: bool = False
-    claimed: int = 0
-    live: bool = False  # claimed and started in the ledger
     tokens: dict[int, bytes] = field(default_factory=dict)  # part -> P's claim token for it
 
 
 class Consumer:
-    """D side: handshakes with P ranks, pulls (or asks for pushes), heartbeats leases, settles its ledger."""
+    """D side: fetches grants and holds them until their claim, handshakes with P ranks, pulls (or asks for
+    pushes), heartbeats leases, settles its ledger."""
 
     def __init__(
         self,
@@ -222,11 +173,14 @@ class Consumer:
         self._by_p_transfer: dict[str, str] = {}
         self.abandoned: dict[str, str] = {}  # request -> why its load never started (claim refused, ...)
         self.forged_notifications = 0  # push completions / failures that lacked the load's claim token
+        # (sender, note) -> None for the notes no load of this Consumer names (a layer-wise stream's), in order
+        self.note_sinks: list[Callable[[str, Notification], None]] = []
         self._log_forged = RateLimitedLog(log)
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)  # notified whenever a load leaves ``_loads``
         self._stop = threading.Event()
+        self._unclaimed = UnclaimedGrants(secret=options.secret, timeout_s=options.request_timeout_s)
         self._wakeful = False
         add_listener = getattr(transport, "add_completion_listener", None)
         if add_listener is not None:  # the transport wakes us when a transfer settles: no tight polling needed
@@ -376,9 +330,7 @@ class Consumer:
                 for link, grant, part in load.parts:  # the other P ranks of a multi-part load release now
                     if not lost(link):
                         with contextlib.suppress(SideChannelError):
-                            link.client.request(LoadFailed(grant.transfer, grant.generation, why,
-                                                           self.ledger.hlc.tick(), load.tokens.get(part, b"")),
-                                            timeout_s=1.0)
+                            self._load_failed(load, link, grant, part, why)
             for link in links:
                 for data, peer in {(self.transport, link.agent), (link.data or self.transport,
                                                                    link.data_peer or link.agent)}:
@@ -398,10 +350,47 @@ class Consumer:
         except queue.Empty as exc:
             raise TimeoutError(f"invalidating {agent} did not finish in {timeout_s}s") from exc
 
-    def fetch_grant(self, address: str, request: str) -> GrantReply:
-        """Ask P for a published grant (engines usually carry it in the request instead)."""
-        link = self.links[address]
-        return link.client.request(GetGrant(request))
+    # -- before the claim (the engine's thread): grants held while blocks are reserved -------------------------------
+    def fetch_grant(self, address: str, request: str, *, wait_s: float = 0.0) -> GrantReply:
+        """The grant the P rank at ``address`` published for its request ``request``. P may publish it after D
+        asks (vLLM: one scheduler step after the request finished), so an ``unknown_request`` refusal is asked
+        again, with backoff, for up to ``wait_s``. Needs no handshake. Raises :class:`SideChannelRefused`
+        (``unknown_request`` once ``wait_s`` is spent) or :class:`SideChannelError` (P did not answer)."""
+        return self._unclaimed.fetch(address, request, wait_s=wait_s)
+
+    def keep_alive(self, address: str, grant: GrantReply, *, timeout_s: float = 1.0) -> Ack:
+        """Renew ``grant``'s lease on the P rank at ``address`` while nobody has claimed it (the engine is still
+        reserving blocks; the claim of :meth:`pull` takes over). ``ok`` False: the lease is gone, ``detail`` says
+        why. Raises :class:`SideChannelError` when P does not answer within ``timeout_s``."""
+        return self._unclaimed.keep_alive(address, grant, timeout_s=timeout_s)
+
+    def hand_back(self, grants: Sequence[tuple[str, GrantReply]], reason: str, *, consumer: int) -> None:
+        """Tell each (P address, grant) that this D rank will read nothing of it (not needed, or its load failed
+        before it started), so that P releases now rather than at lease expiry. ``consumer``: this D rank's index
+        among the lease's consumers (a lease read by several D ranks is released once all of them settled). A P
+        rank that does not answer is logged and left to its lease's expiry."""
+        for address, grant in grants:
+            try:
+                self._unclaimed.hand_back(address, grant, reason, consumer=consumer, timeout_s=1.0)
+            except SideChannelError as exc:
+                log.info("could not tell %s that %s failed: %s", address, grant.transfer, exc)
+
+    def fail_unstarted(self, request: str, grants: Sequence[tuple[str, GrantReply]], reason: str, *,
+                       consumer: int) -> None:
+        """A load of ``request`` that never started (no grant, handshake refused, a grant for another D TP size):
+        the ledger records a failed load, so that the failure policy applies, and every grant fetched is handed
+        back (:meth:`hand_back`). A load the ledger already started fails as it is; otherwise, since no byte was
+        ever requested, a load of D's own id (``<grant transfer>/refused-by-d``, not the grant's) starts and
+        fails, so that D's log never shows a read of P's transfer that did not happen."""
+        req = self.ledger.requests.get(request)
+        first = grants[0][1] if grants else None
+        if req is not None and req.transfer is not None:
+            self.ledger.fail(req.transfer, reason)
+        elif req is not None:
+            transfer = f"{first.transfer if first is not None else request}/refused-by-d"
+            self.ledger.start_load(request, transfer, generation=first.generation if first else 0)
+            self.ledger.fail(transfer, reason)
+        self.hand_back(grants, reason, consumer=consumer)
 
     # -- loads ------------------------------------------------------------------------------------------------------
     def pull(
@@ -425,7 +414,8 @@ class Consumer:
         transfer = pairs[0][1].transfer if len(pairs) == 1 else f"{request}<-" + "+".join(g.transfer for _, g in pairs)
         if request not in self.ledger.requests:
             raise KeyError(f"request {request!r} is not reserved in the target ledger")
-        load = _Load(request, transfer, mode, parts, time.monotonic(), last_beat=time.monotonic())
+        now = time.monotonic()
+        load = _Load(request, transfer, mode, parts, started=now, last_beat=now, size=len(parts))
         with self._lock:
             self._loads[transfer] = load
             for _, grant, _ in parts:
@@ -450,11 +440,12 @@ class Consumer:
                 self._abandon(load, reason)
 
     def _launch(self, load: _Load) -> None:
-        """Claim every lease first; only then does the load start in D's ledger (so D never loads a transfer P
-        already released), then post the reads or ask for the push."""
+        """The launch the protocol core orders (:class:`~kvlifecycle.protocol.launch.LoadLaunch`): every lease
+        claimed first, then the load starts in D's ledger, then the reads are posted or the push asked for."""
         req = self.ledger.requests.get(load.request)
-        if req is None:
-            self._abandon(load, "request no longer reserved")
+        step = load.begin(reserved=req is not None)
+        if req is None:  # the engine gave the request up (aborted) before its load began: no lease is of use
+            self._abandon(load, step.reason, hand_back_all=True)
             return
         blocks = req.blocks
         mapped = {}
@@ -464,7 +455,9 @@ class Consumer:
             except BlockMappingError as exc:
                 self._abandon(load, str(exc), hand_back_all=True)  # P's lease is of no use: release it now
                 return
-        for link, grant, part in load.parts:
+        while step.action == "claim":
+            link, grant, part = load.parts[step.part]
+            sent = time.monotonic()
             try:
                 # claim first: the claim binds the lease to this agent, and its token to this load
                 beat = link.client.request(
@@ -472,13 +465,15 @@ class Consumer:
                               consumer=self._consumer_index(link))
                 )
             except SideChannelError as exc:
-                self._abandon(load, f"claim failed: {exc}")
-                return
-            if not beat.ok:
-                self._abandon(load, f"lease refused: {beat.detail}")
-                return
-            load.tokens[part] = getattr(beat, "token", b"")
-            load.claimed += 1
+                step = load.claim_unanswered(str(exc))
+                break
+            if beat.ok:
+                load.tokens[part] = getattr(beat, "token", b"")
+            step = load.claim_answered(part, ok=beat.ok, detail=beat.detail, sent_at=sent, ttl_s=grant.ttl_s,
+                                       reserved=True)  # a reservation cancelled meanwhile: start_load refuses
+        if step.action == "abandon":
+            self._abandon(load, step.reason)
+            return
         # One ledger step: start_load gates the posts at once, and its record joins the log after the launch.
         with self.ledger.step():
             self._start_and_post(load, blocks, mapped)
@@ -515,8 +510,8 @@ class Consumer:
                             load.tokens.get(part, b""),
                         )
                     )
-                except SideChannelError as exc:
-                    self._fail(load, f"push request failed: {exc}")
+                except SideChannelError as exc:  # P may have accepted it: its write may be landing
+                    self._settle_by(load, rules.on_push_unanswered(), f"push request failed: {exc}")
                     return
                 if not ack.ok:
                     self._fail(load, f"push refused: {ack.detail}")
@@ -568,19 +563,59 @@ class Consumer:
                 self.options.on_abandoned(load.request, reason)
             except Exception:
                 log.exception("on_abandoned hook failed")
-        for link, grant, part in load.parts if hand_back_all else load.parts[: load.claimed]:
+        for part in load.hand_back_parts(every_lease=hand_back_all):
+            link, grant, _ = load.parts[part]
             try:
-                link.client.request(
-                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
-                               load.tokens.get(part, b"")),
-                    timeout_s=1.0,
-                )
+                self._load_failed(load, link, grant, part, reason)
             except SideChannelError as exc:
                 log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
 
-    def _fail(self, load: _Load, reason: str) -> None:
+    def _load_failed(self, load: _Load, link: PeerLink, grant: GrantReply, part: int, reason: str) -> Ack:
+        """Tell P this part's load failed or was given up (its lease may go); raises SideChannelError."""
+        return link.client.request(LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
+                                              load.tokens.get(part, b""), self._consumer_index(link)), timeout_s=1.0)
+
+    def _give_up_push(self, load: _Load, reason: str) -> None:
+        """D cannot tell whether P's write is landing: it hands the lease back and keeps its blocks LOADING until
+        P answers — released: the load fails now; ``WRITE_IN_FLIGHT``: P cancels the write, then its ``failed``
+        notification fails the load. No answer: asked again at the heartbeat rhythm."""
+        load.given_up = load.given_up or reason
+        for link, grant, part in load.parts:
+            try:
+                ack = self._load_failed(load, link, grant, part, load.given_up)
+            except SideChannelError as exc:
+                log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
+                return
+            if not rules.hand_back_settles(ack.ok, ack.detail):
+                return
+        self._fail(load, load.given_up)
+
+    def _settle_by(self, load: _Load, how: rules.OnRefusal, reason: str) -> None:
+        """What ``kvlifecycle.protocol.consumer`` decided for the load: give up (P's word settles it) or fail."""
+        if how == "give_up":
+            self._give_up_push(load, reason)
+            return
+        if how == "drain_then_fail":  # P completed (or failed) its write before releasing: its word came first
+            self._drain_notifications()
+        if load.transfer in self._loads:
+            self._fail(load, reason)
+
+    def _fail(self, load: _Load, reason: str, *, wait_siblings: bool = True) -> None:
+        """Fail the whole load. While a sibling part's read is still in flight (several P ranks), its bytes may
+        still land: the blocks stay LOADING until every posted read settled (vLLM #56104), bounded by
+        ``load_timeout_s``; then the ledger fails the load and every P is told."""
         if load.failed and load.transfer not in self._loads:
             return
+        pending = [part for part, handle in load.handles.items()
+                   if load.via.get(part, self.transport).poll(handle) is XferStatus.PENDING]
+        first = not load.failing
+        settle = load.failure(reason, reads_in_flight=len(pending), wait_siblings=wait_siblings)
+        if settle is None:
+            if first:
+                log.warning("load %s of %s failing (%s): waiting for %d sibling read(s) in flight", load.transfer,
+                            load.request, reason, len(pending))
+            return
+        reason = settle
         load.failed = True
         with self._lock:
             self._loads.pop(load.transfer, None)
@@ -590,13 +625,10 @@ class Consumer:
                 load.via.get(part, self.transport).release(handle)
         if load.transfer in self.ledger.loads:
             self.ledger.fail(load.transfer, reason)
+            self.ledger.commit()  # durable before P hears of it (outside a launch step): P finds it in our log
         for link, grant, part in load.parts:  # tell P now rather than at lease expiry
             try:
-                link.client.request(
-                    LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
-                               load.tokens.get(part, b"")),
-                    timeout_s=1.0,
-                )
+                self._load_failed(load, link, grant, part, reason)
             except SideChannelError as exc:
                 log.info("could not tell %s that %s failed: %s", link.address, grant.transfer, exc)
 
@@ -605,11 +637,15 @@ class Consumer:
         now = time.monotonic()
         with self._lock:
             loads = list(self._loads.values())
+        timeout = self.options.load_timeout_s
         for load in loads:
-            if load.failed and load.live:
-                self._fail(load, "peer restarted (new agent epoch)")
+            duty = load.duty(now, reading=bool(load.handles), timeout_s=timeout)
+            if duty.action == "idle":
                 continue
-            if not load.live:
+            if duty.action != "poll":  # a read outlived its lease, a part failed, or a peer restarted
+                self._fail(load, duty.reason, wait_siblings=duty.wait_siblings)
+                if duty.action == "fail" and load.transfer in self._loads:
+                    self._heartbeat(load, now)  # the siblings' leases must outlive their reads
                 continue
             for part, handle in list(load.handles.items()):
                 data = load.via.get(part, self.transport)
@@ -635,10 +671,15 @@ class Consumer:
                         ok=True,
                     )
                 data.release(handle)
-            if load.transfer in self._loads and now - load.started > self.options.load_timeout_s:
-                self._fail(load, f"load timed out after {self.options.load_timeout_s}s")
-            elif load.transfer in self._loads and load.live:
+            if load.transfer not in self._loads:
+                continue
+            if load.after_poll(now, timeout) == "timeout":
+                self._settle_by(load, rules.on_load_timeout(load.mode), f"load timed out after {timeout}s")
+            elif load.live:
                 self._heartbeat(load, now)
+        self._drain_notifications()
+
+    def _drain_notifications(self) -> None:
         notes = list(self.transport.notifications())
         if self.fast_transport is not None:  # also sends the notifications of reads that completed meanwhile
             notes += self.fast_transport.notifications()
@@ -648,6 +689,8 @@ class Consumer:
             transfer = self._by_p_transfer.get(note.transfer)
             load = self._loads.get(transfer) if transfer else None
             if load is None or note.kind not in ("done", "failed"):
+                for sink in self.note_sinks:
+                    sink(_sender, note)
                 continue
             token, reason = note.payload[:TOKEN_BYTES], note.payload[TOKEN_BYTES:]
             if not hmac.compare_digest(token, load.tokens.get(note.part, b"\0")):
@@ -660,12 +703,14 @@ class Consumer:
                 self._fail(load, f"producer: {reason.decode(errors='replace')}")
 
     def _heartbeat(self, load: _Load, now: float) -> None:
-        ttl = min(g.ttl_s for _, g, _ in load.parts)
-        every = self.options.heartbeat_every_s or ttl / 6
-        if now - load.last_beat < every:
+        every = beat_every(min(g.ttl_s for _, g, _ in load.parts), self.options.heartbeat_every_s)
+        due = load.beat(now, every)
+        if due == "hand_back":  # handed back: ask again instead of renewing the lease
+            self._give_up_push(load, load.given_up)
+        if due != "renew":
             return
-        load.last_beat = now
         for link, grant, part in load.parts:
+            sent = time.monotonic()
             try:
                 beat = link.client.request(
                     Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
@@ -676,15 +721,15 @@ class Consumer:
                 log.info("heartbeat to %s failed: %s", link.address, exc)
                 continue
             if not beat.ok:
-                self._fail(load, f"lease lost: {beat.detail}")
+                self._settle_by(load, rules.on_renewal_refused(load.mode, beat.detail), f"lease lost: {beat.detail}")
                 return
+            load.renewals.acknowledged(part, sent, grant.ttl_s)
 
     def _part_done(self, load: _Load, part: int) -> None:
-        if part in load.done:
+        if not load.part_done(part):
             return
-        load.done.add(part)
         self.ledger.part_done(load.transfer, part)
-        if len(load.done) == len(load.parts):
+        if load.complete:
             with self._lock:
                 self._loads.pop(load.transfer, None)
                 for _, grant, _ in load.parts:
@@ -722,14 +767,6 @@ class Consumer:
         self._thread.join(10)
         for link in self.links.values():
             link.client.close()
+        self._unclaimed.close()
         self.ledger.commit()
 
-
-def __getattr__(name: str) -> Any:
-    """``Producer`` lives in :mod:`kvlifecycle.producer` (which imports this module) and is reached here too, where
-    callers have always found it."""
-    if name == "Producer":
-        from kvlifecycle import producer
-
-        return producer.Producer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

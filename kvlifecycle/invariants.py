@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvlifecycle import events as ev
 from kvlifecycle.machines import SourceState, TargetState
+from kvlifecycle.source_ledger import SourceLedger
+
+if TYPE_CHECKING:
+    from kvlifecycle.target_ledger import TargetLedger
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +30,8 @@ class Violation:
         return f"{self.rule}: {self.detail}"
 
 
-def check_source(ledger) -> list[Violation]:
-    state, pins = ledger.state, getattr(ledger, "pins", None)  # derived views: build each once
+def check_source(ledger: SourceLedger) -> list[Violation]:
+    state, pins = ledger.state, ledger.pins  # derived views: build each once
     out: list[Violation] = []
     n = ledger.num_blocks
     expected_pins = np.zeros(n, dtype=np.int64)
@@ -88,7 +93,7 @@ def check_source(ledger) -> list[Violation]:
     return out
 
 
-def check_target(ledger) -> list[Violation]:
+def check_target(ledger: TargetLedger) -> list[Violation]:
     state = ledger.state  # a derived view: build it once
     out: list[Violation] = []
     owner = np.zeros(ledger.num_blocks, dtype=np.int64)
@@ -110,11 +115,12 @@ def check_target(ledger) -> list[Violation]:
     return out
 
 
-def check_quiescent(ledger) -> list[Violation]:
+def check_quiescent(ledger: SourceLedger | TargetLedger) -> list[Violation]:
     """At quiescence: no pins, no leases, no in-flight transfers."""
-    state, pins = ledger.state, getattr(ledger, "pins", None)  # derived views: build each once
+    state = ledger.state  # a derived view: build it once
     out: list[Violation] = []
-    if ledger.side == "source":
+    if isinstance(ledger, SourceLedger):
+        pins = ledger.pins
         if ledger.leases:
             out.append(
                 Violation("quiescent-leases", f"{len(ledger.leases)} lease(s) left: {sorted(ledger.leases)[:5]}")
@@ -135,15 +141,35 @@ def check_quiescent(ledger) -> list[Violation]:
 
 def check_target_events(events: Iterable[ev.Event]) -> list[Violation]:
     """Independent of the ledger code: no request is READY_FOR_ATTENTION without a completion for every expected
-    part of its load, and no part completes twice."""
+    part of its load, no part completes twice, and a streaming part completes only after each layer of each of the
+    request's blocks landed, each once."""
     out: list[Violation] = []
     expected: dict[str, int] = {}
     done: dict[str, set[int]] = {}
+    blocks_of: dict[str, frozenset[int]] = {}  # request -> its reserved blocks
+    layers_of: dict[str, tuple[int, frozenset[int]]] = {}  # streaming transfer -> (layers, the request's blocks)
+    landed: dict[tuple[str, int], set[tuple[int, int]]] = {}  # (transfer, part) -> {(block, layer)}
     for e in events:
-        if isinstance(e, ev.TgtLoadStarted):
+        if isinstance(e, ev.TgtReserved):
+            blocks_of[e.request] = frozenset(ev.unpack_blocks(e.blocks).tolist())
+        elif isinstance(e, ev.TgtLoadStarted):
             expected[e.transfer] = e.parts
             done[e.transfer] = set()
+            if e.layers:
+                layers_of[e.transfer] = (e.layers, blocks_of.get(e.request, frozenset()))
+        elif isinstance(e, ev.TgtLayersLanded):
+            pairs = {(b, layer) for b in ev.unpack_blocks(e.blocks).tolist()
+                     for layer in range(e.first_layer, e.first_layer + e.num_layers)}
+            seen = landed.setdefault((e.transfer, e.part), set())
+            if pairs & seen:
+                out.append(Violation("duplicate-layer", f"transfer {e.transfer} part {e.part}: a layer landed twice"))
+            seen |= pairs
         elif isinstance(e, ev.TgtPartDone):
+            if e.transfer in layers_of:
+                layers, blocks = layers_of[e.transfer]
+                if len(landed.get((e.transfer, e.part), set())) < layers * len(blocks):
+                    out.append(Violation("part-before-its-layers",
+                                         f"transfer {e.transfer} part {e.part} done with layers missing"))
             parts = done.get(e.transfer)
             if parts is None:
                 out.append(Violation("part-without-load", f"transfer {e.transfer} part {e.part} with no live load"))
@@ -153,7 +179,7 @@ def check_target_events(events: Iterable[ev.Event]) -> list[Violation]:
             parts.add(e.part)
             if len(parts) == expected[e.transfer]:
                 del done[e.transfer]
-        elif isinstance(e, ev.TgtLoadFailed):
+        elif isinstance(e, ev.TgtLoadFailed | ev.TgtLoadDeclined):
             done.pop(e.transfer, None)
         elif isinstance(e, ev.TgtLocalFilled):
             pass
@@ -166,13 +192,22 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
     - a load D started after P had already released that transfer's lease (D read blocks P may have reused);
     - P released a lease as failed or cancelled while D's pull of it was still in flight (completion and expiry
       are the only ways a lease may end under a reader). In push mode P is the one reading its blocks (to write
-      them into D's): once its write failed, releasing before D has heard of it is the right order.
+      them into D's): once its write failed, releasing before D has heard of it is the right order. A lease that
+      every consumer completed ended under no reader, whatever its reason says: a cancel deferred under a claim
+      releases as ``cancelled`` at the last completion, and D may record its own DONE after that (it polls).
     """
     out: list[Violation] = []
     released: dict[str, tuple[int, str]] = {}
+    consumers: dict[str, int] = {}
+    completions: dict[str, int] = {}
     for e in source_events:
-        if isinstance(e, ev.SrcLeaseReleased):
-            released[e.transfer] = (e.hlc, e.reason)
+        if isinstance(e, ev.SrcGranted):
+            consumers[e.transfer] = e.consumers
+        elif isinstance(e, ev.SrcConsumerDone):
+            completions[e.transfer] = completions.get(e.transfer, 0) + 1
+        elif isinstance(e, ev.SrcLeaseReleased):
+            completed = completions.get(e.transfer, 0) >= consumers.get(e.transfer, 1)
+            released[e.transfer] = (e.hlc, "completed" if completed else e.reason)
     started: dict[str, int] = {}
     settled: dict[str, int] = {}
     pushed: set[str] = set()

@@ -1,5 +1,5 @@
-"""Descriptor math, numpy only (core-safe): descriptor arrays, descriptor ids, heterogeneous TP and block-size
-mapping, and the HND ↔ NHD permute.
+"""Descriptor math, numpy only (core-safe): descriptor arrays, descriptor ids, row groups and region groups,
+heterogeneous TP and block-size mapping, and the HND ↔ NHD permute.
 
 Descriptor ids follow vLLM's NixlConnector: the prepared list is region-major, ``id = region * blocks + block``
 (with ``blocks = num_blocks * split`` in a split view), so one request's ids for every region are a single
@@ -8,13 +8,14 @@ broadcast ``regions[:, None] * blocks + block_ids[None, :]``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from kvlifecycle.transport import WHOLE_BLOCK, BlockView, KVLayout
+from kvlifecycle.transport import WHOLE_BLOCK, BlockView, KVLayout, MemoryKind, RegionGroup
 
 _BlocksT = TypeVar("_BlocksT")  # a numpy array or a torch tensor: the core cannot name torch's type
 
@@ -25,32 +26,57 @@ class UnsupportedMappingError(ValueError):
     """A P/D combination this library refuses (at handshake, never at the first request)."""
 
 
+def _view_offsets(layout: KVLayout, view: BlockView) -> np.ndarray:
+    """Where each region's descriptors start in its blocks: ``view.offset`` in the first group, 0 in the others."""
+    offsets = np.full(layout.num_regions, view.offset, dtype=np.uint64)
+    offsets[layout.region_groups[0].regions:] = 0
+    return offsets
+
+
 def view_block_bytes(layout: KVLayout, view: BlockView) -> np.ndarray:
-    """Bytes per descriptor in each region under ``view``."""
+    """Bytes per descriptor in each region under ``view``.
+
+    A view slices the blocks of a layout's first region group (the KV pages, whose heads a TP rank holds a share
+    of); the rows of its other groups (SGLang's aux rows, the same on every rank) always move whole."""
     block = np.asarray(layout.block_bytes, dtype=np.uint64)
-    length = block - np.uint64(view.offset) if view.length == 0 else np.full_like(block, view.length)
-    if view.offset < 0 or (np.uint64(view.offset) + length > block).any():
+    first = layout.region_groups[0].regions
+    if view.split > 1 and len(layout.region_groups) > 1:
+        raise UnsupportedMappingError(f"view {view} splits blocks: region groups of their own block counts have no "
+                                      "sub-block id space")
+    head = block[:first]
+    length = head - np.uint64(view.offset) if view.length == 0 else np.full_like(head, view.length)
+    if view.offset < 0 or (np.uint64(view.offset) + length > head).any():
         raise UnsupportedMappingError(f"view {view} does not fit in blocks of {layout.block_bytes} bytes")
     if view.split < 1 or (length % np.uint64(view.split)).any():
         raise UnsupportedMappingError(f"view length {length.tolist()} does not split into {view.split}")
-    per_descriptor: np.ndarray = length // np.uint64(view.split)
+    per_descriptor: np.ndarray = np.concatenate([length // np.uint64(view.split), block[first:]])
     return per_descriptor
 
 
 def block_descs(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.ndarray:
-    """The Nx3 uint64 ``(address, length, device)`` array for every (region, block, sub-block), region-major."""
+    """The Nx3 uint64 ``(address, length, device)`` array for every (region, block, sub-block), region-major; a
+    region of a :class:`~kvlifecycle.transport.RegionGroup` lists its group's blocks."""
     sub_len = view_block_bytes(layout, view)  # per region
-    base = np.asarray(layout.base_addrs, dtype=np.uint64)
-    stride = np.asarray(layout.block_bytes, dtype=np.uint64)
-    blocks = np.arange(layout.num_blocks, dtype=np.uint64)
-    subs = np.arange(view.split, dtype=np.uint64)
-    addr = (
-        base[:, None, None]
-        + blocks[None, :, None] * stride[:, None, None]
-        + np.uint64(view.offset)
-        + subs[None, None, :] * sub_len[:, None, None]
-    ).reshape(-1)
-    length = np.repeat(sub_len, layout.num_blocks * view.split)
+    if not layout.groups:
+        base = np.asarray(layout.base_addrs, dtype=np.uint64)
+        stride = np.asarray(layout.block_bytes, dtype=np.uint64)
+        blocks = np.arange(layout.num_blocks, dtype=np.uint64)
+        subs = np.arange(view.split, dtype=np.uint64)
+        addr = (
+            base[:, None, None]
+            + blocks[None, :, None] * stride[:, None, None]
+            + np.uint64(view.offset)
+            + subs[None, None, :] * sub_len[:, None, None]
+        ).reshape(-1)
+        length = np.repeat(sub_len, layout.num_blocks * view.split)
+    else:  # split is 1 here (view_block_bytes refused the rest): one descriptor per (region, block of its group)
+        counts = np.asarray(layout.region_blocks, dtype=np.int64)
+        region = np.repeat(np.arange(layout.num_regions), counts)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        block = np.arange(region.size, dtype=np.uint64) - np.repeat(starts, counts).astype(np.uint64)
+        addr = (np.asarray(layout.base_addrs, dtype=np.uint64)[region] + _view_offsets(layout, view)[region]
+                + block * np.asarray(layout.block_bytes, dtype=np.uint64)[region])
+        length = sub_len[region]
     device = np.full(addr.shape, layout.device_id, dtype=np.uint64)
     return np.stack([addr, length, device], axis=1)
 
@@ -65,11 +91,11 @@ def block_descs_strided(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.n
     sub_len = view_block_bytes(layout, view)
     rows = len(layout.base_addrs)
     out = np.empty((rows, 5), dtype=np.uint64)
-    out[:, 0] = np.asarray(layout.base_addrs, dtype=np.uint64) + np.uint64(view.offset)
+    out[:, 0] = np.asarray(layout.base_addrs, dtype=np.uint64) + _view_offsets(layout, view)
     out[:, 1] = sub_len
     out[:, 2] = layout.device_id
     out[:, 3] = np.asarray(layout.block_bytes, dtype=np.uint64)
-    out[:, 4] = layout.num_blocks
+    out[:, 4] = np.asarray(layout.region_blocks, dtype=np.uint64)
     return out
 
 
@@ -89,6 +115,102 @@ def check_block_ids(block_ids: np.ndarray | Sequence[int], limit: int, what: str
     if ids.size and (ids.min() < 0 or ids.max() >= limit):
         raise ValueError(f"{what} block ids must be in [0, {limit}), got [{ids.min()}, {ids.max()}]")
     return ids
+
+
+def group_desc_ids(local_groups: Sequence[RegionGroup], remote_groups: Sequence[RegionGroup],
+                   local_blocks: np.ndarray, remote_blocks: np.ndarray,
+                   regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Descriptor ids of one post over layouts with region groups (checked block ids in the one id space of
+    :class:`~kvlifecycle.transport.KVLayout`): block ``i`` pairs ``local_blocks[i]`` with ``remote_blocks[i]``,
+    both in the same group, and moves in the selected ``regions`` of that group only. Region-major, as
+    :func:`desc_ids`; each region's descriptors start after those of the regions before it (its group's count
+    each). Raises :class:`UnsupportedMappingError` for a pair in different groups. Vectorised: it runs on every
+    post (a loop over regions cost 20 times :func:`desc_ids`)."""
+    local, remote = _GroupIndex.of(tuple(local_groups)), _GroupIndex.of(tuple(remote_groups))
+    local_of, remote_of = local.group_of(local_blocks), remote.group_of(remote_blocks)
+    if not np.array_equal(local_of, remote_of):
+        i = int(np.argmax(local_of != remote_of))
+        raise UnsupportedMappingError(f"block {int(local_blocks[i])} (group {int(local_of[i])}) cannot pair with "
+                                      f"block {int(remote_blocks[i])} (group {int(remote_of[i])})")
+    order = np.argsort(local_of, kind="stable")  # the blocks of each group, in their given order
+    per_group = np.bincount(local_of, minlength=local.region_group.max() + 1)
+    group_first = np.concatenate([[0], np.cumsum(per_group)[:-1]])
+    regs = np.asarray(regions, dtype=np.int64)
+    reg_group = local.region_group[regs]
+    repeats = per_group[reg_group]  # each selected region moves the blocks of its group
+    region = np.repeat(regs, repeats)
+    group = np.repeat(reg_group, repeats)
+    position = np.arange(region.size) - np.repeat(np.cumsum(repeats) - repeats, repeats)
+    block = order[group_first[group] + position]
+    local_ids = local.desc_start[region] + local_blocks[block] - local.block_start[group]
+    remote_ids = remote.desc_start[region] + remote_blocks[block] - remote.block_start[group]
+    return local_ids.astype(DESC_ID_DTYPE, copy=False), remote_ids.astype(DESC_ID_DTYPE, copy=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupIndex:
+    """Per region group and region: where its block ids and its descriptors start (built once per groups)."""
+
+    block_end: np.ndarray  # per group: one past its last block id
+    block_start: np.ndarray  # per group
+    region_group: np.ndarray  # per region: its group
+    desc_start: np.ndarray  # per region: its first descriptor id
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(groups: tuple[RegionGroup, ...]) -> _GroupIndex:
+        counts = np.asarray([g.num_blocks for g in groups], dtype=np.int64)
+        regions = [g.regions for g in groups]
+        per_region = np.repeat(counts, regions)
+        return _GroupIndex(np.cumsum(counts), np.cumsum(counts) - counts, np.repeat(np.arange(len(groups)), regions),
+                           np.cumsum(per_region) - per_region)
+
+    def group_of(self, blocks: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.block_end, blocks, side="right")
+
+
+def group_post_bytes(groups: Sequence[RegionGroup], desc_bytes: np.ndarray, ids: np.ndarray) -> int:
+    """Bytes a post of descriptor ``ids`` (from :func:`group_desc_ids`) moves, ``desc_bytes`` per region."""
+    region = np.searchsorted(_GroupIndex.of(tuple(groups)).desc_start, ids, side="right") - 1
+    return int(np.asarray(desc_bytes, dtype=np.int64)[region].sum())
+
+
+# --- row groups ------------------------------------------------------------------------------------------------
+
+
+def rows_layout(kind: MemoryKind | str, device_id: int, ptrs: Sequence[int], data_lens: Sequence[int],
+                item_lens: Sequence[int]) -> KVLayout:
+    """One region group as a :class:`KVLayout`: region ``i`` holds ``data_lens[i] // item_lens[i]`` rows of
+    ``item_lens[i]`` bytes from ``ptrs[i]`` (SGLang's ``KVArgs`` form). A group's block count is the fewest rows
+    any of its regions holds, so no descriptor reaches past a buffer. Engines whose rows come in groups of
+    different counts (SGLang: KV pages, and aux rows sized by the running requests) join one layout per group
+    with :func:`grouped_layout`."""
+    if not (len(ptrs) == len(data_lens) == len(item_lens)) or not ptrs:
+        raise ValueError(f"a row group needs one ptr, length and row size per region, got {len(ptrs)}, "
+                         f"{len(data_lens)} and {len(item_lens)}")
+    rows = min(int(n) // int(i) for n, i in zip(data_lens, item_lens, strict=True))
+    if rows < 1:
+        raise ValueError(f"a region of the group holds no whole row (lengths {list(data_lens)}, rows of "
+                         f"{list(item_lens)} bytes)")
+    return KVLayout(MemoryKind(kind), device_id, rows, tuple(int(p) for p in ptrs), tuple(int(i) for i in item_lens))
+
+
+def grouped_layout(*parts: KVLayout) -> KVLayout:
+    """One layout of several region groups, one per part, in order (e.g. :func:`rows_layout` of SGLang's KV pages
+    then of its aux rows): part ``g``'s block ``b`` is block ``sum(n_0..n_{g-1}) + b`` of the result. Parts are
+    single groups of one memory kind and device."""
+    if not parts:
+        raise ValueError("a grouped layout needs at least one part")
+    if any(p.groups for p in parts) or len({(p.kind, p.device_id) for p in parts}) != 1:
+        raise ValueError("grouped_layout takes single-group layouts of one memory kind and device")
+    return KVLayout(parts[0].kind, parts[0].device_id, sum(p.num_blocks for p in parts),
+                    tuple(a for p in parts for a in p.base_addrs), tuple(b for p in parts for b in p.block_bytes),
+                    tuple(RegionGroup(p.num_regions, p.num_blocks) for p in parts))
+
+
+def group_start(layout: KVLayout, group: int) -> int:
+    """The first block id of region group ``group`` in ``layout``'s one id space."""
+    return sum(g.num_blocks for g in layout.region_groups[:group])
 
 
 # --- heterogeneous TP ------------------------------------------------------------------------------------------
@@ -161,6 +283,26 @@ def tp_plan(*, p_tp: int, d_tp: int, d_rank: int, p_block_bytes: int, d_block_by
     return TPPlan(reads, 1)
 
 
+def tp_source_ranks(*, p_tp: int, d_tp: int, d_rank: int) -> tuple[int, ...]:
+    """The P ranks D rank ``d_rank`` reads (the ``p_rank`` of :func:`tp_plan`'s reads, known before any byte size):
+    an engine connects to these before it knows P's block bytes."""
+    if p_tp < 1 or d_tp < 1 or not 0 <= d_rank < d_tp:
+        raise UnsupportedMappingError(f"bad TP sizes/rank: p_tp={p_tp} d_tp={d_tp} d_rank={d_rank}")
+    big, small = max(p_tp, d_tp), min(p_tp, d_tp)
+    if big % small:
+        raise UnsupportedMappingError(f"TP sizes must divide: P {p_tp}, D {d_tp}")
+    if d_tp >= p_tp:
+        return (d_rank // (d_tp // p_tp),)
+    ratio = p_tp // d_tp
+    return tuple(range(d_rank * ratio, (d_rank + 1) * ratio))
+
+
+def tp_consumers(*, p_tp: int, d_tp: int) -> int:
+    """How many D ranks read each P rank's blocks: the ``consumers`` of P's lease
+    (:attr:`TPPlan.consumers_per_p_rank`)."""
+    return max(d_tp // p_tp, 1)
+
+
 # --- block size mapping ----------------------------------------------------------------------------------------
 
 
@@ -230,6 +372,9 @@ def check_views_match(local: KVLayout, local_view: BlockView, remote: KVLayout, 
     """Refuse a (local, remote) pairing whose descriptors would not line up one to one."""
     if local.num_regions != remote.num_regions:
         raise UnsupportedMappingError(f"region counts differ: local {local.num_regions}, remote {remote.num_regions}")
+    mine, theirs = [g.regions for g in local.region_groups], [g.regions for g in remote.region_groups]
+    if mine != theirs:
+        raise UnsupportedMappingError(f"region groups differ: local {mine} regions, remote {theirs}")
     a = view_block_bytes(local, local_view)
     b = view_block_bytes(remote, remote_view)
     if not np.array_equal(a, b):

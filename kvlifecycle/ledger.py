@@ -21,13 +21,13 @@ module (:mod:`kvlifecycle.source_ledger`, :mod:`kvlifecycle.target_ledger`).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from kvlifecycle.blockids import MAX_BLOCKS
 from kvlifecycle.choices import Side, SideName
 
 if TYPE_CHECKING:
-    from kvlifecycle.eventlog import FsyncPolicy
+    from kvlifecycle.eventlog import FsyncPolicy, LogHeader
 
 from kvlifecycle.ledger_base import (
     BLOCK_DTYPE,
@@ -53,6 +53,18 @@ __all__ = [
 ]
 
 
+# The side, when the caller names it, fixes the class: open_ledger("target", ...) is a TargetLedger.
+@overload
+def open_ledger(side: Literal[Side.SOURCE, "source"], num_blocks: int, log_dir: str | os.PathLike[str] | None = ...,
+                *, fsync: FsyncPolicy | str = ..., **kwargs: Any) -> SourceLedger: ...
+@overload
+def open_ledger(side: Literal[Side.TARGET, "target"], num_blocks: int, log_dir: str | os.PathLike[str] | None = ...,
+                *, fsync: FsyncPolicy | str = ..., **kwargs: Any) -> TargetLedger: ...
+@overload
+def open_ledger(side: Side | SideName, num_blocks: int, log_dir: str | os.PathLike[str] | None = ...,
+                *, fsync: FsyncPolicy | str = ..., **kwargs: Any) -> SourceLedger | TargetLedger: ...
+
+
 def open_ledger(
     side: Side | SideName,
     num_blocks: int,
@@ -74,7 +86,7 @@ def open_ledger(
     return ledger
 
 
-def ledger_from_header(header: dict[str, Any]) -> SourceLedger | TargetLedger:
+def ledger_from_header(header: LogHeader) -> SourceLedger | TargetLedger:
     """The empty ledger a log's header describes. A header no ledger could have written (no side, no or a
     non-positive block count, a worker that is not a name, an unknown failure policy) is a :class:`ReplayError`."""
     if not isinstance(header, dict):

@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -16,11 +16,13 @@ from kvlifecycle import events as ev
 from kvlifecycle.blockids import MAX_BLOCKS, DuplicateScratch, parse_block_ids
 from kvlifecycle.choices import TransferMode
 from kvlifecycle.clock import Clock, HybridLogicalClock, MonotonicClock
-from kvlifecycle.eventlog import LogError
+from kvlifecycle.eventlog import EventLog, LogError
 from kvlifecycle.machines import INVALID, SOURCE
 
 if TYPE_CHECKING:
-    pass
+    import enum
+
+    from typing_extensions import Self
 
 
 BLOCK_DTYPE = ev.BLOCK_DTYPE
@@ -34,7 +36,7 @@ class _Step:
 
     __slots__ = ("ledger", "outer")
 
-    def __init__(self, ledger: Any) -> None:
+    def __init__(self, ledger: _Ledger[Any]) -> None:
         self.ledger = ledger
         self.outer = False
 
@@ -192,7 +194,18 @@ class Load:
 Listener = Callable[[ev.Event], None]
 
 
-class _Ledger:
+class _HeldBlocks(Protocol):
+    """What the shared base reads of a side's request record (:class:`_SourceRequest`, :class:`_TargetRequest`)."""
+
+    blocks: np.ndarray
+    epoch: int
+    state: int
+
+
+_RequestT = TypeVar("_RequestT", bound=_HeldBlocks)
+
+
+class _Ledger(Generic[_RequestT]):
     """What both sides share: block arrays, epochs, the event plumbing, and the compiled machine.
 
     Hot path: a request's blocks move together, so while a request holds its blocks exclusively its state is one
@@ -203,12 +216,14 @@ class _Ledger:
 
     side = ""
     _machine = SOURCE
+    _first_trigger: str  # the trigger that takes a FREE block into its first owned state
+    requests: dict[str, _RequestT]  # each side's request records, made before this base's __init__ runs
 
     def __init__(
         self,
         num_blocks: int,
         *,
-        log: Any | None = None,
+        log: EventLog | None = None,
         clock: Clock | None = None,
         hlc: HybridLogicalClock | None = None,
         worker: str = "",
@@ -238,7 +253,8 @@ class _Ledger:
         self._final: dict[int, int] = {}  # lazy replay: allocation seq -> state its blocks were left in
         self._owner: dict[int, str] = {}  # allocation seq -> request, for requests that hold their blocks
         self._owned = int(self._machine.triggers[self._first_trigger].when_true[0])  # FREE -> first owned state
-        self._handlers: dict[type, Callable[[Any], None]] = {}
+        # each handler takes the one event class it is keyed by (a mapping the type system cannot state)
+        self._handlers: dict[type[ev.Event], Callable[[Any], None]] = {}
         # scalar views of the compiled tables, for per-request transitions
         self._next = {
             name: (tuple(int(x) for x in t.when_true), tuple(int(x) for x in t.when_false))
@@ -254,7 +270,7 @@ class _Ledger:
         """
         if self._lazy:
             self._materialize()
-        view = self._state.copy()
+        view: np.ndarray = self._state.copy()  # numpy types copy() as Any
         for req in self.requests.values():
             if req.state >= 0 and req.state != self._owned:
                 view[req.blocks] = req.state
@@ -265,7 +281,7 @@ class _Ledger:
         ids = self._as_blocks(block_ids)
         if self._lazy:
             self._materialize()
-        out = self._state.take(ids)
+        out: np.ndarray = self._state.take(ids)
         owned = out == self._owned
         if owned.any():
             epochs = self.epoch.take(ids)
@@ -294,8 +310,8 @@ class _Ledger:
             log.append_payload(payload)
         else:
             self._handlers[type(event)](event)
-            if log is not None:
-                deferred.append(event)  # type: ignore[union-attr]  # encoded when the log writes its batch
+            if log is not None and deferred is not None:
+                deferred.append(event)  # encoded when the log writes its batch
         if self.listeners:
             for listener in self.listeners:
                 listener(event)
@@ -317,13 +333,13 @@ class _Ledger:
         raises :class:`ReplayError` naming it; nothing else escapes."""
         handlers = self._handlers
         last = 0
-        event: Any = None
+        event: ev.Event | None = None
         try:
             for event in events:
                 handlers[type(event)](event)
                 last = event.hlc
         except _FOLD_ERRORS as exc:
-            if type(event) not in handlers:
+            if event is None or type(event) not in handlers:
                 raise ReplayError(f"{type(event).__name__} does not belong in a {self.side} log") from None
             raise self._impossible(event, exc) from exc
         if last > self.hlc.last:
@@ -367,6 +383,18 @@ class _Ledger:
     def _on_observed(self, event: ev.TransferObserved) -> None:
         pass
 
+    def _advance_peer_epoch(self, peer: str, epoch: int) -> tuple[bool, int | None]:
+        """Record ``peer``'s agent epoch if it is newer (caller holds the lock): (advanced, the epoch known before).
+        The same epoch again changes nothing; an older one is refused and recorded."""
+        known = self.peer_epochs.get(peer)
+        if known is not None and epoch <= known:
+            if epoch < known:
+                self._refuse("peer_restarted", f"epoch {epoch} older than known {known} for {peer}")
+            return False, known
+        hlc, at = self._stamp()
+        self._record(ev.PeerEpochChanged(hlc, at, peer, epoch))
+        return True, known
+
     def _on_peer_epoch(self, event: ev.PeerEpochChanged) -> None:
         self.peer_epochs[event.peer] = event.epoch
 
@@ -405,7 +433,7 @@ class _Ledger:
                 self._refuse(command, reason, request)
                 raise BlockBusyError(reason)
 
-    def _state_enum(self, value: int) -> Any:
+    def _state_enum(self, value: int) -> enum.IntEnum:
         raise NotImplementedError
 
     def _as_blocks(self, block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
@@ -446,7 +474,7 @@ class _Ledger:
         self._owner[self.allocations] = request
         return self.allocations
 
-    def _released_blocks(self, req: Any, final: int) -> None:
+    def _released_blocks(self, req: _RequestT, final: int) -> None:
         """A request gave its blocks up, leaving them in ``final`` (FREE or PREFIX_CACHED)."""
         self._owner.pop(req.epoch, None)
         if self._lazy:
@@ -513,7 +541,7 @@ class _Ledger:
                 self.log.append_events(events)  # encoded when the batch is written, not here
 
     @classmethod
-    def fold(cls, events: Iterable[ev.Event], num_blocks: int, **kwargs: Any) -> Any:
+    def fold(cls, events: Iterable[ev.Event], num_blocks: int, **kwargs: Any) -> Self:
         """A ledger rebuilt from ``events`` (no log attached)."""
         ledger = cls(num_blocks, **kwargs)
         ledger.begin_replay()

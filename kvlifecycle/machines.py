@@ -236,6 +236,8 @@ TARGET_MACHINE = MachineSpec(
     records=(
         Records(ev.TgtReserved, ("reserve",)),
         Records(ev.TgtLoadStarted, ("start_load",)),
+        Records(ev.TgtLayersLanded, ("layer_landed",)),
+        Records(ev.TgtLoadDeclined, ("decline", "discard")),  # discard: declined after a cancel
         Records(ev.TgtPartDone, ("part_done", "discard")),  # discard: the part settles a cancelled load
         Records(ev.TgtLoadFailed, ("load_failed", "discard")),
         Records(ev.TgtCancelled, ("cancel",)),
@@ -246,6 +248,12 @@ TARGET_MACHINE = MachineSpec(
     edges=(
         Edge("reserve", "FREE", "RESERVED", why="the decode scheduler allocates local blocks"),
         Edge("start_load", "RESERVED", "LOADING", why="transfer posted (pull) or target exposed (push)"),
+        Edge(
+            "layer_landed",
+            "LOADING",
+            "LOADING",
+            why="a layer batch of a streaming load landed; the part completes when every layer of every block did",
+        ),
         Edge(
             "part_done",
             "LOADING",
@@ -270,6 +278,12 @@ TARGET_MACHINE = MachineSpec(
             guard="recompute",
             negate=True,
             why="failure policy fail: the request errors out",
+        ),
+        Edge(
+            "decline",
+            "LOADING",
+            "RESERVED",
+            why="the source declined a stream before writing a byte: the post-prefill path fills the reservation",
         ),
         Edge("cancel", "RESERVED", "FREE", why="request cancelled or preempted before loading"),
         Edge(

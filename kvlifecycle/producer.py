@@ -7,15 +7,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
+from kvlifecycle.block_mapping import BlockMappingError, map_blocks
 from kvlifecycle.claims import TOKEN_BYTES, ClaimBook
 from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFailed, PushRequest
-from kvlifecycle.handoff import BlockMappingError, HandoffOptions, map_blocks
+from kvlifecycle.handoff_options import HandoffOptions
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
@@ -27,6 +29,7 @@ from kvlifecycle.handshake import (
     negotiate,
 )
 from kvlifecycle.ledger import SourceLedger
+from kvlifecycle.protocol.producer import Answer, ProducerProtocol
 from kvlifecycle.sidechannel import Ack, SideChannelRefused, SideChannelServer
 from kvlifecycle.transport import (
     Notification,
@@ -42,6 +45,11 @@ from kvlifecycle.transport import (
 
 log = logging.getLogger("kvlifecycle.handoff")
 _DEFAULT_OPTIONS = HandoffOptions()
+ENDED_GRANTS_KEPT = 4096  # forgotten grants remembered for GetGrant (a few minutes of requests)
+# After a handshake D's connect-time probe reads from this side; over UCX that first READ completes only once this
+# agent has progressed the wire-up, so the data plane wakes and polls tightly for a while (not longer: on shared
+# cores a tight poll takes CPU from the engines; past it the idle rhythm still progresses the wire-up)
+WIRE_UP_ACTIVITY_S = 2.0
 
 
 # --- Producer -----------------------------------------------------------------------------------------------------
@@ -76,6 +84,10 @@ class Producer:
         self.fast_transport = fast_transport
         self.options = options
         self.grants: dict[str, GrantReply] = {}
+        self._aliases: dict[str, str] = {}  # request -> the other name its grant is published under
+        # grants the engine forgot (their lease ended), newest last: D asking for one is told at once that it
+        # ended, instead of waiting for a grant that will never be published
+        self._ended: OrderedDict[str, str] = OrderedDict()  # request -> its last transfer
         self.epochs = EpochTracker()
         self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
         self._push_refusals: dict[tuple[str, int], str] = {}
@@ -84,7 +96,8 @@ class Producer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.notifications_seen = 0
-        self._pushes_accepted: set[tuple[str, int, int]] = set()  # (transfer, generation, part): writes accepted
+        self._failed_consumers: dict[tuple[str, int], tuple[set[int], str]] = {}  # (transfer, gen) -> failed, why
+        self.protocol = ProducerProtocol(ledger)  # P's decisions (kvlifecycle.protocol), called under _lock
         self.claims = ClaimBook()  # per-claim tokens: only a lease's claimant may renew, fail or complete it
         self.server = SideChannelServer(
             {
@@ -123,6 +136,7 @@ class Producer:
         )
         with self._lock:
             self.grants[request] = reply
+            self._ended.pop(request, None)
         return reply
 
     # -- side-channel handlers (side-channel thread: short) ---------------------------------------------------------
@@ -147,6 +161,7 @@ class Producer:
             except RemoteMismatchError as exc:  # e.g. heterogeneous TP: D pulls its slices, P does not push
                 log.info("push to %s unavailable: %s", peer, exc)
                 self._push_refusals[(peer, msg.meta.epoch)] = str(exc)
+        self._expect_activity(WIRE_UP_ACTIVITY_S)
         return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta())
 
     def _fast_meta(self) -> PeerMetadata | None:
@@ -158,17 +173,41 @@ class Producer:
             log.info("no fast-path metadata offered: %s", exc)
             return None
 
+    def alias_grant(self, request: str, alias: str) -> bool:
+        """Publish ``request``'s grant under ``alias`` too (a layer-wise stream's key, which D knows the request by
+        when its stream fell back to the post-prefill path); :meth:`forget` of ``request`` drops both."""
+        with self._lock:
+            reply = self.grants.get(request)
+            if reply is None:
+                return False
+            self.grants[alias] = reply
+            self._aliases[request] = alias
+            return True
+
     def forget(self, request: str) -> GrantReply | None:
         """Stop publishing ``request``'s grant (the engine dropped it); the lease itself ends through the ledger."""
         with self._lock:
-            return self.grants.pop(request, None)
+            alias = self._aliases.pop(request, None)
+            if alias is not None:
+                self.grants.pop(alias, None)
+            reply = self.grants.pop(request, None)
+            if reply is not None:
+                for name in (request,) if alias is None else (request, alias):
+                    self._ended[name] = reply.transfer
+                while len(self._ended) > ENDED_GRANTS_KEPT:
+                    self._ended.popitem(last=False)
+            return reply
 
     def _on_get_grant(self, msg: GetGrant, _peer: bytes) -> GrantReply:
         with self._lock:
             reply = self.grants.get(msg.request)
-        if reply is None:
-            raise SideChannelRefused("unknown_request", f"no grant published for {msg.request!r}")
-        return reply
+            ended = self._ended.get(msg.request)
+        if reply is not None:
+            return reply
+        if ended is not None:  # final, unlike ``unknown_request`` (not published yet): the client stops waiting
+            raise SideChannelRefused("grant_ended", f"the lease of {msg.request!r} ({ended}) ended (completed, "
+                                     "failed or expired): its grant is no longer published")
+        raise SideChannelRefused("unknown_request", f"no grant published for {msg.request!r}")
 
     def _check_claim(self, transfer: str, generation: int, token: bytes, *, consumer: int | None = None,
                      unclaimed_ok: bool = False) -> str:
@@ -194,8 +233,8 @@ class Producer:
             why = self._check_claim(msg.transfer, msg.generation, msg.token, unclaimed_ok=not msg.token)
             if why:
                 return Ack(False, self._refuse_token("heartbeat", msg.transfer, why))
-            ok = self._renew(msg.transfer, msg.generation, msg.agent)
-            return Ack(ok, "" if ok else "lease is gone (released, expired or stale)")
+            answer = self._renew(msg.transfer, msg.generation, msg.agent, claim=bool(msg.token))
+            return Ack(answer.ok, answer.detail)
         return self._claim(msg)
 
     def _claim(self, msg: Heartbeat) -> Claimed:
@@ -207,46 +246,77 @@ class Producer:
         if token is None:
             why = f"claim token: consumer {msg.consumer} of this lease is claimed already"
             return Claimed(False, self._refuse_token("heartbeat", msg.transfer, why))
-        if not self._renew(msg.transfer, msg.generation, msg.agent):
+        answer = self._renew(msg.transfer, msg.generation, msg.agent)
+        if not answer.ok:
             self.claims.unclaim(msg.transfer, msg.generation, msg.consumer)
-            return Claimed(False, "lease is gone (released, expired or stale)")
+            return Claimed(False, answer.detail)
         return Claimed(True, "", token)
 
-    def _renew(self, transfer: str, generation: int, agent: str) -> bool:
-        ok = self.ledger.heartbeat(transfer, generation, peer=agent)
+    def _renew(self, transfer: str, generation: int, agent: str, claim: bool = True) -> Answer:
+        with self._lock:  # a lease expired under its write is answered WRITE_IN_FLIGHT, not released under it
+            answer = self.protocol.renew(transfer, generation, agent, claim=claim)
+        if answer.ok:  # a claim precedes a read: let the data plane poll tightly meanwhile
+            self._expect_activity(1.0)
+        return answer
+
+    def _expect_activity(self, seconds: float) -> None:
         expect = getattr(self.transport, "expect_activity", None)
-        if ok and expect is not None:  # a claim precedes a read: let the data plane poll tightly meanwhile
-            expect(1.0)
-        return ok
+        if expect is not None:
+            expect(seconds)
 
     def _on_load_failed(self, msg: LoadFailed, _peer: bytes) -> Ack:
         # Without a token only a lease nobody claimed can be handed back (an engine that never started the load);
         # a claimed lease is the claimant's to fail.
-        why = self._check_claim(msg.transfer, msg.generation, msg.token, unclaimed_ok=True)
+        # a consumer index names whose token this must be: one reader cannot fail a sibling's share of the lease
+        why = self._check_claim(msg.transfer, msg.generation, msg.token, unclaimed_ok=True,
+                                consumer=msg.consumer if msg.consumer >= 0 and msg.token else None)
         if why:
             return Ack(False, self._refuse_token("fail", msg.transfer, why))
         if msg.hlc:  # D settled its load before telling us: our release must sort after that
             self.ledger.hlc.observe(msg.hlc)
-        return Ack(self.ledger.fail(msg.transfer, msg.generation, f"consumer: {msg.reason}"))
+        lease = self.ledger.leases.get(msg.transfer)
+        if lease is not None and lease.consumers > 1 and 0 <= msg.consumer < lease.consumers:
+            with self._lock:
+                key = (msg.transfer, msg.generation)
+                failed, _ = self._failed_consumers.get(key, (set(), ""))
+                failed.add(msg.consumer)
+                self._failed_consumers[key] = (failed, msg.reason)
+            self._fail_when_settled(key)  # else once every sibling consumer settled (or at lease expiry)
+            return Ack(True)
+        with self._lock:  # released now, or (WRITE_IN_FLIGHT) once our write of it was cancelled
+            answer = self.protocol.hand_back(msg.transfer, msg.generation, msg.reason)
+        return Ack(answer.ok, answer.detail)
+
+    def _fail_when_settled(self, key: tuple[str, int]) -> bool:
+        """Release a lease some of whose consumers failed once none of its consumers may still be reading."""
+        lease = self.ledger.leases.get(key[0])
+        with self._lock:
+            entry = self._failed_consumers.get(key)
+            if entry is None:
+                return False
+            failed, reason = set(entry[0]), entry[1]
+            gone = lease is None or lease.generation != key[1]
+            if lease is not None and not gone and len(failed | lease.done) < lease.consumers:
+                return False
+            self._failed_consumers.pop(key, None)
+        if not gone:
+            with self._lock:
+                self.protocol.hand_back(key[0], key[1], f"{sorted(failed)}: {reason}")
+        return True
 
     def _on_push(self, msg: PushRequest, _peer: bytes) -> Ack:
-        lease = self.ledger.leases.get(msg.transfer)
         plan = self._push_plans.get((msg.agent, msg.epoch))
-        if lease is None or plan is None:
-            why = self._push_refusals.get((msg.agent, msg.epoch), "handshake with push metadata first")
-            return Ack(False, "no live lease" if lease is None else f"push unavailable: {why}")
         why = self._check_claim(msg.transfer, msg.generation, msg.token)  # only the claimant has P write for it
         if why:
             return Ack(False, self._refuse_token("push", msg.transfer, why))
-        key = (msg.transfer, msg.generation, msg.part)
-        if key in self._pushes_accepted:
-            # a duplicated request (a retry, or the network delivering it twice): one WRITE per part, ever; a second
-            # would read the source blocks after the first's completion freed them, or land in blocks D recomputed
-            return Ack(True, "duplicate: this part's write was already accepted")
-        if not self.ledger.heartbeat(msg.transfer, msg.generation):  # renew before the write
-            return Ack(False, "lease is gone (released, expired or stale)")
+        unavailable = None if plan is not None else self._push_refusals.get(
+            (msg.agent, msg.epoch), "handshake with push metadata first")
+        with self._lock:  # no live lease, no plan, a duplicate (one WRITE per part, ever), or renewed to write
+            admission = self.protocol.admit_push(msg.transfer, msg.generation, msg.part, unavailable=unavailable)
+        if not admission.write or plan is None or admission.source is None:
+            return Ack(admission.answer.ok, admission.answer.detail)
         try:  # D may hold a prefix already: it then gets P's tail; a D block left empty is refused
-            dst, src = map_blocks(np.asarray(msg.blocks, dtype=np.int32), lease.blocks)
+            dst, src = map_blocks(np.asarray(msg.blocks, dtype=np.int32), admission.source)
         except BlockMappingError as exc:  # D fails its load and answers LoadFailed, which releases the lease
             return Ack(False, str(exc))
         note = Notification(
@@ -259,7 +329,8 @@ class Producer:
             msg.token,  # the claim's token: D takes this completion (or failure) only from the P it claimed
             hlc=self.ledger.hlc.tick(),
         )
-        self._pushes_accepted.add(key)
+        with self._lock:
+            self.protocol.accept_write(msg.transfer, msg.generation, msg.part)
         self._jobs.put(lambda: self._start_push(plan, src, dst, msg, note))
         return Ack(True)
 
@@ -267,12 +338,27 @@ class Producer:
     def _start_push(
         self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest, note: Notification
     ) -> None:
+        why = self._must_stop(msg.transfer, msg.generation)
+        if why:  # e.g. the job ran after the lease expired
+            self._write_settled(msg.transfer, msg.generation, msg.part, None)
+            self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"write not posted: {why}")
+            return
         try:
             handle = self.transport.post(XferOp.WRITE, plan, src, dst, notification=note, transfer=msg.transfer)
         except (TransportError, ValueError) as exc:
+            self._write_settled(msg.transfer, msg.generation, msg.part, None)
             self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"post failed: {exc}")
             return
         self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
+
+    def _must_stop(self, transfer: str, generation: int) -> str:
+        with self._lock:
+            return self.protocol.stop_write(transfer, generation)
+
+    def _write_settled(self, transfer: str, generation: int, part: int, status: XferStatus | None) -> None:
+        """A write ended (DONE completes its part) or was never posted; a hand-back waiting for it releases now."""
+        with self._lock:
+            self.protocol.write_settled(transfer, generation, part, status)
 
     def _push_failed(self, transfer: str, generation: int, peer: str, note: Notification, reason: str) -> None:
         """A failed write must reach D (SGLang #36033). D settles its load first and answers ``LoadFailed``, which
@@ -293,7 +379,13 @@ class Producer:
         for push in self._pushes:
             status = self.transport.poll(push.handle)
             if status is XferStatus.PENDING:
-                still.append(push)
+                why = self._must_stop(push.transfer, push.generation)
+                if not why:
+                    still.append(push)
+                    continue
+                self.transport.release(push.handle)  # cancels the write: it never outlives its lease
+                self._write_settled(push.transfer, push.generation, push.note.part, None)
+                self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write cancelled: {why}")
                 continue
             stats = self.transport.stats(push.handle)
             if status is XferStatus.DONE:
@@ -307,9 +399,10 @@ class Producer:
                         backend=stats.backend,
                         ok=True,
                     )
-                self.ledger.consumer_done(push.transfer, push.generation, push.note.part)
+                self._write_settled(push.transfer, push.generation, push.note.part, status)
             else:
                 err = self.transport.error(push.handle)
+                self._write_settled(push.transfer, push.generation, push.note.part, None)
                 self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write failed: {err}")
             self.transport.release(push.handle)
         self._pushes = still
@@ -331,10 +424,9 @@ class Producer:
                 continue
             if note.hlc:
                 self.ledger.hlc.observe(note.hlc)
-            if note.kind == "done":
-                self.ledger.consumer_done(note.transfer, note.generation, note.part)
-            else:
-                self.ledger.fail(note.transfer, note.generation, f"consumer: {rest.decode(errors='replace')}")
+            with self._lock:
+                self.protocol.on_notification(note.kind, note.transfer, note.generation, note.part,
+                                              rest.decode(errors="replace"))
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -350,11 +442,12 @@ class Producer:
                 if self._pushes:
                     self._poll_pushes()
                 self._drain()
-                self.ledger.sweep()
+                for key in list(self._failed_consumers):
+                    self._fail_when_settled(key)
+                with self._lock:  # a lease expired under its write waits for the write's cancel
+                    self.protocol.sweep()
                 if len(self.claims):
                     self.claims.prune(self._lease_is_live)
-                if self._pushes_accepted:  # a push of a lease that ended is refused anyway: forget it
-                    self._pushes_accepted = {k for k in self._pushes_accepted if self._lease_is_live(k[0], k[1])}
                 self.ledger.commit()
             except Exception:
                 log.exception("producer service step failed")

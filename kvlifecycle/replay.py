@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvlifecycle import events as ev
 from kvlifecycle.clock import hlc_wall_seconds
-from kvlifecycle.eventlog import LogReader, TailRecovery, decode_payloads
+from kvlifecycle.eventlog import LogHeader, LogReader, TailRecovery, decode_payloads
 from kvlifecycle.invariants import (
     Violation,
     check_merged,
@@ -28,7 +29,7 @@ from kvlifecycle.ledger import SourceLedger, TargetLedger, ledger_from_header
 @dataclass
 class ReplayResult:
     path: str
-    header: dict[str, Any]
+    header: LogHeader
     ledger: SourceLedger | TargetLedger
     events: list[ev.Event]
     tail: TailRecovery | None = None
@@ -68,14 +69,14 @@ def replay(
             if cut is not None:
                 events = events[:cut]
                 done = True
-        if events and (ledger is None or scan_incarnation != incarnation):
-            if ledger is not None:
-                ledger.end_replay()
-                restarts.append(_crash_report(ledger, index, scan.path))
-            ledger = ledger_from_header(scan.header)
-            ledger.begin_replay()
-            incarnation = scan_incarnation
         if events:
+            if ledger is None or scan_incarnation != incarnation:
+                if ledger is not None:
+                    ledger.end_replay()
+                    restarts.append(_crash_report(ledger, index, scan.path))
+                ledger = ledger_from_header(scan.header)
+                ledger.begin_replay()
+                incarnation = scan_incarnation
             ledger.apply_all(events)
             if request is None:
                 kept += events
@@ -99,9 +100,9 @@ def _mentions(event: ev.Event, request: str, transfers: set[str]) -> bool:
     return getattr(event, "transfer", None) in transfers
 
 
-def _crash_report(ledger: SourceLedger | TargetLedger, index: int, segment: Any) -> dict[str, Any]:
+def _crash_report(ledger: SourceLedger | TargetLedger, index: int, segment: Path) -> dict[str, Any]:
     left: dict[str, Any] = {"at_index": index, "segment": str(segment)}
-    if ledger.side == "source":
+    if isinstance(ledger, SourceLedger):
         left.update(leases=len(ledger.leases), pinned_blocks=int((ledger.pins > 0).sum()))
     else:
         left.update(loads=len(ledger.loads))
@@ -110,7 +111,7 @@ def _crash_report(ledger: SourceLedger | TargetLedger, index: int, segment: Any)
 
 def check(result: ReplayResult, *, quiescent: bool = False) -> list[Violation]:
     ledger = result.ledger
-    out = check_source(ledger) if ledger.side == "source" else check_target(ledger)
+    out = check_source(ledger) if isinstance(ledger, SourceLedger) else check_target(ledger)
     if ledger.side == "target":
         out += check_target_events(result.events)
     if quiescent:
@@ -145,7 +146,7 @@ def summary(result: ReplayResult) -> dict[str, Any]:
         "stats": dict(ledger.stats),
         "refusals": dict(ledger.refusals),
     }
-    if ledger.side == "source":
+    if isinstance(ledger, SourceLedger):
         out["leases"] = {
             t: {
                 "request": lease.request,

@@ -131,7 +131,7 @@ def open_frame(frame: bytes, secret: bytes | None, *, max_bytes: int, max_depth:
     return rid, body
 
 
-def _decode_body(decoder: msgspec.msgpack.Decoder, body: bytes) -> Any:
+def _decode_body(decoder: msgspec.msgpack.Decoder[msgspec.Struct], body: bytes) -> msgspec.Struct:
     """The body's message, or :class:`FrameError` (``unknown_kind`` or ``malformed``); total."""
     try:
         return decoder.decode(body)
@@ -167,7 +167,7 @@ class SideChannelServer:
         name: str = "sidechannel",
     ) -> None:
         self.handlers = {Ping: lambda _m, _p: Ack(), **handlers}
-        self._decoder = msgspec.msgpack.Decoder(_union(self.handlers))
+        self._decoder: msgspec.msgpack.Decoder[msgspec.Struct] = msgspec.msgpack.Decoder(_union(self.handlers))
         self.secret = secret
         self.max_bytes = int(max_bytes)
         self.max_depth = int(max_depth)
@@ -177,7 +177,7 @@ class SideChannelServer:
         self._refusal_listeners: list[Callable[[str], None]] = []
         self._log_refusal = RateLimitedLog(log)
         self._log_error = RateLimitedLog(log, level=logging.ERROR)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # hard guard: zmq drops (only) the offending connection above this; below it we answer with a clear error
@@ -195,6 +195,15 @@ class SideChannelServer:
     @property
     def address(self) -> str:
         return f"tcp://{self.host}:{self.port}"
+
+    def add_handlers(self, handlers: dict[type, Handler]) -> None:
+        """Serve more message types (a layer-wise streamer beside a producer); a type served already is refused."""
+        taken = set(handlers) & set(self.handlers)
+        if taken:
+            raise ValueError(f"already served: {sorted(t.__name__ for t in taken)}")
+        merged = {**self.handlers, **handlers}
+        self._decoder = msgspec.msgpack.Decoder(_union(merged))  # decoder first: a served type always decodes
+        self.handlers = merged
 
     @property
     def bad_messages(self) -> int:
@@ -249,9 +258,9 @@ class SideChannelServer:
         elif len(frames) == 3 and frames[1] == b"":
             route, payload = frames[:2], frames[2]
         else:
-            reply = self._refuse("malformed", f"{len(frames)} frames: a message is one payload frame")
+            refusal = self._refuse("malformed", f"{len(frames)} frames: a message is one payload frame")
             if frames:
-                self._send(frames[:1], encode_frame(_encoder.encode(reply), 0, self.secret))
+                self._send(frames[:1], encode_frame(_encoder.encode(refusal), 0, self.secret))
             return
         rid, reply = self.handle_frame(payload, route[0])
         self._send(route, self._reply_frame(rid, reply))
@@ -310,11 +319,12 @@ class SideChannelClient:
         self.max_bytes = int(max_bytes)
         self.max_depth = int(max_depth)
         self.bad_replies = 0  # replies dropped because they could not be opened or were not for this request
-        self._decoder = msgspec.msgpack.Decoder(_union({ErrorReply, Ack, *reply_types}))
-        self._ctx = zmq.Context.instance()
+        self._decoder: msgspec.msgpack.Decoder[msgspec.Struct] = msgspec.msgpack.Decoder(
+            _union({ErrorReply, Ack, *reply_types}))
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._lock = threading.Lock()
         self._rid = 0
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._open()
 
     def _open(self) -> None:

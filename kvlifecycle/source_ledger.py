@@ -3,7 +3,7 @@ leases, consumers and the one release path. Import it from :mod:`kvlifecycle.led
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +32,7 @@ _S_ALLOCATED = int(SourceState.ALLOCATED)
 _S_READY = int(SourceState.READY)
 
 
-class SourceLedger(_Ledger):
+class SourceLedger(_Ledger[_SourceRequest]):
     """Prefill-side ledger: ALLOCATED → READY → PINNED_FOR_TRANSFER → RELEASABLE → FREE | PREFIX_CACHED."""
 
     side = "source"
@@ -75,13 +75,13 @@ class SourceLedger(_Ledger):
         }
         self._evictions: list[tuple[np.ndarray, np.ndarray]] = []  # lazy replay only
 
-    def _state_enum(self, value: int) -> Any:
+    def _state_enum(self, value: int) -> SourceState:
         return SourceState(value)
 
     @property
     def pins(self) -> np.ndarray:
         """Live leases pinning each block, as a new array."""
-        view = self._pins.copy()
+        view: np.ndarray = self._pins.copy()  # numpy types copy() as Any
         for req in self.requests.values():
             if req.leases and not req.shared:
                 view[req.blocks] = len(req.leases)
@@ -164,11 +164,13 @@ class SourceLedger(_Ledger):
             self._record(ev.SrcGranted(hlc, at, request, transfer, generation, consumers, at + ttl, peer))
             return Grant(request, transfer, generation, self.worker, req.blocks, req.epoch, consumers, ttl, at + ttl)
 
-    def heartbeat(self, transfer: str, generation: int, peer: str = "") -> bool:
+    def heartbeat(self, transfer: str, generation: int, peer: str = "", claim: bool = True) -> bool:
         """Renew (and claim) a lease. A consumer claims the lease with a heartbeat before it posts a read, so that a
-        cancel racing the read defers the release. A lease already past its expiry is not renewed: it is released
-        as expired, and the consumer must not read. ``peer`` names the consumer (its side-channel identity): the
-        lease is bound to it, so that :meth:`peer_restarted` releases it when that consumer comes back new."""
+        cancel racing the read defers the release. ``claim=False`` renews only: a keepalive from a consumer that
+        has not started reading, so a cancel still releases at once. A lease already past its expiry is not
+        renewed: it is released as expired, and the consumer must not read. ``peer`` names the consumer (its
+        side-channel identity): the lease is bound to it, so that :meth:`peer_restarted` releases it when that
+        consumer comes back new."""
         with self._lock:
             lease = self._live_lease("heartbeat", transfer, generation)
             if lease is None:
@@ -178,7 +180,7 @@ class SourceLedger(_Ledger):
                 self._refuse("heartbeat", "lease already expired", lease.request, transfer)
                 self._release(lease, "expired", "heartbeat arrived after expiry")
                 return False
-            self._record(ev.SrcLeaseRenewed(hlc, at, transfer, at + lease.ttl_s, peer))
+            self._record(ev.SrcLeaseRenewed(hlc, at, transfer, at + lease.ttl_s, peer, claim))
             return True
 
     def consumer_done(self, transfer: str, generation: int, consumer: int = 0) -> bool:
@@ -241,11 +243,13 @@ class SourceLedger(_Ledger):
             self._refuse("cancel", "nothing in flight to cancel (already released)", request)
             return False
 
-    def sweep(self) -> list[str]:
-        """Release every lease whose TTL ran out; returns their transfer ids."""
+    def sweep(self, keep: Container[str] = ()) -> list[str]:
+        """Release every lease whose TTL ran out, except those of ``keep`` (the caller still has a transfer that
+        reads them in flight: they are released once it settled); returns their transfer ids."""
         with self._lock:
             now = self.clock.now()
-            expired = [lease for lease in self.leases.values() if lease.expires_at <= now]
+            expired = [lease for lease in self.leases.values()
+                       if lease.expires_at <= now and lease.transfer not in keep]
             for lease in expired:
                 self._release(lease, "expired")
             return [lease.transfer for lease in expired]
@@ -253,13 +257,9 @@ class SourceLedger(_Ledger):
     def peer_restarted(self, peer: str, epoch: int) -> list[str]:
         """A peer came back with a new agent epoch: leases bound to it are released (its reads are gone)."""
         with self._lock:
-            known = self.peer_epochs.get(peer)
-            if known is not None and epoch <= known:
-                if epoch < known:
-                    self._refuse("peer_restarted", f"epoch {epoch} older than known {known} for {peer}")
+            advanced, known = self._advance_peer_epoch(peer, epoch)
+            if not advanced:
                 return []
-            hlc, at = self._stamp()
-            self._record(ev.PeerEpochChanged(hlc, at, peer, epoch))
             dropped = [lease for lease in self.leases.values() if peer in lease.peers] if known is not None else []
             for lease in dropped:
                 self._release(lease, "peer_restarted", f"{peer} epoch {known} -> {epoch}")
@@ -393,7 +393,7 @@ class SourceLedger(_Ledger):
     def _on_renewed(self, e: ev.SrcLeaseRenewed) -> None:
         lease = self.leases[e.transfer]
         lease.expires_at = e.expires_at
-        lease.claimed = True
+        lease.claimed = lease.claimed or e.claims
         if e.peer:
             lease.peers.add(e.peer)
         self.stats["renewed"] += 1

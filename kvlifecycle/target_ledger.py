@@ -1,5 +1,11 @@
 """The decode-side ledger: RESERVED → LOADING → READY_FOR_ATTENTION → FREE (a failed load never becomes READY).
-Import it from :mod:`kvlifecycle.ledger`."""
+Import it from :mod:`kvlifecycle.ledger`.
+
+A layer-wise streaming load (``start_load(..., layers=n)``) fills while P still computes: each layer batch is one
+``TgtLayersLanded`` (:meth:`TargetLedger.layers_landed`), and the ledger itself records a part's ``TgtPartDone``
+when the last layer of the last block of that part landed; a caller's ``part_done`` on such a load is refused.
+So a block never becomes READY_FOR_ATTENTION with a layer missing, and a failed layer fails the load (``fail``)
+like any failed part."""
 
 from __future__ import annotations
 
@@ -9,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvlifecycle import events as ev
+from kvlifecycle.blockids import parse_block_ids
 from kvlifecycle.choices import LoadFailurePolicy, LoadFailurePolicyName, TransferMode, TransferModeName
+from kvlifecycle.layer_progress import MAX_LAYERS, LayerProgress
 from kvlifecycle.machines import TARGET, TargetState
 
 if TYPE_CHECKING:
@@ -27,7 +35,7 @@ from kvlifecycle.ledger_base import (
 _T_RESERVED = int(TargetState.RESERVED)
 
 
-class TargetLedger(_Ledger):
+class TargetLedger(_Ledger[_TargetRequest]):
     """Decode-side ledger: RESERVED → LOADING → READY_FOR_ATTENTION → FREE; a failed load never becomes READY."""
 
     side = "target"
@@ -46,10 +54,13 @@ class TargetLedger(_Ledger):
         super().__init__(num_blocks, **kwargs)
         self.failure_policy = policy
         self.loads: dict[str, Load] = {}
+        self.layer_progress: dict[str, LayerProgress] = {}  # transfer -> landed flags, for streaming loads only
         self.stats = {"loaded": 0, "failed": 0, "recompute": 0, "cancelled": 0, "discarded": 0}
         self._handlers = {
             ev.TgtReserved: self._on_reserved,
             ev.TgtLoadStarted: self._on_load_started,
+            ev.TgtLayersLanded: self._on_layers_landed,
+            ev.TgtLoadDeclined: self._on_load_declined,
             ev.TgtPartDone: self._on_part_done,
             ev.TgtLoadFailed: self._on_load_failed,
             ev.TgtCancelled: self._on_cancelled,
@@ -63,7 +74,7 @@ class TargetLedger(_Ledger):
     def header(self) -> dict[str, Any]:
         return {**super().header(), "failure_policy": self.failure_policy.value}
 
-    def _state_enum(self, value: int) -> Any:
+    def _state_enum(self, value: int) -> TargetState:
         return TargetState(value)
 
     # -- commands -------------------------------------------------------------------------------------------------
@@ -86,9 +97,11 @@ class TargetLedger(_Ledger):
         peer: str = "",
         peer_epoch: int = 0,
         mode: TransferMode | TransferModeName = TransferMode.PULL,
+        layers: int = 0,
     ) -> None:
-        """The request's blocks start receiving bytes; ``parts`` completions (layers, shards, P ranks) are expected.
-        ``mode``: ``pull`` (D reads P's pinned blocks) or ``push`` (P writes into these)."""
+        """The request's blocks start receiving bytes; ``parts`` completions (shards, P ranks) are expected.
+        ``mode``: ``pull`` (D reads P's pinned blocks) or ``push`` (P writes into these). ``layers`` > 0: a
+        layer-wise streaming load, whose parts complete by :meth:`layers_landed`, never by :meth:`part_done`."""
         with self._lock:
             spelling = _MODE_SPELLINGS.get(mode)
             if spelling is None:
@@ -100,6 +113,9 @@ class TargetLedger(_Ledger):
             if parts < 1:
                 self._refuse("start_load", f"parts must be >= 1: got {parts}", request, transfer)
                 raise ValueError("parts must be >= 1")
+            if not isinstance(layers, int | np.integer) or not 0 <= layers <= MAX_LAYERS:
+                self._refuse("start_load", f"layers must be in [0, {MAX_LAYERS}]: got {layers!r}", request, transfer)
+                raise ValueError(f"layers must be in [0, {MAX_LAYERS}]")
             req = self._request("start_load", request, transfer)
             if transfer in self.loads:
                 self._refuse("start_load", "transfer already loading", request, transfer)
@@ -115,8 +131,35 @@ class TargetLedger(_Ledger):
                 raise InvalidTransitionError(reason)
             hlc, at = self._stamp()
             self._record(
-                ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, spelling)
+                ev.TgtLoadStarted(hlc, at, request, transfer, parts, generation, peer, peer_epoch, spelling,
+                                  int(layers))
             )
+
+    def layers_landed(self, transfer: str, part: int, first_layer: int, num_layers: int,
+                      block_ids: Iterable[int] | np.ndarray) -> bool:
+        """Layers ``[first_layer, first_layer + num_layers)`` of ``block_ids`` landed for ``part`` of a streaming
+        load. The batch that completes the part also records its ``TgtPartDone`` (the last part's makes the blocks
+        READY_FOR_ATTENTION). Refused (recorded, False): no live streaming load, a layer or part out of range, a
+        block not the request's, or a (block, layer) that landed already."""
+        with self._lock:
+            load = self._live_load("layers_landed", transfer)
+            if load is None:
+                return False
+            progress = self.layer_progress.get(transfer)
+            if progress is None:
+                self._refuse("layers_landed", "not a streaming load (started with layers=0)", load.request, transfer)
+                return False
+            ids, reason = parse_block_ids(block_ids, self.num_blocks)
+            reason = reason or progress.problem(part, first_layer, num_layers, ids)
+            if reason:
+                self._refuse("layers_landed", reason, load.request, transfer)
+                return False
+            hlc, at = self._stamp()
+            self._record(ev.TgtLayersLanded(hlc, at, transfer, part, first_layer, num_layers, ev.pack_blocks(ids)))
+            if progress.complete(part):
+                hlc, at = self._stamp()
+                self._record(ev.TgtPartDone(hlc, at, transfer, part))
+            return True
 
     def part_done(self, transfer: str, part: int = 0) -> bool:
         """One expected part (layer, shard, P rank) landed. The last one makes the blocks READY_FOR_ATTENTION."""
@@ -130,8 +173,28 @@ class TargetLedger(_Ledger):
             if part in load.done:
                 self._refuse("part_done", f"duplicate completion of part {part}", load.request, transfer)
                 return False
+            if transfer in self.layer_progress:  # its layers complete it: a part_done here could skip one
+                self._refuse("part_done", "a streaming load's parts complete by their layers", load.request, transfer)
+                return False
             hlc, at = self._stamp()
             self._record(ev.TgtPartDone(hlc, at, transfer, part))
+            return True
+
+    def decline(self, transfer: str, reason: str = "") -> bool:
+        """The source declined a streaming load before writing anything (its prefill began without this
+        reservation): the blocks go back to RESERVED for the post-prefill path (FREE if the request was cancelled
+        meanwhile). Refused once a layer landed: bytes were written, so only ``fail`` can end it."""
+        with self._lock:
+            load = self._live_load("decline", transfer)
+            if load is None:
+                return False
+            progress = self.layer_progress.get(transfer)
+            if progress is None or progress.landed.any():
+                why = "not a streaming load" if progress is None else "a layer landed already: fail it instead"
+                self._refuse("decline", why, load.request, transfer)
+                return False
+            hlc, at = self._stamp()
+            self._record(ev.TgtLoadDeclined(hlc, at, transfer, reason))
             return True
 
     def fail(self, transfer: str, reason: str = "") -> bool:
@@ -171,13 +234,9 @@ class TargetLedger(_Ledger):
     def peer_restarted(self, peer: str, epoch: int) -> list[str]:
         """A source peer came back with a new epoch: loads from its old incarnation fail cleanly."""
         with self._lock:
-            known = self.peer_epochs.get(peer)
-            if known is not None and epoch <= known:
-                if epoch < known:
-                    self._refuse("peer_restarted", f"epoch {epoch} older than known {known} for {peer}")
+            advanced, _known = self._advance_peer_epoch(peer, epoch)
+            if not advanced:
                 return []
-            hlc, at = self._stamp()
-            self._record(ev.PeerEpochChanged(hlc, at, peer, epoch))
             stale = [load for load in self.loads.values() if load.peer == peer and load.peer_epoch < epoch]
             for load in stale:
                 self.fail(load.transfer, f"peer_restarted: {peer} epoch {load.peer_epoch} -> {epoch}")
@@ -228,14 +287,29 @@ class TargetLedger(_Ledger):
         self._set(req, self._scalar("start_load", req.state))
         req.transfer = e.transfer
         self.loads[e.transfer] = Load(e.transfer, e.request, e.parts, e.generation, e.peer, e.peer_epoch, e.at)
+        if e.layers:
+            self.layer_progress[e.transfer] = LayerProgress(req.blocks, e.parts, e.layers)
+
+    def _on_layers_landed(self, e: ev.TgtLayersLanded) -> None:
+        load = self.loads[e.transfer]
+        req = self.requests[load.request]
+        self._set(req, self._scalar("layer_landed", req.state))
+        progress = self.layer_progress[e.transfer]
+        if self._replaying and not 0 <= e.first_layer <= e.first_layer + e.num_layers <= progress.layers:
+            raise ValueError(f"layers [{e.first_layer}, {e.first_layer + e.num_layers}) out of range")
+        progress.land(e.part, e.first_layer, e.num_layers, self._logged_blocks(e.blocks))
 
     def _on_part_done(self, e: ev.TgtPartDone) -> None:
         load = self.loads[e.transfer]
+        progress = self.layer_progress.get(e.transfer)
+        if progress is not None and not progress.complete(e.part):  # only a log written by someone else has this
+            raise ValueError(f"part {e.part} of a streaming load completed with layers missing")
         load.done.add(e.part)
         if len(load.done) < load.parts:
             return
         req = self.requests[load.request]
         del self.loads[e.transfer]
+        self.layer_progress.pop(e.transfer, None)
         req.transfer = None
         if req.cancel_pending:
             self._drop(load.request, self._scalar("discard", req.state))
@@ -246,6 +320,7 @@ class TargetLedger(_Ledger):
 
     def _on_load_failed(self, e: ev.TgtLoadFailed) -> None:
         load = self.loads.pop(e.transfer)
+        self.layer_progress.pop(e.transfer, None)
         req = self.requests[load.request]
         req.transfer = None
         if req.cancel_pending:
@@ -258,6 +333,18 @@ class TargetLedger(_Ledger):
             self._set(req, nxt)
         else:
             self._drop(load.request, nxt)
+
+    def _on_load_declined(self, e: ev.TgtLoadDeclined) -> None:
+        load = self.loads.pop(e.transfer)
+        self.layer_progress.pop(e.transfer)
+        req = self.requests[load.request]
+        req.transfer = None
+        if req.cancel_pending:
+            self._drop(load.request, self._scalar("discard", req.state))
+            self.stats["discarded"] += 1
+            return
+        self.stats["declined"] = self.stats.get("declined", 0) + 1
+        self._set(req, self._scalar("decline", req.state))
 
     def _on_cancelled(self, e: ev.TgtCancelled) -> None:
         req = self.requests[e.request]

@@ -276,6 +276,8 @@ class Instrumentation:
                 {
                     ev.TgtReserved: self._on_tgt_reserved,
                     ev.TgtLoadStarted: self._on_tgt_load_started,
+                    ev.TgtLayersLanded: self._on_tgt_layers_landed,
+                    ev.TgtLoadDeclined: self._on_tgt_load_declined,
                     ev.TgtPartDone: self._on_tgt_part_done,
                     ev.TgtLoadFailed: self._on_tgt_load_failed,
                     ev.TgtCancelled: self._on_tgt_cancelled,
@@ -620,6 +622,24 @@ class Instrumentation:
         self._child(handoff, "kv.reserved", req.start_ns, {"kv.request_id": e.request}).end(end_time=now)
         handoff.phase = self._child(handoff, "kv.load", now, {"kv.transfer_id": e.transfer, "kv.parts": e.parts})
         self._handoffs[e.transfer] = handoff
+
+    def _on_tgt_layers_landed(self, e: ev.TgtLayersLanded) -> None:
+        """A streaming load's layer batch: an event on the load's phase span (one per batch, not per block)."""
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is not None:
+            handoff.phase.add_event("kv.layers_landed", {"kv.part": e.part, "kv.first_layer": e.first_layer,
+                                                         "kv.num_layers": e.num_layers,
+                                                         "kv.blocks": len(e.blocks) // 4})
+
+    def _on_tgt_load_declined(self, e: ev.TgtLoadDeclined) -> None:
+        """A stream the source declined: the load span ends as ``declined``; the reservation stays."""
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is None:
+            return
+        req = self._requests.get(handoff.request)
+        self._settle(e.transfer, "declined", _now_ns(), e.at, e.reason)
+        if req is not None:
+            req.transfer = None
 
     def _on_tgt_part_done(self, e: ev.TgtPartDone) -> None:
         handoff = self._handoffs.get(e.transfer)

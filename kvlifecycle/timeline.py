@@ -202,6 +202,12 @@ class _Builder:
             self.slices.append(load)
             self.loads[(worker, e.transfer)] = load
             self.load_parts[(worker, e.transfer)] = (e.request, e.parts, set())
+            if e.layers:
+                load.args["layers"] = e.layers
+        elif isinstance(e, ev.TgtLayersLanded):
+            last = e.first_layer + e.num_layers - 1
+            layers = f"layer {e.first_layer}" if e.num_layers == 1 else f"layers {e.first_layer}-{last}"
+            self.instant(worker, f"{layers} landed", ts, transfer=e.transfer, part=e.part, blocks=len(e.blocks) // 4)
         elif isinstance(e, ev.TgtPartDone):
             entry = self.load_parts.get((worker, e.transfer))
             if entry is None:
@@ -212,6 +218,10 @@ class _Builder:
                 self.instant(worker, f"part {e.part} done", ts, transfer=e.transfer)
             if len(done) >= parts:
                 self._settle_load(worker, side, e.transfer, request, ts, "ready")
+        elif isinstance(e, ev.TgtLoadDeclined):
+            entry = self.load_parts.get((worker, e.transfer))
+            if entry is not None:
+                self._settle_load(worker, side, e.transfer, entry[0], ts, "declined", e.reason)
         elif isinstance(e, ev.TgtLoadFailed):
             entry = self.load_parts.get((worker, e.transfer))
             if entry is not None:
@@ -270,6 +280,8 @@ class _Builder:
             self.state(worker, side, request, "READY_FOR_ATTENTION", ts)
         elif outcome == "recompute":
             self.state(worker, side, request, "RESERVED (recompute)", ts)
+        elif outcome == "declined":
+            self.state(worker, side, request, "RESERVED (stream declined)", ts)
         else:
             self.state(worker, side, request, None, ts)
 

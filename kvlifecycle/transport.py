@@ -13,6 +13,10 @@ Life of a transport::
     t.stats(h); t.release(h)                  # a released handle raises HandleReleasedError when used
     t.notifications()                         # drained (peer, Notification) pairs
     t.remove_peer(peer); t.close()            # nothing left registered
+
+A transport that orders its copies on the device (:class:`DeviceOrderedPost`, the CUDA IPC transport) also takes
+``t.post_after(event, "WRITE", plan, ...)``: the copy is enqueued behind ``event`` and the call returns at once, so
+no thread waits for the work that writes the blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import msgspec
@@ -74,9 +78,30 @@ WHOLE_BLOCK = BlockView()
 
 
 @attrs.frozen
+class RegionGroup:
+    """``regions`` consecutive regions of a :class:`KVLayout` that hold ``num_blocks`` blocks each (SGLang: the KV
+    pages, and the aux rows, whose count follows the running requests instead)."""
+
+    regions: int = attrs.field(converter=v.plain_int, validator=v.integer(1))
+    num_blocks: int = attrs.field(converter=v.plain_int, validator=v.integer(1))
+
+
+def _region_groups(values: Any) -> Any:
+    """Converter: ``(regions, num_blocks)`` pairs (the wire's form) become :class:`RegionGroup` values."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        return values
+    return tuple(g if isinstance(g, RegionGroup) else RegionGroup(*g) for g in values)
+
+
+@attrs.frozen
 class KVLayout:
     """Where a worker's KV cache lives: ``len(base_addrs)`` regions (layer × K/V, or fused KV per layer), each
     ``num_blocks`` blocks of ``block_bytes[r]`` bytes laid out back to back from ``base_addrs[r]``.
+
+    ``groups`` (optional) splits the regions into consecutive :class:`RegionGroup` s with block counts of their
+    own. The block ids then form one space, group after group: group ``g``'s blocks are ids
+    ``[sum(n_0..n_{g-1}), +n_g)`` and address only its regions, and ``num_blocks`` is the sum. So one ledger
+    request, one lease and one post span every group (SGLang's pages and its aux row: ``pages + [n_0 + row]``).
 
     Validated when made, naming the field: ``KVLayout(MemoryKind.DRAM, 0, -4, ...)`` is a ``ValueError`` about
     ``num_blocks``; a float address a ``TypeError`` about ``base_addrs``."""
@@ -86,6 +111,7 @@ class KVLayout:
     num_blocks: int = attrs.field(converter=v.plain_int, validator=v.integer(1))
     base_addrs: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(0))
     block_bytes: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(1))
+    groups: tuple[RegionGroup, ...] = attrs.field(default=(), converter=_region_groups)
 
     @block_bytes.validator
     def _one_per_region(self, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]) -> None:
@@ -93,13 +119,35 @@ class KVLayout:
             raise ValueError(f"base_addrs and block_bytes need one entry per region, got {len(self.base_addrs)} "
                              f"and {len(value)}")
 
+    @groups.validator
+    def _groups_cover_the_layout(self, attribute: attrs.Attribute[tuple[RegionGroup, ...]],
+                                 value: tuple[RegionGroup, ...]) -> None:
+        if not isinstance(value, tuple) or not all(isinstance(g, RegionGroup) for g in value):
+            raise TypeError(f"groups must be RegionGroup values, got {value!r}")
+        if value and sum(g.regions for g in value) != len(self.base_addrs):
+            raise ValueError(f"groups must cover the {len(self.base_addrs)} regions, got "
+                             f"{sum(g.regions for g in value)}")
+        if value and sum(g.num_blocks for g in value) != self.num_blocks:
+            raise ValueError(f"groups' blocks must add up to num_blocks={self.num_blocks}, got "
+                             f"{sum(g.num_blocks for g in value)}")
+
     @property
     def num_regions(self) -> int:
         return len(self.base_addrs)
 
     @property
+    def region_groups(self) -> tuple[RegionGroup, ...]:
+        """The groups; a layout made without any is one group of every region."""
+        return self.groups or (RegionGroup(self.num_regions, self.num_blocks),)
+
+    @property
+    def region_blocks(self) -> tuple[int, ...]:
+        """Blocks per region: its group's count."""
+        return tuple(g.num_blocks for g in self.region_groups for _ in range(g.regions))
+
+    @property
     def region_bytes(self) -> tuple[int, ...]:
-        return tuple(b * self.num_blocks for b in self.block_bytes)
+        return tuple(b * n for b, n in zip(self.block_bytes, self.region_blocks, strict=True))
 
     @property
     def bytes_per_block_all_regions(self) -> int:
@@ -114,15 +162,17 @@ class LayoutWire(msgspec.Struct, frozen=True):
     num_blocks: int
     base_addrs: list[int]
     block_bytes: list[int]
+    # (regions, num_blocks) per region group; empty: one group. Defaulted, so an older peer's layout still decodes.
+    groups: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
     @classmethod
     def of(cls, layout: KVLayout) -> LayoutWire:
         return cls(layout.kind.value, layout.device_id, layout.num_blocks, list(layout.base_addrs),
-                   list(layout.block_bytes))
+                   list(layout.block_bytes), [(g.regions, g.num_blocks) for g in layout.groups])
 
     def to_layout(self) -> KVLayout:
         return KVLayout(MemoryKind(self.kind), self.device_id, self.num_blocks, tuple(self.base_addrs),
-                        tuple(self.block_bytes))
+                        tuple(self.block_bytes), tuple(self.groups))
 
 
 class PeerMetadata(msgspec.Struct, frozen=True):
@@ -235,6 +285,10 @@ class PreparedPlan:
     local_blocks: int  # blocks addressable in the local view (num_blocks × split)
     remote_blocks: int
     num_regions: int
+    # the layouts' region groups (KVLayout.region_groups; empty: not told): with several, a post's block ids
+    # address their own group's regions
+    local_groups: tuple[RegionGroup, ...] = ()
+    remote_groups: tuple[RegionGroup, ...] = ()
 
 
 # --- errors ----------------------------------------------------------------------------------------------------
@@ -339,3 +393,34 @@ class Transport(Protocol):
         """How many regions are registered now (0 after :meth:`close`)."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeviceOrderedPost(Protocol):
+    """An optional capability of a :class:`Transport`: a post ordered after work on the device, the host never
+    waiting for it. A transport that reads the memory straight (NIXL) or moves host memory has no such order, and
+    its caller waits for the blocks to be written before it posts.
+
+    .. versionadded:: 0.1.0"""
+
+    def post_after(
+        self,
+        after: object,
+        op: XferOp | str,
+        plan: PreparedPlan,
+        local_blocks: np.ndarray | Sequence[int],
+        remote_blocks: np.ndarray | Sequence[int],
+        *,
+        regions: np.ndarray | Sequence[int] | None = None,
+        notification: Notification | None = None,
+        transfer: str = "",
+    ) -> TransferHandle:
+        """As :meth:`Transport.post`, the copy starting only once ``after`` completed on the device instead of
+        after the posting thread's current stream. ``after`` is opaque here: its type is the transport's (the CUDA
+        IPC transport takes a recorded CUDA event); one it cannot order after raises :class:`TransportError`,
+        nothing posted. Returns at once, whether or not ``after`` completed."""
+
+
+def orders_on_device(transport: object) -> bool:
+    """Whether ``transport`` can order a post after device work (:class:`DeviceOrderedPost`)."""
+    return isinstance(transport, DeviceOrderedPost)

@@ -100,8 +100,9 @@ with open(sys.argv[1], "w") as out:
 PY
 pip_install -r "$reqs" "nixl==${NIXL_VERSION}" "torch==${TORCH_VERSION}"
 
-# 3. kvlifecycle itself, editable, from this checkout (deps are already satisfied above; keep torch where it is).
-pip_install -e "$REPO_ROOT" "torch==${TORCH_VERSION}"
+# 3. kvlifecycle itself, editable, from this checkout, with the etcd client the workers register through (deps are
+#    already satisfied above; keep torch where it is).
+pip_install -e "$REPO_ROOT[etcd]" "torch==${TORCH_VERSION}"
 
 # 4. Nothing may have dragged the CUDA companions in.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

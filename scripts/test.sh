@@ -24,7 +24,7 @@ if [[ "${CI:-}" == "true" ]]; then
     export KVL_REQUIRE_ALL=1
 fi
 set +e
-.venv/bin/python -m pytest -ra "$@"
+.venv/bin/python -m pytest -ra --durations=30 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

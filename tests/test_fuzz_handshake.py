@@ -24,7 +24,10 @@ COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=4, num_kv_heads=8
                     kv_layout="HND", tp_size=2)
 META = PeerMetadata("p", 5, "nixl", b"blob", LayoutWire("DRAM", 0, 16, [4096, 8192], [256, 256]))
 LEGIT = MetaReply(COMPAT, 1, META)
-VALID = [msgspec.msgpack.encode(LEGIT), msgspec.msgpack.encode(GetMeta(COMPAT, 0, "d", 3, META))]
+GROUPED = PeerMetadata("p", 5, "nixl", b"blob", LayoutWire("DRAM", 0, 19, [4096, 8192, 1 << 20], [256, 256, 40],
+                                                            [(2, 16), (1, 3)]))  # KV pages, then aux rows
+VALID = [msgspec.msgpack.encode(LEGIT), msgspec.msgpack.encode(GetMeta(COMPAT, 0, "d", 3, META)),
+         msgspec.msgpack.encode(MetaReply(COMPAT, 0, GROUPED))]
 
 
 
@@ -42,9 +45,14 @@ compat = st.builds(CompatInfo, model_id=mostly(st.just("m"), st.just("x" * 257))
                    wire_version=mostly(st.just(COMPAT.wire_version), st.integers(0, 3)))
 addr = mostly(st.integers(0, 2**48), st.sampled_from([-1, 2**64 - 1]))
 size = mostly(st.integers(1, 4096), st.sampled_from([-1, 0, 2**41]))
+# region groups: (regions, blocks) pairs that usually cover the layout (two groups of 2 regions, 32 + 32 blocks
+# when num_blocks is 64), sometimes not, sometimes with counts no layout has
+group = st.tuples(mostly(st.integers(1, 4), st.sampled_from([0, -1, 2**40])),
+                  mostly(st.sampled_from([1, 32, 63]), st.sampled_from([0, -1, 2**40])))
+groups = st.sampled_from([[], [(2, 32), (2, 32)], [(4, 63), (0, 1)]]) | st.lists(group, max_size=3)
 layout = st.builds(LayoutWire, mostly(st.sampled_from(["DRAM", "VRAM"]), st.just("HBM")), st.integers(-1, 8),
                    mostly(st.integers(1, 64), st.sampled_from([-1, 0, 2**33])), st.lists(addr, max_size=4),
-                   st.lists(size, max_size=4))
+                   st.lists(size, max_size=4), groups)
 meta = st.builds(PeerMetadata, st.text(max_size=20), mostly(st.integers(0, 99), st.just(-1)),
                  st.sampled_from(["nixl", "x"]), st.binary(max_size=16), layout, addr, size)
 rank = mostly(st.integers(0, 8), st.sampled_from([-1, 2**20 + 1]))
@@ -66,7 +74,11 @@ def test_handshake_decoder_is_total(raw: bytes) -> None:
         assert isinstance(msg, MetaReply | GetMeta)
         for m in (msg.meta, getattr(msg, "fast_meta", None)):
             if m is not None:
-                assert m.layout.to_layout().num_regions == len(m.layout.base_addrs)
+                accepted = m.layout.to_layout()
+                assert accepted.num_regions == len(m.layout.base_addrs)
+                # the groups of an accepted layout cover it: every region has a group, every block a region
+                assert len(accepted.region_blocks) == accepted.num_regions
+                assert sum(g.num_blocks for g in accepted.region_groups) == accepted.num_blocks
         try:
             plan = negotiate(COMPAT, msg.compat, d_rank=0)
         except CompatMismatchError as exc:

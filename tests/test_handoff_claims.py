@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvlifecycle.transports.loopback import LoopbackTransport
+from waiting import until
 
 from kvlifecycle.claims import TOKEN_BYTES
 from kvlifecycle.handoff import REPLY_TYPES, Claimed, GetGrant, Heartbeat, LoadFailed, Producer, PushRequest
@@ -22,15 +23,6 @@ from kvlifecycle.transport import KVLayout, MemoryKind, Notification
 BLOCKS, BYTES = 8, 64
 COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=1, num_kv_heads=1, head_size=16, block_size=1,
                     kv_layout="NHD")
-
-
-def until(fn, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if fn():
-            return True
-        time.sleep(0.002)
-    return False
 
 
 @pytest.fixture
@@ -174,3 +166,44 @@ def test_a_push_request_delivered_twice_writes_once(p) -> None:
     assert again.ok and "duplicate" in again.detail
     assert prod._jobs.empty() and prod._pushes == []  # nothing queued or in flight for it
     assert int(dkv[2].sum()) == 0 and prod.ledger.leases[g.transfer].done == {0}
+
+
+def test_a_keepalive_does_not_make_a_cancel_wait_for_a_reader_that_never_claimed(p) -> None:
+    """A keepalive renews a lease D holds while it reserves its blocks; nobody reads yet, so P's cancel must free
+    the pins at once instead of deferring them to the lease's end."""
+    import kvlifecycle.events as ev
+
+    prod, legit, _, _, _ = p
+    seen: list[ev.Event] = []
+    prod.ledger.listeners.append(seen.append)
+    kept, claimed = granted(prod, "kept", [1, 2]), granted(prod, "claimed", [3])
+    assert legit.request(Heartbeat(kept.transfer, kept.generation, "")).ok  # a keepalive: no agent, no token
+    assert claim(legit, claimed).ok
+    assert prod.ledger.cancel("kept") and prod.ledger.cancel("claimed")
+    assert kept.transfer not in prod.ledger.leases  # released now
+    assert claimed.transfer in prod.ledger.leases  # deferred: its claimant may be reading
+    deferred = [e.transfer for e in seen if isinstance(e, ev.SrcCancelDeferred)]
+    assert deferred == [claimed.transfer]
+    renewals = {e.transfer: e.claims for e in seen if isinstance(e, ev.SrcLeaseRenewed)}
+    assert renewals == {kept.transfer: False, claimed.transfer: True}
+
+
+def test_a_grant_whose_lease_ended_is_refused_as_ended_not_as_unpublished(p) -> None:
+    """A D that asks late for a grant (its lease expired before D saw the request) learns at once that it ended;
+    ``unknown_request`` (publication may still come, so D keeps asking) is only for a grant never published."""
+    from kvlifecycle.sidechannel import SideChannelRefused
+
+    prod, legit, _, _, _ = p
+    with pytest.raises(SideChannelRefused) as early:
+        legit.request(GetGrant("late"))
+    assert early.value.code == "unknown_request"
+    g = granted(prod, "late", [3])
+    assert legit.request(GetGrant("late")) == g
+    assert prod.ledger.cancel("late")  # the lease ends (expiry ends it the same way)
+    prod.ledger.free("late")
+    assert prod.forget("late") == g  # what the engine does once a lease ended
+    with pytest.raises(SideChannelRefused) as late:
+        legit.request(GetGrant("late"))
+    assert late.value.code == "grant_ended" and g.transfer in late.value.message
+    assert granted(prod, "late", [4]) is not None  # the id granted again is published again
+    assert legit.request(GetGrant("late")).block_ids == [4]

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvlifecycle.transports.loopback import LoopbackTransport
+from waiting import until
 
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
@@ -32,15 +33,6 @@ class Recorder:
 
     def __call__(self, event) -> None:
         self.events.append(event)
-
-
-def until(fn, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if fn():
-            return True
-        time.sleep(0.002)
-    return False
 
 
 @pytest.fixture

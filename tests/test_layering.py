@@ -1,14 +1,18 @@
-"""The core imports no torch, NIXL or engine, and no transport or adapter (checked in a fresh interpreter).
+"""The core imports no torch, NIXL or engine, and no transport or adapter (checked in a fresh interpreter); an
+adapter speaks to P and D only through the handoff, never to the side channel (checked in its source).
 
 The core is every module under ``kvlifecycle/`` except the tools (``kvlifecycle.cli``, ``kvlifecycle.tools``),
 discovered with pkgutil: a new core module is covered without editing this test."""
 
 from __future__ import annotations
 
+import ast
 import pkgutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import kvlifecycle
 
@@ -37,6 +41,70 @@ def test_the_core_module_list_is_discovered_not_written_down() -> None:
     assert {"kvlifecycle.handoff", "kvlifecycle.path_selection", "kvlifecycle.transport",
             "kvlifecycle.testing.transport_conformance"} <= set(modules)
     assert not any(_excluded(m) for m in modules)
+
+
+ADAPTERS = Path(__file__).resolve().parents[1] / "adapters"  # installed as kvlifecycle.adapters
+SIDE_CHANNEL = "kvlifecycle.sidechannel"
+SIDE_CHANNEL_ENDS = ("SideChannelClient", "SideChannelServer")  # only the handoff opens either
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The module an ``ImportFrom`` in ``module`` names, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".")[: -node.level]
+    return ".".join([*package, *([node.module] if node.module else [])])
+
+
+def side_channel_uses(source: str, module: str) -> list[str]:
+    """Where ``source`` (the text of ``module``) imports the side channel or names one of its ends."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, node)
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]  # importlib.import_module("kvlifecycle.sidechannel")
+        elif isinstance(node, (ast.Name, ast.Attribute)):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in SIDE_CHANNEL_ENDS:
+                found.append(f"line {node.lineno}: {name}")
+            continue
+        else:
+            continue
+        found += [f"line {node.lineno}: {name}" for name in names
+                  if name == SIDE_CHANNEL or name.startswith(SIDE_CHANNEL + ".")]
+    return found
+
+
+def adapter_modules() -> dict[str, Path]:
+    return {"kvlifecycle.adapters." + ".".join(path.relative_to(ADAPTERS).with_suffix("").parts): path
+            for path in sorted(ADAPTERS.rglob("*.py"))}
+
+
+def test_adapters_speak_to_peers_only_through_the_handoff() -> None:
+    """The handoff (Producer, Consumer) sends and serves every side-channel message; an adapter that opened its own
+    client would be a second speaker of the protocol, outside the handoff's tests."""
+    modules = adapter_modules()
+    assert "kvlifecycle.adapters.vllm.worker" in modules and "kvlifecycle.adapters.sglang.plugin" in modules
+    offenders = {module: uses for module, path in modules.items()
+                 if (uses := side_channel_uses(path.read_text(), module))}
+    assert offenders == {}
+
+
+@pytest.mark.parametrize("source", [
+    "import kvlifecycle.sidechannel",
+    "from kvlifecycle.sidechannel import SideChannelError",
+    "from kvlifecycle import sidechannel",
+    "from ...sidechannel import Ack",  # relative, from kvlifecycle.adapters.vllm.worker
+    "import importlib\nsc = importlib.import_module('kvlifecycle.sidechannel')",
+    "from kvlifecycle import handoff\nclient = handoff.SideChannelClient('tcp://127.0.0.1:1', ())",
+])
+def test_the_side_channel_check_finds_each_way_in(source: str) -> None:
+    assert side_channel_uses(source, "kvlifecycle.adapters.vllm.worker")
+    assert side_channel_uses("from kvlifecycle.handoff import Consumer, SideChannelError", "x.y") == []
 
 
 def test_core_imports_nothing_heavy() -> None:
@@ -113,6 +181,12 @@ def test_wheel_ships_subpackages_under_kvlifecycle_only(tmp_path) -> None:
         "kvlifecycle/adapters/sglang/plugin.py",
     ):
         assert module in names
+    # every package of the tree ships (the pyproject list is explicit: a new package must be added to it)
+    mapped = {"kvlifecycle": "kvlifecycle", "transports": "kvlifecycle/transports", "adapters": "kvlifecycle/adapters"}
+    for top, inside in mapped.items():
+        for init in (root / top).rglob("__init__.py"):
+            shipped = f"{inside}/{init.relative_to(root / top).as_posix()}"
+            assert shipped in names, f"{shipped} is not in the wheel: list its package in pyproject.toml"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "kvlifecycle = kvlifecycle.cli:main" in text

@@ -290,6 +290,19 @@ def _target_scenario(d: TargetLedger) -> None:
     d.cancel("local")
     d.reserve("local", [4])
     d.local_fill("local")
+    d.reserve("streamed", [5, 6])
+    d.start_load("streamed", "t-s", layers=2, mode="push")
+    d.layers_landed("t-s", 0, 0, 1, [5, 6])
+    d.layers_landed("t-s", 0, 1, 1, [6, 5])  # the last layer: the part (and the load) completes
+    d.finish("streamed")
+    d.reserve("declined", [7])
+    d.start_load("declined", "t-d", layers=1, mode="push")
+    d.decline("t-d", "prefill began without the reservation")
+    d.cancel("declined")
+    d.reserve("declined-after-cancel", [0])
+    d.start_load("declined-after-cancel", "t-dc", layers=1, mode="push")
+    d.cancel("declined-after-cancel")
+    d.decline("t-dc", "late")  # discard
 
 
 def test_every_trigger_an_event_fires_is_the_one_it_is_bound_to() -> None:

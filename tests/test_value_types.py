@@ -110,6 +110,15 @@ def test_bad_handoff_options_are_refused_naming_the_field(fields: dict[str, Any]
         ({"fsync": "sometimes"}, ValueError, "fsync policy must be"),
         ({"transport": "mooncake"}, ValueError, "nixl only"),
         ({"lease_tll_s": 3.0}, ValueError, "unknown kv_connector_extra_config key"),
+        ({"etcd_endpoints": 2379}, TypeError, "etcd_endpoints"),
+        ({"etcd_endpoints": "etcd-host"}, ValueError, "etcd_endpoints: etcd endpoint 'etcd-host' is not host:port"),
+        ({"etcd_cluster": "a/b"}, ValueError, "etcd_cluster: cluster 'a/b'"),
+        ({"etcd_cluster": 3}, TypeError, "etcd_cluster"),
+        ({"etcd_lease_ttl_s": 1}, ValueError, "etcd_lease_ttl_s must be >= 2"),
+        ({"etcd_lease_ttl_s": 5.0}, TypeError, "etcd_lease_ttl_s must be an integer"),
+        ({"api_address": "10.0.0.1"}, ValueError, "api_address must be host:port"),
+        ({"api_address": 8100}, TypeError, "api_address"),
+        ({"drain_timeout_s": 0}, ValueError, "drain_timeout_s must be positive"),
     ],
 )
 def test_a_bad_adapter_option_is_refused_naming_it(extra: dict[str, Any], error: type, message: str) -> None:
@@ -124,6 +133,15 @@ def test_adapter_options_parse_their_documented_spellings(monkeypatch: pytest.Mo
     assert cfg.mode is TransferMode.PUSH and cfg.mode == "push"
     assert cfg.backends == ("UCX",) and cfg.fast_path is config.FastPath.OFF and cfg.side_channel_port == 6200
     assert config.AdapterConfig.from_extra({"backends": ["UCX", "GDS"]}).backends == ("UCX", "GDS")
+
+
+def test_the_etcd_endpoints_come_from_the_environment_when_the_option_is_unset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVL_ETCD_ENDPOINTS", raising=False)
+    assert config.AdapterConfig.from_extra({}).etcd_endpoints == ()  # no etcd: no membership
+    monkeypatch.setenv("KVL_ETCD_ENDPOINTS", "10.0.0.5:2379, 10.0.0.6:2379")
+    assert config.AdapterConfig.from_extra({}).etcd_endpoints == ("10.0.0.5:2379", "10.0.0.6:2379")
+    assert config.AdapterConfig.from_extra({"etcd_endpoints": ["h:1"]}).etcd_endpoints == ("h:1",)
 
 
 def test_open_ledger_refuses_a_misspelt_side() -> None:

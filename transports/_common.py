@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,27 @@ class HandleTable:
         return rec
 
 
+class HandleQueries:
+    """``poll``, ``error`` and ``stats`` of the :class:`~kvlifecycle.transport.Transport` protocol for a transport
+    whose handles live in a :class:`HandleTable` (``_handles``) guarded by ``_lock``: one lookup under the lock each.
+    (The CUDA IPC transport answers them from its completion ring first, so it has its own.)"""
+
+    _handles: HandleTable
+    _lock: AbstractContextManager[object]
+
+    def poll(self, handle: TransferHandle) -> XferStatus:
+        with self._lock:
+            return self._handles.get(handle).status
+
+    def error(self, handle: TransferHandle) -> TransportError | None:
+        with self._lock:
+            return self._handles.get(handle).error
+
+    def stats(self, handle: TransferHandle) -> XferStats | None:
+        with self._lock:
+            return self._handles.get(handle).stats
+
+
 def plan_descs(
     plan: PreparedPlan,
     local_blocks: np.ndarray | Sequence[int],
@@ -93,12 +115,21 @@ def plan_descs(
         regs = np.asarray(regions, dtype=np.int64)
         if regs.ndim != 1 or (regs.size and (regs.min() < 0 or regs.max() >= plan.num_regions)):
             raise RemoteMismatchError(f"regions must be a 1-D subset of [0, {plan.num_regions})")
+    if len(plan.local_groups) > 1:  # region groups of their own block counts: each block moves in its group's regions
+        try:
+            return (*L.group_desc_ids(plan.local_groups, plan.remote_groups, local, remote, regs), regs)
+        except L.UnsupportedMappingError as exc:
+            raise RemoteMismatchError(str(exc)) from exc
     return (L.desc_ids(local, plan.local_blocks, regs), L.desc_ids(remote, plan.remote_blocks, regs), regs)
 
 
-def check_pairing(local: KVLayout, plan_views: tuple[Any, Any], remote: KVLayout) -> tuple[int, int]:
-    """Validate a (local view, remote view) pairing; returns the addressable blocks on each side."""
+def check_pairing(local: KVLayout, plan_views: tuple[Any, Any], remote: KVLayout, *,
+                  groups: bool = False) -> tuple[int, int]:
+    """Validate a (local view, remote view) pairing; returns the addressable blocks on each side. ``groups``: the
+    transport posts region groups (its plans carry them); otherwise a layout with several is refused here."""
     local_view, remote_view = plan_views
+    if not groups and (len(local.region_groups) > 1 or len(remote.region_groups) > 1):
+        raise RemoteMismatchError("this transport does not post layouts with several region groups")
     try:
         L.check_views_match(local, local_view, remote, remote_view)
     except L.UnsupportedMappingError as exc:

@@ -39,7 +39,7 @@ from kvlifecycle.transport import (
 )
 from kvlifecycle.untrusted import RateLimitedLog
 
-from ._common import HandleTable, check_pairing, new_epoch, plan_descs
+from ._common import HandleQueries, HandleTable, check_pairing, new_epoch, plan_descs
 
 log = logging.getLogger("kvlifecycle.transports.loopback")
 
@@ -52,7 +52,7 @@ def _region_tensor(addr: int, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(np.ctypeslib.as_array(buf))
 
 
-class LoopbackTransport:
+class LoopbackTransport(HandleQueries):
     name = "loopback"
 
     def __init__(self, agent: str, *, epoch: int | None = None) -> None:
@@ -196,18 +196,6 @@ class LoopbackTransport:
         if notif is not None:
             remote.receive_raw(self.agent, notif)
         return rec.handle
-
-    def poll(self, handle: TransferHandle) -> XferStatus:
-        with self._lock:
-            return self._handles.get(handle).status
-
-    def error(self, handle: TransferHandle) -> TransportError | None:
-        with self._lock:
-            return self._handles.get(handle).error
-
-    def stats(self, handle: TransferHandle) -> XferStats | None:
-        with self._lock:
-            return self._handles.get(handle).stats
 
     def release(self, handle: TransferHandle) -> None:
         with self._lock:

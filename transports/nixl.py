@@ -56,12 +56,16 @@ from kvlifecycle.transport import (
 )
 from kvlifecycle.untrusted import RateLimitedLog
 
-from ._common import HandleTable, XferRecord, check_pairing, new_epoch, plan_descs
+from ._common import HandleQueries, HandleTable, XferRecord, check_pairing, new_epoch, plan_descs
 from .nixl_agent import make_agent
 
 log = logging.getLogger("kvlifecycle.transports.nixl")
 
 DEFAULT_BACKENDS: tuple[str, ...] = ("UCX",)
+
+
+def _noop() -> None:
+    """A command that only wakes the service thread."""
 
 
 def map_nixl_error(exc: BaseException, what: str) -> TransportError:
@@ -96,7 +100,7 @@ class _Plan:
     desc_bytes: np.ndarray  # bytes per descriptor, per region
 
 
-class NixlTransport:
+class NixlTransport(HandleQueries):
     name = "nixl"
 
     def __init__(
@@ -134,6 +138,7 @@ class NixlTransport:
         self._scratch_dlist: Any = None
         self.layout: KVLayout | None = None
         self._reg_descs: Any = None
+        self._metadata_blob: bytes | None = None  # fixed once registered: exported without the service thread
         self._local_dlists: dict[BlockView, Any] = {}
         self._strided_ok = strided_descriptors  # compressed (Nx5) descriptor lists, where NIXL takes them
         self._peers: dict[str, _Peer] = {}
@@ -147,6 +152,7 @@ class NixlTransport:
         self._closed = False
         self._stop = threading.Event()
         self._completion_listeners: list[Callable[[TransferHandle], None]] = []
+        self._notification_listeners: list[Callable[[], None]] = []
         self.malformed_notifications = 0
         self.failed_notifications = 0
         self._log_drop = RateLimitedLog(log)  # a peer sending junk must not flood the log
@@ -283,6 +289,12 @@ class NixlTransport:
         for sender, messages in batches:
             for raw in messages:
                 self.receive_raw(sender, raw)
+        if any(messages for _, messages in batches):
+            for listener in self._notification_listeners:
+                try:
+                    listener()
+                except Exception:
+                    log.exception("notification listener failed")
 
     def receive_raw(self, sender: str, raw: bytes) -> None:
         """One notification's bytes as they arrived from ``sender``: decoded into the inbox, or counted in
@@ -309,6 +321,7 @@ class NixlTransport:
             self._local_dlist(WHOLE_BLOCK)
             if self.probe_bytes:
                 self._register_scratch(layout)
+            self._metadata_blob = bytes(self._nixl.get_agent_metadata())
 
         self._call(do, "register")
 
@@ -362,9 +375,14 @@ class NixlTransport:
             raise map_nixl_error(exc, what) from exc
 
     def local_metadata(self) -> PeerMetadata:
+        """This agent's metadata, taken once at registration (nothing registered later changes it): a side-channel
+        thread answering a handshake never queues behind the service thread, which a NIXL call may hold for long
+        (on DRAM ``transfer()`` returns only after the whole copy; a peer's wire-up waits for that peer)."""
         if self.layout is None:
             raise RegistrationError("register before exporting metadata")
-        blob = self._call(self._nixl.get_agent_metadata, "get_agent_metadata")
+        blob = self._metadata_blob
+        if blob is None:
+            blob = bytes(self._call(self._nixl.get_agent_metadata, "get_agent_metadata"))
         return PeerMetadata(self.agent, self.epoch, self.name, bytes(blob), LayoutWire.of(self.layout),
                             self._scratch_addr(), self.probe_bytes if self._scratch is not None else 0)
 
@@ -400,14 +418,23 @@ class NixlTransport:
 
         return self._call(do, "add_peer")
 
+    def add_notification_listener(self, fn: Callable[[], None]) -> None:
+        """``fn()`` runs on the service thread whenever notifications arrived (keep it tiny: wake their reader,
+        which would otherwise find them at its next idle poll)."""
+        self._notification_listeners.append(fn)
+
     def add_completion_listener(self, fn: Callable[[TransferHandle], None]) -> None:
         """``fn(handle)`` runs on the service thread whenever a transfer settles (keep it tiny: wake someone)."""
         self._completion_listeners.append(fn)
 
     def expect_activity(self, seconds: float = 1.0) -> None:
         """A peer is about to read from (or write to) this side: poll at ``busy_poll_s`` for a while, because
-        UCX needs the target side to progress, and idle polling would add up to ``idle_poll_s`` per transfer."""
+        UCX needs the target side to progress, and idle polling would add up to ``idle_poll_s`` per transfer. A
+        first READ from a new peer does not complete at all until this side progresses (UCX's wire-up answer):
+        the service thread is woken now rather than at the end of its idle wait."""
         self._busy_until = max(self._busy_until, time.monotonic() + seconds)
+        if not self._closed:
+            self._submit(_noop)
 
     def peer_epoch(self, peer: str) -> int | None:
         p = self._peers.get(peer)
@@ -435,6 +462,9 @@ class NixlTransport:
                     t0 = time.perf_counter()
                     state = self._nixl.transfer(handle)
                     while state == "PROC" and time.monotonic() < deadline:
+                        # not a hot spin: the first pass waits for the peer's agent to answer UCX's wire-up,
+                        # and on shared cores a spinning reader takes the CPU that answer needs
+                        time.sleep(self.inflight_poll_s)
                         state = self._nixl.check_xfer_state(handle)
                     seconds = time.perf_counter() - t0
                     if state != "DONE":
@@ -497,14 +527,14 @@ class NixlTransport:
             p = self._peers.get(peer)
             if p is None:
                 raise UnknownPeerError(f"unknown peer {peer!r} (add_peer first)")
-            nl, nr = check_pairing(self.layout, (local_view, remote_view), p.layout)
+            nl, nr = check_pairing(self.layout, (local_view, remote_view), p.layout, groups=True)
             local = self._local_dlist(local_view)
             remote = p.remote_dlists.get(remote_view)
             if remote is None:
                 remote = self._prep_dlist(p.name, p.layout, remote_view, f"prep_xfer_dlist ({p.name})")
                 p.remote_dlists[remote_view] = remote
             plan = PreparedPlan(next(self._plan_keys), p.name, p.epoch, local_view, remote_view, nl, nr,
-                                self.layout.num_regions)
+                                self.layout.num_regions, self.layout.region_groups, p.layout.region_groups)
             with self._lock:
                 self._plans[plan.key] = _Plan(plan, local, remote, L.view_block_bytes(self.layout, local_view))
             return plan
@@ -536,7 +566,9 @@ class NixlTransport:
                 raise PeerEpochError(f"plan {plan.key} for {plan.peer} is void (peer removed or restarted)")
             rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
             rec.ndesc = int(local_ids.size)
-            rec.nbytes = int(prepared.desc_bytes[regs].sum()) * (local_ids.size // max(regs.size, 1))
+            rec.nbytes = (L.group_post_bytes(plan.local_groups, prepared.desc_bytes, local_ids)
+                          if len(plan.local_groups) > 1
+                          else int(prepared.desc_bytes[regs].sum()) * (local_ids.size // max(regs.size, 1)))
         self._submit(lambda: self._post_now(rec, prepared, local_ids, remote_ids, notif))
         return rec.handle
 
@@ -563,18 +595,6 @@ class NixlTransport:
             self._inflight[rec.handle.id] = rec
         else:
             self._finish(rec, TransferFailedError(f"NIXL refused to post {rec.handle.transfer!r}: {state}"))
-
-    def poll(self, handle: TransferHandle) -> XferStatus:
-        with self._lock:
-            return self._handles.get(handle).status
-
-    def error(self, handle: TransferHandle) -> TransportError | None:
-        with self._lock:
-            return self._handles.get(handle).error
-
-    def stats(self, handle: TransferHandle) -> XferStats | None:
-        with self._lock:
-            return self._handles.get(handle).stats
 
     def release(self, handle: TransferHandle) -> None:
         with self._lock:

@@ -1,5 +1,5 @@
-"""The one place that builds NIXL agents (nixl 1.5.1, ``nixl._api``): the transport, the SGLang plane, the doctor
-and the transport benchmark all ask :func:`make_agent`.
+"""The one place that builds NIXL agents (nixl 1.5.1, ``nixl._api``): the transport (SGLang's backend's too), the
+doctor and the transport benchmark all ask :func:`make_agent`.
 
 The project's rules for an agent live here once: no UCX progress thread unless asked (it spins a core; callers
 drive progress by polling), NIXL's start-up chatter kept below WARNING unless ``NIXL_LOG_LEVEL`` asks for it, a

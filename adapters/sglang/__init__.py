@@ -2,7 +2,8 @@
 
 Importing this package imports no SGLang (the plugin entry point loads :mod:`.plugin`, which defers SGLang imports
 to call time); the classes SGLang instantiates live in :mod:`.conn` and are exported lazily here, the manager's
-prefill and decode halves in :mod:`.prefill` and :mod:`.decode`, the control messages in :mod:`.wire`.
+prefill and decode halves in :mod:`.prefill` and :mod:`.decode` (the core's handoff and streams), the transport
+over SGLang's pages and aux rows in :mod:`.transfer`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,23 @@
 """SGLang ``--disaggregation-transfer-backend kvlifecycle``: the classes SGLang's scheduler instantiates.
 
 Built on SGLang's ``Common*`` classes (as its NIXL backend is), so the scheduler finds every attribute it reads
-(``conclude_state``, ``abort_notified``, ``kv_mgr``, ``prefill_info_table`` ...). What differs is who decides: a
-ledger per manager. SGLang's ``get_kv_class(MANAGER)`` gives one class for both roles, so
-:class:`KVLifecycleKVManager` holds what both halves share (settings, agent name and epoch, NIXL plane, ledger,
-control socket) and makes the half of its role: :class:`~kvlifecycle.adapters.sglang.prefill.PrefillKVManager`
-(source ledger, leases, writes) or :class:`~kvlifecycle.adapters.sglang.decode.DecodeKVManager` (target ledger,
-loads, prefill epochs); each half's module says what it decides. The sender and the receiver here are thin: each
-asks its half.
+(``conclude_state``, ``abort_notified``, ``kv_mgr``, ``prefill_info_table`` ...). What differs is who decides: the
+handoff of the core, the one vLLM uses. A room is a layer-wise stream of one "layer" that spans every region (KV
+pages and aux rows, two region groups of one layout): D reserves its pages and aux row and sends the reservation
+to P's side channel before P prefills (:class:`~kvlifecycle.streaming.StreamConsumer`; SGLang's
+``WaitingForInput``), and P posts each chunk's pages as the chunk is sent, the last with the aux row
+(:class:`~kvlifecycle.streaming.StreamProducer`), through :mod:`kvlifecycle.transports`. The handshake,
+compatibility record and agent epochs are the side channel's (:class:`~kvlifecycle.handoff.Producer` /
+:class:`~kvlifecycle.handoff.Consumer`); aborts both ways are the stream's (P's abort reaches D before any byte;
+D's cancel is settled once P's writes landed).
 
-* Liveness: both sides heartbeat each other every ``KVL_SGLANG_HEARTBEAT_S``; a peer silent for
-  ``KVL_SGLANG_PEER_TIMEOUT_S`` fails its rooms, instead of SGLang's fixed 300 s bootstrap/waiting timeouts.
-* Every room ends within a stated bound, with a reason that names the cause on both sides: a decode room whose
-  prefill never appears fails ``KVL_SGLANG_CLAIM_TIMEOUT_S`` after the receiver was made; a room a live prefill
-  does not serve within ``KVL_SGLANG_SERVE_TIMEOUT_S`` of its bootstrap fails on P (which tells D), and D gives up
-  on it after the same bound (P acknowledges once its writes settled; an unacknowledged give-up fails the room
-  ``KVL_SGLANG_PEER_TIMEOUT_S`` later); a prefill that refuses D's registration (e.g. a page size mismatch) says
-  so to D, which fails the rooms waiting on it at once; P drops rooms its engine never made a sender for.
-* Epochs: every manager has an agent epoch (µs wall clock at start), published through the bootstrap server
-  (:class:`KVLifecycleKVBootstrapServer`), so D tells a restarted prefill from the one it registered with
-  (SGLang #10365).
-* Aborts: an ABORT from D is acknowledged once every write P posted for the room has settled
-  (``is_abort_release_safe``); a P-side abort or failure reaches D at once (SGLang #36033, #28651).
+SGLang's ``get_kv_class(MANAGER)`` gives one class for both roles, so :class:`KVLifecycleKVManager` holds what both
+halves share (settings, agent name and epoch, transport, ledger, compatibility record, SGLang's own control socket)
+and makes the half of its role: :class:`~kvlifecycle.adapters.sglang.prefill.PrefillKVManager` or
+:class:`~kvlifecycle.adapters.sglang.decode.DecodeKVManager`. What stays of SGLang's own control is its bootstrap:
+the bootstrap server publishes each prefill rank's side channel, agent and epoch
+(:class:`KVLifecycleKVBootstrapServer`), and SGLang's ``ABORT`` frames reach P's rank socket; any other frame there
+is refused and counted.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -37,10 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 from aiohttp import web
-from kvlifecycle.adapters.sglang import wire
-from kvlifecycle.adapters.sglang.plane import NixlPlane, Regions
+from kvlifecycle.adapters.sglang.transfer import DataPlane, layouts
+from kvlifecycle.transports._common import new_epoch  # the transports' agent epoch
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
@@ -49,10 +48,12 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.runtime_context import get_device
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.utils.network import NetworkAddress
 
 from kvlifecycle import envvars
+from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.ledger import SourceLedger, TargetLedger, open_ledger
+from kvlifecycle.protocol.bounds import min_stream_timeout
+from kvlifecycle.streaming import StreamOptions
 from kvlifecycle.untrusted import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -61,16 +62,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Settings:
-    """Timeouts of the backend; every one is a lease or a heartbeat window, none a fixed 300 s wait."""
+    """Bounds of the backend; every one names a cause, none is a fixed 300 s wait."""
 
-    heartbeat_s: float = 1.0
-    peer_timeout_s: float = 10.0  # a peer silent this long is dead: its rooms fail
-    claim_timeout_s: float = 120.0  # a P room that no decode receiver claimed by then fails (and vice versa)
-    serve_timeout_s: float = 300.0  # a bootstrapped room the prefill has not served by then fails on both sides
-    lease_ttl_s: float = 30.0  # P lease on the pages of a granted chunk, renewed by D's heartbeats
-    write_timeout_s: float = 60.0  # one NIXL write must settle within this
+    heartbeat_s: float = 1.0  # D reads each prefill's epochs off its bootstrap server this often
+    peer_timeout_s: float = 10.0  # a prefill whose bootstrap server is silent this long is dead: its rooms fail
+    claim_timeout_s: float = 120.0  # a room D did not reserve for by then fails; so does a prefill that never appears
+    serve_timeout_s: float = 300.0  # a reserved room the prefill has not served by then fails on both sides
+    write_timeout_s: float = 60.0  # the last chunk's writes must land within this after the serve bound
     log_dir: str = ""
 
     @classmethod
@@ -81,10 +82,17 @@ class Settings:
             peer_timeout_s=_float(envvars.SGLANG_PEER_TIMEOUT_S.read()),
             claim_timeout_s=_float(envvars.SGLANG_CLAIM_TIMEOUT_S.read()),
             serve_timeout_s=_float(envvars.SGLANG_SERVE_TIMEOUT_S.read()),
-            lease_ttl_s=_float(envvars.SGLANG_LEASE_TTL_S.read()),
             write_timeout_s=_float(envvars.SGLANG_WRITE_TIMEOUT_S.read()),
             log_dir=str(envvars.SGLANG_LOG_DIR.read() or ""),
         )
+
+    def stream_options(self, regions: int) -> StreamOptions:
+        """One stream per room, one "layer" over all ``regions``: P's writes of a room end within the serve bound
+        + the write timeout of D's reservation (its write window), and D's stream timeout outlasts that window."""
+        window = self.serve_timeout_s + self.write_timeout_s
+        return StreamOptions(regions_per_layer=regions, write_window_s=window, reservation_ttl_s=window,
+                             stream_timeout_s=min_stream_timeout(window) + self.peer_timeout_s,
+                             heartbeat_interval_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s)
 
 
 def _float(value: float | None) -> float:
@@ -92,14 +100,12 @@ def _float(value: float | None) -> float:
     return float(value)
 
 
-def new_epoch() -> int:
-    """An agent epoch that grows across restarts on one host (µs wall clock); low bits break ties."""
-    return (time.time_ns() // 1000) << 8 | os.urandom(1)[0]
-
-
-def room_transfer_id(room: int) -> str:
-    """The transfer id of a room's handoff, the same on P (lease) and D (load), so merged logs line up."""
-    return f"room-{room}"
+def compat_of(args: KVArgs, server_args: ServerArgs, tp_size: int) -> CompatInfo:
+    """The compatibility record both sides' handshake compares. The rows' sizes are not in it: the transport checks
+    every region's row size against its own when it prepares the push plan (a mismatch is refused there, by name)."""
+    return CompatInfo(model_id=str(server_args.model_path)[:256], dtype=str(args.kv_cache_dtype_str or "auto"),
+                      num_layers=max(1, len(args.kv_data_ptrs)), num_kv_heads=max(1, int(args.total_kv_head_num or 1)),
+                      head_size=1, block_size=int(args.page_size), kv_layout="NHD", tp_size=max(1, tp_size))
 
 
 class KVLifecycleKVManager(CommonKVManager):
@@ -132,55 +138,60 @@ class KVLifecycleKVManager(CommonKVManager):
         server_args: ServerArgs,
         is_mla_backend: bool | None = False,
     ) -> None:
-        # set before super().__init__: it registers to the bootstrap server (P), which publishes these
         self.settings = Settings.from_env()
         self.kvl_epoch = new_epoch()
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.kvl_role = role
-        self.kvl_agent = f"kvl-{role}-{uuid.uuid4().hex[:12]}"
-        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
-        if self.pp_size > 1 or self.attn_cp_size > 1 or self.kv_shard_size > 1:
-            raise NotImplementedError("kvlifecycle SGLang backend: PP, CP and KV sharding are not supported yet")
+        self.kvl_agent = self._agent_name(args, server_args)
         if args.state_types:
             raise NotImplementedError(f"kvlifecycle SGLang backend: state pools {args.state_types} not supported yet")
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self.num_pages = min((n // i for n, i in zip(args.kv_data_lens, args.kv_item_lens, strict=True)), default=1)
-        self.num_pages = max(int(self.num_pages), 1)
-        self.kv_regions = Regions(tuple(args.kv_data_ptrs), tuple(args.kv_item_lens),
-                                  tuple(n // i for n, i in zip(args.kv_data_lens, args.kv_item_lens, strict=True)))
-        self.aux_regions = Regions(tuple(args.aux_data_ptrs), tuple(args.aux_item_lens),
-                                   tuple(n // i for n, i in zip(args.aux_data_lens, args.aux_item_lens,
-                                                                strict=True)))
         device = get_device().device
         if device not in ("cpu",):
             raise NotImplementedError(f"kvlifecycle SGLang backend moves DRAM KV only so far (device={device!r})")
-        self.plane = NixlPlane(self.kvl_agent, self.kv_regions, self.aux_regions)
-        log_dir = os.path.join(self.settings.log_dir, self.kvl_agent) if self.settings.log_dir else None
+        # two region groups of one layout: KV pages, and aux rows (one per running request)
+        self.kv_layout = layouts(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens,
+                                 args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+        self.plane = DataPlane(self.kvl_agent, self.kvl_epoch, self.kv_layout)
+        self.num_pages = self.plane.num_pages
+        # one log per incarnation: a restarted prefill keeps its agent name, under a new epoch
+        log_dir = os.path.join(self.settings.log_dir, f"{self.kvl_agent}.{self.kvl_epoch}") if self.settings.log_dir \
+            else None
+        # the ledgers span pages and aux rows (one block id space): a room's blocks are its pages, then its aux row
         side = "source" if role == "prefill" else "target"
-        self.ledger: SourceLedger | TargetLedger = open_ledger(
-            side, self.num_pages, log_dir, worker=self.kvl_agent,
-            **({"default_ttl_s": self.settings.lease_ttl_s} if side == "source" else {}),
-        )
+        self.ledger: SourceLedger | TargetLedger = open_ledger(side, self.kv_layout.num_blocks, log_dir,
+                                                               worker=self.kvl_agent)
         self.ledger_log_dir = log_dir
-        self.malformed = 0  # control frames refused as malformed (counted; logged at a bounded rate)
+        self.stream_options = self.settings.stream_options(self.kv_layout.num_regions)
+        self.malformed = 0  # frames on SGLang's rank socket that are not SGLang's ABORT (counted, logged bounded)
         self._log_malformed = RateLimitedLog(logger)
         self._log_handler_error = RateLimitedLog(logger, level=logging.ERROR)
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # the handoff before SGLang's own setup: a prefill registers at its bootstrap server inside it, and
+        # publishes its side channel there
+        self._start_handoff(args, server_args)
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self.pp_size > 1 or self.attn_cp_size > 1 or self.kv_shard_size > 1:
+            self.close()
+            raise NotImplementedError("kvlifecycle SGLang backend: PP, CP and KV sharding are not supported yet")
 
-    # -- common helpers --------------------------------------------------------------------------------------------
-    def _send(self, ip: str, port: int, frames: list[bytes]) -> bool:
-        na = NetworkAddress(ip, port)
-        try:
-            self._send_multipart_locked(na.to_tcp(), frames, is_ipv6=na.is_ipv6)
-            return True
-        except Exception as exc:
-            logger.debug("kvlifecycle: send to %s:%s failed: %s", ip, port, exc)
-            return False
+    def _agent_name(self, args: KVArgs, server_args: ServerArgs) -> str:
+        """A decode's agent is new each start; a prefill rank keeps its name across restarts (its epoch changes),
+        so a decode's ledger sees one peer come back under a new epoch and fails the old incarnation's loads."""
+        if self.kvl_role == "decode":
+            return f"kvl-decode-{uuid.uuid4().hex[:12]}"
+        return (f"kvl-prefill-{socket.gethostname()}-{server_args.disaggregation_bootstrap_port}-"
+                f"dp{getattr(args, 'system_dp_rank', 0) or 0}-tp{args.engine_rank}-pp{args.pp_rank}")
 
-    def _recv_loop(self, handle: Callable[[list[bytes]], None]) -> None:
-        """Serve the control socket until closed. Nothing a peer sends ends this loop or floods the log: a
-        malformed frame is counted and dropped, a handler's failure logged; both at a bounded rate."""
+    def _start_handoff(self, args: KVArgs, server_args: ServerArgs) -> None:
+        raise NotImplementedError  # each half makes its side of the handoff
+
+    # -- SGLang's rank socket: its ABORT frames, nothing else -----------------------------------------------------
+    def _serve_rank_socket(self, on_abort: Callable[[AbortNotification], None]) -> None:
+        """Serve SGLang's rank socket until closed: an ``ABORT`` frame (SGLang's receiver sends it) is handed on;
+        any other frame is counted and dropped, logged at a bounded rate (the handoff's own messages travel on the
+        side channel). Nothing a peer sends ends this loop."""
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
@@ -191,25 +202,37 @@ class KVLifecycleKVManager(CommonKVManager):
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:  # the socket itself failed: keep serving, never spin on the log
-                self._log_handler_error("kvlifecycle: control socket receive failed: %s", exc)
+                self._log_handler_error("kvlifecycle: rank socket receive failed: %s", exc)
                 self._stop.wait(0.2)
                 continue
-            try:
-                handle(frames)
-            except wire.MalformedMessage as exc:
+            note = AbortNotification.from_zmq(frames) if frames and frames[0] == ABORT_TAG else None
+            if note is None:
                 self.malformed += 1
-                self._log_malformed("kvlifecycle: refused a malformed control message: %s", exc)
+                self._log_malformed("kvlifecycle: refused a frame on the rank socket (%d frames, first %.40r)",
+                                    len(frames), frames[0] if frames else b"")
+                continue
+            try:
+                on_abort(note)
             except Exception:
-                self._log_handler_error("kvlifecycle: control message handler failed", exc_info=True)
+                self._log_handler_error("kvlifecycle: ABORT handler failed", exc_info=True)
+
+    def _start_threads(self, *threads: threading.Thread) -> None:
+        self._threads = list(threads)
+        for t in self._threads:
+            t.start()
 
     def check_status(self, bootstrap_room: int) -> KVPoll:
         return self.request_status.get(bootstrap_room, KVPoll.Failed)
 
+    def _close_handoff(self) -> None:
+        pass  # each half closes its side of the handoff
+
     def close(self) -> None:
-        """Stop the backend's threads and release NIXL resources (tests, role switch)."""
+        """Stop the backend's threads, the handoff and the transport (tests, role switch)."""
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
+        self._close_handoff()
         if self.ledger.log is not None:
             self.ledger.log.close()
         self.plane.close()
@@ -219,22 +242,15 @@ class KVLifecycleKVManager(CommonKVManager):
 
 
 class KVLifecycleKVSender(CommonKVSender):
-    """P side of one room. ``poll`` is read off the source ledger
+    """P side of one room. ``poll`` is read off the room's stream
     (:meth:`~kvlifecycle.adapters.sglang.prefill.PrefillKVManager.p_room_status`)."""
 
     kv_mgr: PrefillKVManager
 
     def __init__(self, mgr: PrefillKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
-        with mgr._lock:
-            mgr._room(bootstrap_room)
+        mgr.p_open_room(bootstrap_room)
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
-        with mgr._lock:
-            r = mgr.rooms.get(bootstrap_room)
-            if r is not None and r.failure is not None:
-                mgr.update_status(bootstrap_room, KVPoll.Failed)
-            elif r is not None and r.bootstrapped:
-                mgr.update_status(bootstrap_room, KVPoll.WaitingForInput)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
@@ -250,16 +266,11 @@ class KVLifecycleKVSender(CommonKVSender):
         return self.poll()
 
     def abort(self) -> None:
-        """A P-side abort reaches D at once (SGLang's own backends let D wait out its 300 s timeout)."""
-        mgr = self.kv_mgr
-        with mgr._lock:
-            r = mgr._room(self.bootstrap_room)
-            if r.failure is None and not r.success_sent:
-                r.failure = "aborted on prefill (AbortReq)"
-                mgr._fail_room_locked(r)
-        mgr._p_cancel_leases(self.bootstrap_room)
+        """A P-side abort reaches D at once, through the room's stream (SGLang's own backends let D wait out its
+        300 s timeout): D hears it before any byte, or once the writes in flight settled."""
+        self.kv_mgr.p_fail_room(self.bootstrap_room, "aborted on prefill (AbortReq)")
         super().abort()
-        self.conclude_state = mgr.p_room_status(self.bootstrap_room)
+        self.conclude_state = self.kv_mgr.p_room_status(self.bootstrap_room)
         if self.conclude_state != KVPoll.Failed:
             self.conclude_state = None  # a write still in flight: Failed once it settled
 
@@ -285,7 +296,7 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
     def init(self, prefill_dp_rank: int) -> None:
         super().init(prefill_dp_rank)
         if self.conclude_state is None and self.bootstrap_infos:
-            self.kv_mgr.d_claim(self)
+            self.kv_mgr.d_connect(self)
 
     def _poll(self) -> KVPoll:
         if self.conclude_state is not None:
@@ -317,16 +328,23 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
             return
         if state_indices:
             raise NotImplementedError("kvlifecycle SGLang backend: state indices are not supported yet")
-        self.kv_mgr.d_publish(self, kv_indices, aux_index, decode_prefix_len)
+        self.kv_mgr.d_reserve(self, kv_indices, aux_index)
         self.init_time = time.time()
 
     def _check_waiting_timeout(self) -> None:
-        return None  # replaced by heartbeats and epochs (see the module docstring)
+        return None  # replaced by the serve bound, the stream's timeout and epochs (see the module docstring)
+
+    def _register_kv_args(self) -> bool:
+        return True  # the handshake on P's side channel registers this decode (at init, once per rank and epoch)
+
+    def abort(self) -> None:
+        """D's abort: SGLang's ABORT tells P's engine; the room's stream is cancelled, and the pages are safe to
+        reuse once P settled it (:meth:`is_abort_release_safe`)."""
+        super().abort()
+        self.kv_mgr.d_cancel(self.bootstrap_room, "aborted by decode")
 
     def is_abort_release_safe(self) -> bool:
-        d = self.kv_mgr.d_rooms.get(self.bootstrap_room)
-        infos = self.bootstrap_infos or []
-        return d is not None and len(d.acks) >= max(1, len([i for i in infos if not i.get("is_dummy")]))
+        return self.kv_mgr.d_settled(self.bootstrap_room)
 
     def _clear(self) -> None:
         super()._clear()
@@ -334,8 +352,9 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
 
 
 class KVLifecycleKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's bootstrap server plus each prefill rank's agent and epoch (``GET /kvl/epochs``; ``/route``
-    answers carry them too), so a decode can tell a restarted prefill from the one it registered with."""
+    """SGLang's bootstrap server plus each prefill rank's agent, epoch and side channel (``GET /kvl/epochs``;
+    ``/route`` answers carry them too): where a decode handshakes, and how it tells a restarted prefill from the one
+    it handshook with."""
 
     def __init__(self, host: str, port: int) -> None:
         self.kvl_ranks: dict[str, dict[str, Any]] = {}
@@ -355,6 +374,7 @@ class KVLifecycleKVBootstrapServer(CommonKVBootstrapServer):
         if "kvl_agent" in data:
             known = key in self.kvl_ranks
             self.kvl_ranks[key] = {"agent": data["kvl_agent"], "epoch": int(data["kvl_epoch"]),
+                                   "side": str(data.get("kvl_side", "")),
                                    "rank_ip": data["rank_ip"], "rank_port": int(data["rank_port"])}
             if known:
                 # a restarted rank re-registers: it replaces the old row instead of counting twice
@@ -379,5 +399,5 @@ class KVLifecycleKVBootstrapServer(CommonKVBootstrapServer):
         import json
 
         body = json.loads(resp.body)
-        body.update(kvl_agent=row["agent"], kvl_epoch=row["epoch"], kvl_rank_key=key)
+        body.update(kvl_agent=row["agent"], kvl_epoch=row["epoch"], kvl_side=row["side"], kvl_rank_key=key)
         return web.json_response(body, status=200)

@@ -15,6 +15,8 @@ from kvlifecycle import envvars
 from kvlifecycle import validators as v
 from kvlifecycle.choices import Choice, TransferMode
 from kvlifecycle.eventlog import FsyncPolicy
+from kvlifecycle.membership.etcd import parse_endpoint
+from kvlifecycle.membership.keys import cluster_prefix
 
 DEFAULT_SIDE_CHANNEL_PORT = 5700
 
@@ -46,6 +48,35 @@ def _fast_path(value: FastPath | str) -> FastPath:
     return FastPath.parse(value, "fast_path")
 
 
+def _endpoints(value: Any) -> Any:
+    """``"h1:2379,h2:2379"`` or a list of endpoints; anything else is left for the validator."""
+    if isinstance(value, str):
+        return tuple(e.strip() for e in value.split(",") if e.strip())
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    try:
+        parse_endpoint(value)
+    except ValueError as exc:
+        raise ValueError(f"{attribute.name}: {exc}") from exc
+
+
+def _cluster(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    try:
+        cluster_prefix(value)
+    except ValueError as exc:
+        raise ValueError(f"{attribute.name}: {exc}") from exc
+
+
+def _host_port(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is None:
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{attribute.name} must be host:port, got {value!r}")
+
+
 _str = v.text
 _optional_str = v.optional_text
 _seconds = v.positive
@@ -68,7 +99,7 @@ class AdapterConfig:
     """Event-log fsync policy: 'always', 'never' or '<N>ms' (see kvlifecycle.eventlog)."""
     side_channel_host: str = attrs.field(default="127.0.0.1", validator=_str)
     side_channel_port: int = attrs.field(default=DEFAULT_SIDE_CHANNEL_PORT, validator=v.port)
-    """P's side channel: port + DP index + TP rank."""
+    """P's side channel: port + DP index × TP size + TP rank."""
     grant_wait_s: float = attrs.field(default=10.0, validator=_seconds)
     """How long D waits for P to publish a grant."""
     handshake_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
@@ -76,6 +107,28 @@ class AdapterConfig:
     secret: str | None = attrs.field(default=None, validator=_optional_str)
     """Optional side-channel HMAC secret, shared by P and D."""
     fast_path: FastPath = attrs.field(default=FastPath.AUTO, converter=_fast_path)
+    decode_tp_size: int = attrs.field(default=0, validator=v.integer(0))
+    """P: the TP size of the D instances it serves (0: P's own). D TP > P TP: each P rank's lease counts
+    D TP / P TP consumers (the D ranks that read slices of its blocks); D refuses a grant counted otherwise."""
+    etcd_endpoints: tuple[str, ...] = attrs.field(
+        default=(),
+        converter=_endpoints,
+        validator=attrs.validators.deep_iterable(
+            attrs.validators.and_(_str, _endpoint), attrs.validators.instance_of(tuple)),
+    )
+    """etcd's client endpoints; empty: no membership (the addresses travel in ``kv_transfer_params`` alone)."""
+    etcd_cluster: str = attrs.field(default="default", validator=[_str, _cluster])
+    etcd_lease_ttl_s: int = attrs.field(default=5, validator=v.integer(2))
+    """The etcd lease of each worker's key: a dead worker is unregistered within this."""
+    api_address: str | None = attrs.field(default=None, validator=[_optional_str, _host_port])
+    """host:port of this instance's OpenAI-compatible server, for ``kvlifecycle proxy --etcd``; vLLM does not tell
+    its workers where its API server listens, so the launcher sets it (the ``--host`` and ``--port`` it passes)."""
+    drain_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
+    """At shutdown, or when ``kvlifecycle drain`` orders it, P marks itself draining and waits this long (at most)
+    for its live leases before it leaves."""
+    drain_quiet_s: float = attrs.field(default=2.0, validator=_seconds)
+    """An ordered drain leaves once P has held no lease for this long: a request still in its prefill when the
+    order came holds none until its grant (raise it for prefills longer than this)."""
 
     @transport.validator
     def _only_nixl(self, attribute: attrs.Attribute[str], value: str) -> None:
@@ -84,8 +137,9 @@ class AdapterConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> AdapterConfig:
-        """The options from vLLM's ``kv_connector_extra_config``; the side-channel port and the log directory fall
-        back to ``KVL_SIDE_CHANNEL_PORT`` and ``KVL_LOG_DIR`` (see docs/configuration.md)."""
+        """The options from vLLM's ``kv_connector_extra_config``; the side-channel port, the log directory and the
+        etcd endpoints fall back to ``KVL_SIDE_CHANNEL_PORT``, ``KVL_LOG_DIR`` and ``KVL_ETCD_ENDPOINTS`` (see
+        docs/configuration.md)."""
         extra = dict(extra or {})
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(extra) - known)
@@ -98,5 +152,8 @@ class AdapterConfig:
         env_log_dir = envvars.LOG_DIR.read()
         if "log_dir" not in extra and env_log_dir is not None:
             extra["log_dir"] = str(env_log_dir)
+        env_etcd = envvars.ETCD_ENDPOINTS.read()
+        if "etcd_endpoints" not in extra and env_etcd is not None:
+            extra["etcd_endpoints"] = env_etcd
         return cls(**extra)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -21,6 +22,7 @@ from .worker import WorkerSide
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -28,6 +30,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvlifecycle import events as ev
+
+    from .stats import KVLifecyclePromMetrics, KVLifecycleStats
 
 
 def _log_through_vllm() -> None:
@@ -42,17 +48,39 @@ def _log_through_vllm() -> None:
 
 
 def check_supported_parallelism(vllm_config: VllmConfig) -> None:
-    """Refuse, at start-up and in words, what this connector does not wire yet: it publishes and reads one grant
-    per request (P rank 0 -> D rank 0). Heterogeneous TP exists in the core (``kvlifecycle.handshake``) but is not
-    driven from vLLM's ranks here, and a silent partial handoff is worse than a clear refusal."""
+    """Refuse, at start-up and in words, what this connector cannot move correctly; a silent partial or wrong
+    handoff is worse than a clear refusal.
+
+    - Tensor parallelism: any size (each rank moves its own heads; unequal P and D sizes go through the core's
+      TP plans at the handshake).
+    - Pipeline parallelism: refused. Each stage would have to publish and read its own layers under its own
+      lease, and the request be ready only when every stage's layers landed; that is not wired.
+    - MLA (DeepSeek-style latent KV, replicated on every TP rank): refused. Every rank holds the whole latent
+      cache, so the per-rank head slicing of the TP plans would move each block TP times or split a latent
+      vector that must not be split.
+    - Hybrid models (attention + Mamba / linear-attention state, several KV cache groups): refused. Their
+      recurrent state is not a block of the paged KV cache, and this connector moves one KV cache group.
+    """
     parallel = vllm_config.parallel_config
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        size = int(getattr(parallel, name, 1) or 1)
-        if size != 1:
-            raise ValueError(
-                f"KVLifecycleConnector supports {name}=1 in this release (got {size}); "
-                "use vLLM's NixlConnector for multi-rank P/D until kvlifecycle drives its TP plans from vLLM ranks"
-            )
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if pp != 1:
+        raise ValueError(
+            f"KVLifecycleConnector does not support pipeline parallelism (pipeline_parallel_size={pp}): each "
+            "stage would have to hand off its own layers; run P and D with pipeline_parallel_size=1 "
+            "(tensor parallelism of any size is supported)")
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return
+    if bool(getattr(model, "use_mla", False)):
+        raise ValueError(
+            f"KVLifecycleConnector does not support MLA models ({model.model}): their latent KV is replicated on "
+            "every TP rank, which the per-rank head slices of its TP plans would move or split wrongly; use "
+            "vLLM's NixlConnector for MLA models")
+    if bool(getattr(model, "is_hybrid", False)):
+        raise ValueError(
+            f"KVLifecycleConnector does not support hybrid models ({model.model}): their Mamba / linear-attention "
+            "state is not a paged KV block and lives in its own KV cache group, while this connector moves one "
+            "attention KV cache group")
 
 
 class KVLifecycleConnector(KVConnectorBase_V1):
@@ -70,6 +98,8 @@ class KVLifecycleConnector(KVConnectorBase_V1):
         engine_id = kv_config.engine_id or "engine"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._stats: KVLifecycleStats | None = None  # worker side: this interval's transfer statistics
+        self._stats_lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, self.adapter_config, engine_id)
         else:
@@ -107,6 +137,38 @@ class KVLifecycleConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        from .stats import KVLifecycleStats  # lazily: vLLM's metrics modules are only needed once stats flow
+
+        self._stats = KVLifecycleStats()
+        for ledger in (self._worker.source, self._worker.target):
+            if ledger is not None:
+                ledger.listeners.append(self._observe)
+
+    def _observe(self, event: ev.Event) -> None:
+        stats = self._stats
+        if stats is not None:
+            with self._stats_lock:
+                stats.observe(event)
+
+    # -- vLLM's stats interface: the workers' statistics reach /metrics as vllm:kvlifecycle_* ----------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats is None:
+            return None
+        with self._stats_lock:
+            return None if self._stats.is_empty() else self._stats.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        from .stats import KVLifecycleStats
+
+        return KVLifecycleStats(data=data) if data is not None else KVLifecycleStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVLifecyclePromMetrics:
+        from .stats import KVLifecyclePromMetrics
+
+        return KVLifecyclePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -115,14 +177,19 @@ class KVLifecycleConnector(KVConnectorBase_V1):
             self._worker.on_metadata(meta)  # enqueues; the transfers are posted off the forward thread
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: vLLM holds the request in WAITING_FOR_REMOTE_KVS until every layer landed,
-        # so no forward ever reads a layer that is still loading.
+        # Loads are asynchronous, streamed ones too: vLLM holds the request in WAITING_FOR_REMOTE_KVS until every
+        # layer of every block landed, so no forward ever reads a layer that is still loading.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        # Push mode writes the finished prefill's blocks when D asks (its blocks reserved), not layer by layer.
-        return
+        # After the layer returned (its KV is in the cache on CPU): layer-wise requests queue its post; the
+        # transfer runs off the forward thread. Pull and push move the finished prefill instead. The step's
+        # metadata is read here, not in start_load_kv: vLLM calls that after the forward when no load is sync.
+        assert self._worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, KVLifecycleMetadata) and meta.streams:
+            self._worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         return

@@ -16,6 +16,18 @@ class GrantCmd:
 
     request: str
     block_ids: tuple[int, ...]
+    stream_key: str = ""  # layer-wise: the key D's reservation names (its grant, on fallback, is published as it)
+    aborted: bool = False  # layer-wise: aborted mid-prefill; no grant, the blocks go back once the writes settled
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStep:
+    """P, layer-wise: in this step's forward, each layer completes ``block_ids[:complete]`` of the request."""
+
+    request: str
+    stream_key: str
+    block_ids: tuple[int, ...]  # every block of the request so far, token order
+    complete: int  # blocks whose tokens are all computed once this step's forward ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +37,12 @@ class PeerRef:
     request: str  # D's request id
     address: str  # P's side channel, tcp://host:port
     remote_request: str  # P's request id (the grant's key)
+    remote_tp_size: int = 1  # P's TP size: P rank k serves its slice on the side-channel port + k
+
+    def rank_address(self, p_rank: int) -> str:
+        """The side channel of P rank ``p_rank`` (``address`` is rank 0's)."""
+        host, _, port = self.address.rpartition(":")
+        return f"{host}:{int(port) + p_rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +51,7 @@ class RecvCmd:
 
     peer: PeerRef
     block_ids: tuple[int, ...]
+    stream: bool = False  # layer-wise: reserve at P before its prefill (peer.remote_request is the stream key)
 
 
 @dataclass
@@ -43,6 +62,8 @@ class KVLifecycleMetadata(KVConnectorMetadata):
     skips: list[PeerRef] = field(default_factory=list)  # D: nothing to load (local hit / never admitted)
     cancels: list[str] = field(default_factory=list)  # D: request aborted/preempted while loading or reserved
     finishes: list[str] = field(default_factory=list)  # D: request finished; its blocks go back to vLLM
+    streams: list[StreamStep] = field(default_factory=list)  # P: layer-wise requests in this step's forward
 
     def is_empty(self) -> bool:
-        return not (self.grants or self.announces or self.recvs or self.skips or self.cancels or self.finishes)
+        return not (self.grants or self.announces or self.recvs or self.skips or self.cancels or self.finishes
+                    or self.streams)

@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .config import AdapterConfig
-from .metadata import GrantCmd, KVLifecycleMetadata, PeerRef, RecvCmd
+from .metadata import GrantCmd, KVLifecycleMetadata, PeerRef, RecvCmd, StreamStep
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -25,10 +25,18 @@ log = logging.getLogger("kvlifecycle.adapters.vllm")
 
 PARAMS_VERSION = 1
 REQUIRED_REMOTE_KEYS = ("remote_request_id", "remote_host", "remote_port")
+# layer-wise streaming (the proxy's ``--layerwise``): the key both P's and D's request carry; D's reservation and,
+# on fallback, P's grant are published under it
+STREAM_KEY = "kvlifecycle_stream"
 
 
 def side_channel_port(config: AdapterConfig, vllm_config: VllmConfig, tp_rank: int = 0) -> int:
-    return config.side_channel_port + vllm_config.parallel_config.data_parallel_index + tp_rank
+    """P rank ``tp_rank`` of DP rank ``d`` listens on ``base + d * tp_size + tp_rank``: the DP ranks' TP ranks never
+    share a port (``base + d + tp_rank`` would, for DP > 1 and TP > 1), and with TP 1 it is ``base + d`` as
+    vLLM's NixlConnector counts."""
+    parallel = vllm_config.parallel_config
+    tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    return config.side_channel_port + parallel.data_parallel_index * tp_size + tp_rank
 
 
 class SchedulerSide:
@@ -43,11 +51,14 @@ class SchedulerSide:
         # D: requests whose recv was shipped and not yet reported finished (vLLM must not free their blocks)
         self._loading: set[str] = set()
         self._settled: set[str] = set()  # D: load reported (done or failed); the ledger still holds the request
+        self._streaming: dict[str, tuple[str, int, list[int]]] = {}  # P: request -> (key, prompt length, blocks)
 
     # -- D: a request with P's params arrives --------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
+        if params and params.get("do_remote_decode") and params.get(STREAM_KEY):
+            self._streaming[request.request_id] = (str(params[STREAM_KEY]), len(request.prompt_token_ids or ()), [])
+        if params and params.get("do_remote_prefill") and not params.get(STREAM_KEY):  # a stream has no grant yet
             peer = self._peer(request)
             if peer is not None:
                 self._pending.announces.append(peer)  # heartbeats start now, not when blocks are found
@@ -59,7 +70,7 @@ class SchedulerSide:
                         [k for k in REQUIRED_REMOTE_KEYS if params.get(k) is None])
             return None
         address = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
-        return PeerRef(request.request_id, address, str(params["remote_request_id"]))
+        return PeerRef(request.request_id, address, str(params["remote_request_id"]), int(params.get("tp_size") or 1))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -83,7 +94,7 @@ class SchedulerSide:
         block_ids = blocks.get_unhashed_block_ids_all_groups()
         if len(block_ids) != 1:
             raise NotImplementedError("KVLifecycleConnector supports models with one KV cache group")
-        self._pending.recvs.append(RecvCmd(peer, tuple(int(b) for b in block_ids[0])))
+        self._pending.recvs.append(RecvCmd(peer, tuple(int(b) for b in block_ids[0]), bool(params.get(STREAM_KEY))))
         self._loading.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLifecycleMetadata:
@@ -93,8 +104,30 @@ class SchedulerSide:
             if request_id in self._settled:
                 self._settled.discard(request_id)
                 self._pending.cancels.append(request_id)
+        if self._streaming:
+            self._stream_steps(scheduler_output)
         meta, self._pending = self._pending, KVLifecycleMetadata()
         return meta
+
+    def _stream_steps(self, out: SchedulerOutput) -> None:
+        """P: for each layer-wise request in this step, the blocks complete once its forward ran (a block is
+        complete when all its tokens are computed; the last, partial one when the whole prompt is)."""
+        cached = out.scheduled_cached_reqs
+        steps = [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+        steps += [(rid, cached.new_block_ids[i], cached.num_computed_tokens[i]) for i, rid in enumerate(cached.req_ids)]
+        for request_id, new_blocks, computed in steps:
+            entry = self._streaming.get(request_id)
+            if entry is None:
+                continue
+            key, prompt_len, blocks = entry
+            if new_blocks:
+                blocks += [int(b) for b in new_blocks[0]]
+            done = computed + out.num_scheduled_tokens.get(request_id, 0)
+            whole = done >= prompt_len
+            complete = -(-prompt_len // self.block_size) if whole else done // self.block_size
+            self._pending.streams.append(StreamStep(request_id, key, tuple(blocks), min(complete, len(blocks))))
+            if whole:
+                del self._streaming[request_id]
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for request_id in output.finished_recving or ():
@@ -112,9 +145,14 @@ class SchedulerSide:
         request_id = request.request_id
         if params.get("do_remote_decode"):  # P
             finished_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            self._streaming.pop(request_id, None)
+            key = str(params.get(STREAM_KEY) or "")
+            if key and block_ids and not finished_ok:  # its layers may still be landing at D: free once settled
+                self._pending.grants.append(GrantCmd(request_id, tuple(int(b) for b in block_ids), key, aborted=True))
+                return True, None
             if not finished_ok or not block_ids:
                 return False, None  # aborted before its prefill finished: vLLM frees the blocks, nothing granted
-            self._pending.grants.append(GrantCmd(request_id, tuple(int(b) for b in block_ids)))
+            self._pending.grants.append(GrantCmd(request_id, tuple(int(b) for b in block_ids), key))
             return True, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,

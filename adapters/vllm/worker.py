@@ -10,8 +10,9 @@
 - KV caches in VRAM (``fast_path: "auto"``) also get a CUDA IPC transport over the same regions, handed to both
   as ``fast_transport``: D picks it per P at the handshake when both are on one node; NIXL stays the fallback.
 
-Neither side calls ``os.sched_setaffinity`` (vLLM's CPU NIXL worker pins the forward thread to one core) and the
-NIXL agent runs without UCX's progress thread (it spins a core); the transport's service thread drives progress.
+Neither side pins a thread (vLLM's CPU NIXL worker pins the forward thread to one core); the connector's threads
+are started free of the forward thread's binding (:meth:`WorkerSide.register_kv_caches` says why), and the NIXL
+agent runs without UCX's progress thread (it spins a core); the transport's service thread drives progress.
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvlifecycle import events as ev
-from kvlifecycle.handoff import Consumer, GetGrant, GrantReply, HandoffOptions, Heartbeat, LoadFailed, Producer
+from kvlifecycle.handoff import Consumer, GrantReply, HandoffOptions, Producer, SideChannelError
 from kvlifecycle.handshake import CompatInfo, CompatMismatchError
+from kvlifecycle.layout import UnsupportedMappingError, tp_consumers, tp_source_ranks
 from kvlifecycle.ledger import InvalidTransitionError, LedgerError, open_ledger
 from kvlifecycle.machines import SourceState, TargetState
-from kvlifecycle.sidechannel import SideChannelClient, SideChannelError, SideChannelRefused
 from kvlifecycle.transport import KVLayout, MemoryKind, TransportError
 
 from .config import AdapterConfig
-from .metadata import KVLifecycleMetadata, PeerRef, RecvCmd
+from .membership import WorkerMembership
+from .metadata import GrantCmd, KVLifecycleMetadata, PeerRef, RecvCmd
 from .scheduler import side_channel_port
+from .streaming import LayerStreaming, layer_indices
 
 if TYPE_CHECKING:
     import torch
@@ -190,9 +193,14 @@ def compat_info(vllm_config: VllmConfig, caches: KVCaches, dtype: str) -> Compat
 
 @dataclass
 class _Keepalive:
-    peer: PeerRef
+    address: str  # the P rank's side channel
     grant: GrantReply
     last_beat: float
+
+
+class GrantCountError(ValueError):
+    """P counts its lease's consumers for another D TP size than this D's: a read would release it too early or
+    never (P's ``decode_tp_size`` must name this D's TP size)."""
 
 
 class WorkerSide:
@@ -210,6 +218,14 @@ class WorkerSide:
         self.is_consumer = role in ("kv_consumer", "kv_both")
         self.failure_policy = getattr(kv_config, "kv_load_failure_policy", "fail") or "fail"
         self.tp_rank = int(get_tensor_model_parallel_rank())
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        # "<engine>-tp<r>", "<engine>-dp<d>-tp<r>" under DP: vLLM makes each DP rank's engine id unique by a
+        # "_dp<d>" tail (a dense model's workers see DP size 1), which the 12-character prefix drops, and two DP
+        # ranks' ledgers must not share a worker name
+        dp_tail = re.search(r"_dp(\d+)$", engine_id)
+        self.rank_name = f"{engine_id[:12]}{f'-dp{dp_tail[1]}' if dp_tail else ''}-tp{self.tp_rank}"
+        # P: D ranks that read each of this rank's leases (D TP > P TP: several read slices of one block)
+        self.consumers = tp_consumers(p_tp=self.tp_size, d_tp=config.decode_tp_size or self.tp_size)
         self.cache_blocks = bool(vllm_config.cache_config.enable_prefix_caching)
         self.options = HandoffOptions(
             secret=config.secret.encode() if config.secret else None,
@@ -233,14 +249,30 @@ class WorkerSide:
         self._sending_done: set[str] = set()
         self._load_of_transfer: dict[str, str] = {}
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._grants: dict[str, GrantReply] = {}
-        self._keepalive: dict[str, _Keepalive] = {}
-        self._clients: dict[str, SideChannelClient] = {}
+        self._grants: dict[tuple[str, str], GrantReply] = {}  # (D request, P rank address) -> its grant
+        self._keepalive: dict[tuple[str, str], _Keepalive] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.streaming: LayerStreaming | None = None  # layer-wise streaming (requests the proxy marks for it)
+        self.memberships: list[WorkerMembership] = []  # etcd registrations (none without etcd endpoints)
 
     # -- start-up ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the caches and start the connector's threads (transport, side channel, Producer, Consumer).
+
+        vLLM's CPU worker binds its forward thread to one core (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit
+        the binding of the thread that starts them: started from here as is, every connector thread would queue
+        behind the forward thread on that one core, which spins while a handoff is pending. Measured on real vLLM
+        at P TP 1 -> D TP 2 on two cores: a D rank could not complete one side-channel round trip within a 30 s
+        lease. So the threads are started with the process's whole CPU set and the forward thread's binding is
+        restored afterwards; the forward thread itself is never re-pinned."""
+        bound = _widen_affinity()
+        try:
+            self._register_kv_caches(kv_caches)
+        finally:
+            _restore_affinity(bound)
+
+    def _register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from kvlifecycle.transports.nixl import NixlTransport
         from kvlifecycle.transports.select import SameNodeSelector
 
@@ -249,7 +281,7 @@ class WorkerSide:
         first = next(iter(kv_caches.values()))
         dtype = str(first.dtype).removeprefix("torch.")
         compat = compat_info(self.vllm_config, caches, dtype)
-        agent = f"kvl-{self.engine_id[:12]}-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        agent = f"kvl-{self.rank_name}-{uuid.uuid4().hex[:8]}"
         self.transport = NixlTransport(agent, backends=self.config.backends)
         self.transport.register(layout)
         self.fast_transport = self._build_fast_path(layout, f"{agent}-ipc")
@@ -259,14 +291,14 @@ class WorkerSide:
                  self.config.mode, "cuda_ipc offered" if self.fast_transport is not None else "none")
         if self.is_producer:
             self.source = open_ledger("source", self.num_blocks, self._log_dir("source"), fsync=self.config.fsync,
-                                      worker=f"p-{self.engine_id[:12]}-tp{self.tp_rank}",
+                                      worker=f"p-{self.rank_name}",
                                       default_ttl_s=self.config.lease_ttl_s)
             self.producer = Producer(self.source, self.transport, compat, tp_rank=self.tp_rank,
                                      options=self.options, fast_transport=self.fast_transport)
             log.info("KVLifecycleConnector: producer side channel %s", self.producer.address)
         if self.is_consumer:
             self.target = open_ledger("target", self.num_blocks, self._log_dir("target"), fsync=self.config.fsync,
-                                      worker=f"d-{self.engine_id[:12]}-tp{self.tp_rank}",
+                                      worker=f"d-{self.rank_name}",
                                       failure_policy=self.failure_policy)
             self.target.listeners.append(self._on_target_event)
             consumer_options = HandoffOptions(
@@ -283,6 +315,13 @@ class WorkerSide:
                                      path_selector=SameNodeSelector())
             self._thread = threading.Thread(target=self._serve, name="kvl-vllm-consumer", daemon=True)
             self._thread.start()
+        self.streaming = LayerStreaming(
+            producer=self.producer, consumer=self.consumer, layers=caches.num_layers,
+            regions_per_layer=2 if caches.kv_outer else 1, stream_timeout_s=self.config.load_timeout_s,
+            layer_of=layer_indices(list(kv_caches), [t.data_ptr() for t in kv_caches.values()]), kv_device=first.device)
+        self.memberships = WorkerMembership.start(self.config, self.engine_id, producer=self.producer,
+                                                  consumer=self.consumer,
+                                                  dp=int(self.vllm_config.parallel_config.data_parallel_index))
 
     def _build_fast_path(self, layout: KVLayout, agent: str) -> Any:
         """A CUDA IPC transport over the same regions when the KV lives in VRAM (``fast_path: "auto"``), else
@@ -309,7 +348,7 @@ class WorkerSide:
     def _log_dir(self, side: str) -> str | None:
         if not self.config.log_dir:
             return None
-        path = Path(self.config.log_dir) / f"{side}-{self.engine_id[:12]}-tp{self.tp_rank}-{os.getpid()}"
+        path = Path(self.config.log_dir) / f"{side}-{self.rank_name}-{os.getpid()}"
         path.mkdir(parents=True, exist_ok=True)
         return str(path)
 
@@ -318,7 +357,15 @@ class WorkerSide:
         if meta.grants and self.source is not None:
             self._drain_released()
         for cmd in meta.grants:
+            if cmd.stream_key and self._stream_finished(cmd):
+                continue
             self._grant(cmd.request, np.asarray(cmd.block_ids, dtype=np.int32))
+            if cmd.stream_key and self.producer is not None:  # D's fallback fetches the grant by the stream key
+                self.producer.alias_grant(cmd.request, cmd.stream_key)
+        # Ends first: vLLM may hand a block it freed from a finished request to one it admitted in the same step,
+        # and the ledger reserves that block for the new request only once the old one let it go.
+        for request in meta.finishes:
+            self._commands.put(("finish", request))
         for peer in meta.announces:
             self._commands.put(("announce", peer))
         for recv in meta.recvs:
@@ -327,8 +374,21 @@ class WorkerSide:
             self._commands.put(("skip", peer))
         for request in meta.cancels:
             self._commands.put(("cancel", request))
-        for request in meta.finishes:
-            self._commands.put(("finish", request))
+
+    def save_kv_layer(self, layer_name: str, meta: KVLifecycleMetadata) -> None:
+        if self.streaming is not None:
+            self.streaming.save_layer(layer_name, meta)
+
+    def _stream_finished(self, cmd: GrantCmd) -> bool:
+        """A layer-wise P request ended: streamed (no grant; vLLM frees its blocks once the writes settled)?"""
+        if self.streaming is None:
+            return False
+
+        def sending_done() -> None:
+            with self._results_lock:
+                self._sending_done.add(cmd.request)
+
+        return self.streaming.finished(cmd.request, cmd.stream_key, aborted=cmd.aborted, sending_done=sending_done)
 
     def _grant(self, request: str, block_ids: np.ndarray) -> None:
         if self.producer is None or self.source is None:
@@ -337,7 +397,7 @@ class WorkerSide:
         try:
             self._acquire(request, block_ids)
             self.source.prefill_done(request)
-            self.producer.grant(request, ttl_s=self.config.lease_ttl_s)
+            self.producer.grant(request, consumers=self.consumers, ttl_s=self.config.lease_ttl_s)
         except (LedgerError, ValueError) as exc:
             # the blocks cannot be handed off: D's grant lookup fails and it reports a load failure
             log.error("cannot grant %s: %s", request, exc)
@@ -467,57 +527,62 @@ class WorkerSide:
             except Exception:
                 log.exception("KVLifecycleConnector adapter thread: %s failed", kind or "keepalive")
 
-    def _client(self, address: str) -> SideChannelClient:
-        client = self._clients.get(address)
-        if client is None:
-            client = SideChannelClient(address, (GrantReply,), secret=self.options.secret,
-                                       timeout_s=self.config.handshake_timeout_s)
-            self._clients[address] = client
-        return client
+    def _source_addresses(self, peer: PeerRef) -> list[str]:
+        """The side channels of the P ranks this D rank reads (the core's TP plan: rank i <-> rank i at equal
+        sizes, several P ranks when P TP > D TP, one shared P rank when P TP < D TP)."""
+        ranks = tp_source_ranks(p_tp=peer.remote_tp_size, d_tp=self.tp_size, d_rank=self.tp_rank)
+        return [peer.rank_address(rank) for rank in ranks]
 
-    def _fetch_grant(self, peer: PeerRef) -> GrantReply:
-        """P publishes the grant one scheduler step after its request finished: wait for it (bounded)."""
-        grant = self._grants.get(peer.request)
-        if grant is not None:
-            return grant
-        deadline = time.monotonic() + self.config.grant_wait_s
-        delay = 0.002
-        while True:
-            try:
-                grant = self._client(peer.address).request(GetGrant(peer.remote_request))
-                self._grants[peer.request] = grant
-                return grant
-            except SideChannelRefused as exc:
-                if exc.code != "unknown_request" or time.monotonic() + delay > deadline:
-                    raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+    def _fetch_grant(self, peer: PeerRef, address: str) -> GrantReply:
+        """P publishes the grant one scheduler step after its request finished: wait for it (bounded). P's
+        ``grant_ended`` (the lease ended before D asked, e.g. it expired) is final: no wait, so that one late
+        request does not hold this thread, and every request queued behind it, for ``grant_wait_s``."""
+        assert self.consumer is not None
+        grant = self._grants.get((peer.request, address))
+        if grant is None:
+            grant = self.consumer.fetch_grant(address, peer.remote_request, wait_s=self.config.grant_wait_s)
+            self._grants[(peer.request, address)] = grant
+        return grant
 
     def _announce(self, peer: PeerRef) -> None:
         try:
-            grant = self._fetch_grant(peer)
-        except SideChannelError as exc:
-            log.warning("request %s: no grant from %s yet (%s); will retry when blocks are reserved", peer.request,
-                        peer.address, exc)
+            addresses = self._source_addresses(peer)
+        except UnsupportedMappingError as exc:
+            log.warning("request %s: %s; its load will be refused", peer.request, exc)
             return
-        self._keepalive[peer.request] = _Keepalive(peer, grant, 0.0)
+        for address in addresses:
+            try:
+                grant = self._fetch_grant(peer, address)
+            except SideChannelError as exc:
+                log.warning("request %s: no grant from %s yet (%s); will retry when blocks are reserved",
+                            peer.request, address, exc)
+                continue
+            self._keepalive[(peer.request, address)] = _Keepalive(address, grant, 0.0)
         self._beat_keepalives()
 
+    def _drop_keepalives(self, request: str) -> None:
+        for key in [key for key in self._keepalive if key[0] == request]:
+            del self._keepalive[key]
+
+    def _forget_grants(self, request: str) -> None:
+        for key in [key for key in self._grants if key[0] == request]:
+            del self._grants[key]
+
     def _beat_keepalives(self) -> None:
+        assert self.consumer is not None
         now = time.monotonic()
-        for request, keep in list(self._keepalive.items()):
+        for key, keep in list(self._keepalive.items()):
             if now - keep.last_beat < keep.grant.ttl_s / 6:
                 continue
             keep.last_beat = now
             try:
-                ack = self._client(keep.peer.address).request(
-                    Heartbeat(keep.grant.transfer, keep.grant.generation), timeout_s=1.0)
+                ack = self.consumer.keep_alive(keep.address, keep.grant, timeout_s=1.0)
             except SideChannelError as exc:
-                log.info("heartbeat for %s to %s failed: %s", request, keep.peer.address, exc)
+                log.info("heartbeat for %s to %s failed: %s", key[0], keep.address, exc)
                 continue
             if not ack.ok:
-                log.warning("lease of %s is gone on P: %s", request, ack.detail)
-                self._keepalive.pop(request, None)
+                log.warning("lease of %s is gone on %s: %s", key[0], keep.address, ack.detail)
+                self._keepalive.pop(key, None)
 
     def _recv(self, cmd: RecvCmd) -> None:
         try:
@@ -534,71 +599,94 @@ class WorkerSide:
     def _recv_unguarded(self, cmd: RecvCmd) -> None:
         assert self.consumer is not None and self.target is not None
         peer = cmd.peer
-        self._keepalive.pop(peer.request, None)  # the consumer's claim heartbeat takes over
         blocks = np.asarray(cmd.block_ids, dtype=np.int32)
         try:
             self.target.reserve(peer.request, blocks)
         except LedgerError as exc:
             # vLLM gave us blocks the ledger still sees in use: refuse to load into them
             log.error("request %s: cannot reserve %d blocks: %s", peer.request, blocks.size, exc)
+            self._drop_keepalives(peer.request)
             with self._results_lock:
                 self._failed_recving.add(peer.request)
                 self._done_recving.add(peer.request)
             return
-        grant: GrantReply | None = None
+        grants: list[tuple[str, GrantReply]] = []
         try:
-            grant = self._fetch_grant(peer)
-            if peer.address not in self.consumer.links:
-                self.consumer.connect(peer.address, push=self.config.mode == "push")
+            if cmd.stream and self._stream(peer):
+                return
+            # every P rank's grant before any handshake: a handshake refused by one P rank then tells all of them,
+            # instead of leaving the ranks not yet asked pinned until their leases expire
+            for address in self._source_addresses(peer):
+                grants.append((address, self._fetch_grant(peer, address)))
+            for address, grant in grants:
+                link = self.consumer.links.get(address)
+                if link is None or link.epoch != grant.epoch:  # first contact, or P restarted on this address
+                    self._beat_keepalives()  # a first handshake can be slow: the announced leases stay renewed
+                    self.consumer.connect(address, push=self.config.mode == "push")
+                expected = self.consumer.links[address].plan.consumers_per_p_rank
+                if grant.consumers != expected:
+                    raise GrantCountError(
+                        f"P rank at {address} granted {peer.remote_request} for {grant.consumers} consumer(s), but "
+                        f"D TP {self.tp_size} reading P TP {peer.remote_tp_size} makes {expected}: set "
+                        f"decode_tp_size={self.tp_size} in P's kv_connector_extra_config")
             if self.config.mode == "push":
-                self.consumer.request_push(peer.request, grant, address=peer.address)
+                address, grant = grants[0]
+                self.consumer.request_push(peer.request, grant, address=address)
             else:
-                self.consumer.pull(peer.request, grant, address=peer.address)
+                self.consumer.pull(peer.request, grants)
         except (CompatMismatchError, SideChannelError, TransportError, LedgerError, ValueError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             log.error("request %s: handoff from %s refused: %s", peer.request, peer.address, reason)
-            self._fail_before_load(peer, grant, reason)
+            self._fail_before_load(peer, grants, reason)
         finally:
-            self._grants.pop(peer.request, None)
+            self._drop_keepalives(peer.request)  # the consumer's claim heartbeat takes over (or nothing is left)
+            self._forget_grants(peer.request)
 
-    def _fail_before_load(self, peer: PeerRef, grant: GrantReply | None, reason: str) -> None:
+    def _stream(self, peer: PeerRef) -> bool:
+        """Layer-wise: ask P to stream into the reservation; False when declined (the post-prefill path follows)."""
+        assert self.consumer is not None and self.streaming is not None
+        address = self._source_addresses(peer)[0]
+        if address not in self.consumer.links:
+            self.consumer.connect(address, push=True)
+        return self.streaming.request(peer.request, address, peer.remote_request)
+
+    def _consumer_index(self, peer: PeerRef) -> int:
+        """This rank's consumer number on a P lease (D TP > P TP: the D ranks sharing one P rank count 0..r-1)."""
+        return self.tp_rank % tp_consumers(p_tp=peer.remote_tp_size, d_tp=self.tp_size)
+
+    def _fail_before_load(self, peer: PeerRef, grants: list[tuple[str, GrantReply]], reason: str) -> None:
         """A handoff that never started (no grant, handshake refused): the ledger records a failed load so that
-        the failure policy applies, and P is told to release now rather than at lease expiry."""
-        assert self.target is not None
-        req = self.target.requests.get(peer.request)
-        if req is not None and req.transfer is not None:
-            self.target.fail(req.transfer, reason)
-        elif req is not None:
-            # No byte was ever requested: a load of its own id (not the grant's), so that D's log never shows a
-            # read of P's transfer that did not happen.
-            transfer = f"{grant.transfer if grant is not None else peer.request}/refused-by-d"
-            self.target.start_load(peer.request, transfer, generation=grant.generation if grant else 0)
-            self.target.fail(transfer, reason)
-        if grant is not None:
-            try:
-                self._client(peer.address).request(LoadFailed(grant.transfer, grant.generation, reason[:400]),
-                                                   timeout_s=1.0)
-            except SideChannelError as exc:
-                log.info("could not tell %s that %s failed: %s", peer.address, grant.transfer, exc)
+        the failure policy applies, and every P rank whose grant D fetched is told to release now rather than
+        at lease expiry (a P rank shared by several D ranks releases when all of them settled)."""
+        assert self.consumer is not None
+        self.consumer.fail_unstarted(peer.request, grants or [], reason, consumer=self._consumer_index(peer))
 
     def _skip(self, peer: PeerRef) -> None:
         """Nothing to load (full local prefix hit, or the request never got blocks): release P's grant now."""
-        self._keepalive.pop(peer.request, None)
+        assert self.consumer is not None
+        self._drop_keepalives(peer.request)
+        grants: list[tuple[str, GrantReply]] = []
         try:
-            grant = self._fetch_grant(peer)
-            self._client(peer.address).request(LoadFailed(grant.transfer, grant.generation, "not needed by D"),
-                                               timeout_s=1.0)
-        except SideChannelError as exc:
-            log.info("could not release %s on %s: %s (its lease will expire)", peer.remote_request, peer.address, exc)
+            for address in self._source_addresses(peer):
+                try:
+                    grants.append((address, self._fetch_grant(peer, address)))
+                except SideChannelError as exc:
+                    log.info("could not release %s on %s: %s (its lease will expire)", peer.remote_request,
+                             address, exc)
+            self.consumer.hand_back(grants, "not needed by D", consumer=self._consumer_index(peer))
+        except UnsupportedMappingError as exc:
+            log.info("could not release %s: %s (its lease will expire)", peer.remote_request, exc)
         finally:
-            self._grants.pop(peer.request, None)
+            self._forget_grants(peer.request)
 
     def _cancel(self, request: str) -> None:
         """vLLM aborted a request whose load it had not seen settle. In flight: the ledger keeps the blocks
         LOADING and the listener reports the request once the transfer settles (vLLM frees the blocks then).
         Otherwise its settling was already reported: only the ledger needs to know."""
         assert self.target is not None
-        self._keepalive.pop(request, None)
+        self._drop_keepalives(request)
+        if self.streaming is not None and self.streaming.cancel(request):
+            return  # a stream: P stops posting, the blocks go once its writes settled
         if request in self.target.requests:
             self.target.cancel(request)
 
@@ -624,18 +712,41 @@ class WorkerSide:
 
     # -- teardown ------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        for membership in self.memberships:  # first: P drains while its side channel still serves
+            membership.stop()
         self._stop.set()
+        _close_quietly(self.streaming)
         if self._thread is not None:
             self._thread.join(5)
         for closer in (self.consumer, self.producer):
             _close_quietly(closer)
-        for client in self._clients.values():
-            client.close()
         for ledger in (self.source, self.target):
             if ledger is not None and ledger.log is not None:
                 ledger.log.close()
         for transport in (self.transport, self.fast_transport):
             _close_quietly(transport)
+
+
+def _widen_affinity() -> set[int] | None:
+    """Let threads started by the calling thread run on every CPU of the process's cgroup; returns the calling
+    thread's previous CPU set (None: nothing changed, e.g. not Linux or already unbound)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    bound = os.sched_getaffinity(0)
+    wide = set(range(os.cpu_count() or 1))
+    if wide <= bound:
+        return None
+    try:
+        os.sched_setaffinity(0, wide)  # the kernel keeps the part the cgroup allows
+    except OSError as exc:
+        log.info("connector threads keep the forward thread's CPU binding %s: %s", sorted(bound), exc)
+        return None
+    return bound
+
+
+def _restore_affinity(bound: set[int] | None) -> None:
+    if bound is not None:
+        os.sched_setaffinity(0, bound)
 
 
 def _close_quietly(part: Any) -> None:

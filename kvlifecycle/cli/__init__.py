@@ -25,6 +25,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "timeline": ("kvlifecycle.cli.timeline", "merge P and D logs into a Perfetto/Chrome trace (and a PNG)"),
     "doctor": ("kvlifecycle.tools.doctor", "which NIXL plugins and paths work here, and how fast they are"),
     "proxy": ("kvlifecycle.cli.proxy", "OpenAI-compatible P/D proxy in front of prefill and decode servers"),
+    "drain": ("kvlifecycle.cli.drain",
+              "scale a prefill instance in through etcd: no new work, live leases finish, then it leaves"),
     "bench": ("kvlifecycle.cli.bench", "benchmarks: lifecycle, transport, ..."),
     "diagram": ("kvlifecycle.cli.diagram",
                 "write the state-machine diagrams (Mermaid) generated from the declarations"),

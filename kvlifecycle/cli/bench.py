@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transport": ("bench_transport", "raw NIXL vs kvlifecycle's NIXL transport, two processes, DRAM"),
     "load": ("bench_load", "sustained load through Producer/Consumer over NIXL: rate, latency, flat RSS, clean logs"),
     "gpu": ("bench_gpu", "same-node GPU fast path vs NIXL vs torch vs a contiguous copy (needs CUDA)"),
+    "gpu-layerwise": ("bench_gpu.layerwise", "layer-wise KV streaming vs the post-prefill copy, T_visible (CUDA)"),
 }
 
 

@@ -4,13 +4,16 @@ their agent epochs are alive.
 Reading path: :mod:`.keys` (the key space and the value), :mod:`.etcd` (the one module that talks to etcd, and
 why this client), :mod:`.registration` (a rank's key under a kept-alive lease), :mod:`.watcher` (joins and losses
 as callbacks), then the two bindings to the handoff: :mod:`.presence` (P: register, drain; D: register, fence)
-and :mod:`.directory` (D: connect to new P ranks, invalidate lost ones; P: release a lost D's leases).
+and :mod:`.directory` (D: connect to new P ranks, invalidate lost ones; P: release a lost D's leases); for a router,
+:mod:`.instances` (the routable P and D engine instances, as ``kvlifecycle proxy --etcd`` follows them); for an
+operator, :mod:`.drain` (a drain ordered from outside, as ``kvlifecycle drain`` writes it).
 
 Without etcd nothing here is used: the embedded default (addresses in ``kv_transfer_params``) works unchanged.
 The etcd client (``pip install kvlifecycle[etcd]``) is imported only when a session first talks to etcd.
 """
 
 from kvlifecycle.membership.directory import ConsumerDirectory, PeerEvent, ProducerDirectory
+from kvlifecycle.membership.drain import Rank, instance_ranks, order_drain, wait_departed
 from kvlifecycle.membership.etcd import (
     Backoff,
     EtcdClientMissingError,
@@ -19,6 +22,7 @@ from kvlifecycle.membership.etcd import (
     EtcdUnavailableError,
     MembershipError,
 )
+from kvlifecycle.membership.instances import Instance, InstanceDirectory
 from kvlifecycle.membership.keys import ROOT, Member, MemberKey, MemberState, Role, decode_member, encode_member
 from kvlifecycle.membership.presence import ConsumerPresence, DrainingError, ProducerPresence
 from kvlifecycle.membership.registration import Registration, StaleRegistrationError
@@ -34,6 +38,8 @@ __all__ = [
     "EtcdOptions",
     "EtcdSession",
     "EtcdUnavailableError",
+    "Instance",
+    "InstanceDirectory",
     "Member",
     "MemberKey",
     "MemberState",
@@ -42,9 +48,13 @@ __all__ = [
     "PeerWatcher",
     "ProducerDirectory",
     "ProducerPresence",
+    "Rank",
     "Registration",
     "Role",
     "StaleRegistrationError",
     "decode_member",
     "encode_member",
+    "instance_ranks",
+    "order_drain",
+    "wait_departed",
 ]

@@ -8,7 +8,9 @@ lives exactly as long as the worker keeps that lease alive: the lease is the liv
 the value. ``v1`` is the key-space version: a change of the value's meaning gets a new prefix, so mixed versions
 never read each other's keys.
 
-Value history: v1 — address, agent, epoch, state (``serving`` | ``draining``), transport.
+Value history: v1 — address, agent, epoch, state (``serving`` | ``draining``), transport; then ``api`` (the engine
+instance's HTTP server, for a router), optional with an empty default: a reader that predates a field ignores it
+(msgspec skips unknown fields), so it needs no new prefix.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Member(msgspec.Struct, frozen=True):
     epoch: int  # the agent epoch: a restart is a new epoch
     state: MemberState = MemberState.SERVING
     transport: str = "nixl"
+    api: str = ""  # host:port of the instance's OpenAI-compatible server, on the rank that hosts it; "" for none
 
 
 _encoder = msgspec.json.Encoder()
@@ -68,6 +71,11 @@ def cluster_prefix(cluster: str) -> str:
 
 def role_prefix(cluster: str, role: Role) -> str:
     return f"{cluster_prefix(cluster)}{Role(role).value}/"
+
+
+def instance_prefix(cluster: str, role: Role, instance: str) -> str:
+    """The keys of every DP and TP rank of one engine instance."""
+    return f"{role_prefix(cluster, role)}{_check_name('instance', instance)}/"
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -114,6 +115,10 @@ class Registration:
             self._thread.join(self.session.options.request_timeout_s * 2 + 1)
 
     # -- keep-alive thread ------------------------------------------------------------------------------------------
+    def _refresh(self, lease_id: int) -> list[Any]:
+        """One keep-alive round trip: etcd's replies (none, or a TTL of 0: the lease is gone)."""
+        return self.session.call("keep the lease alive", lambda c: list(c.refresh_lease(lease_id)))
+
     def _keepalive(self) -> None:
         options = self.session.options
         backoff = Backoff(options.backoff_initial_s, options.backoff_max_s)
@@ -123,7 +128,7 @@ class Registration:
             if lease_id is None:
                 return
             try:
-                replies = self.session.call("keep the lease alive", lambda c, lid=lease_id: list(c.refresh_lease(lid)))
+                replies = self._refresh(lease_id)
             except EtcdUnavailableError as exc:
                 self.keepalive_failures += 1
                 wait = min(backoff.next(), options.keepalive_interval_s)

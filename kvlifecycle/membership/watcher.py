@@ -28,6 +28,7 @@ from kvlifecycle.membership.keys import Member, MemberKey, Role, decode_member, 
 log = logging.getLogger("kvlifecycle.membership")
 
 PeerCallback = Callable[[MemberKey, Member], None]
+ConnectionCallback = Callable[[bool, str], None]  # (etcd reachable, why not)
 
 _WATCH_POLL_S = 0.2  # how often the watcher thread looks at its stop flag while no event arrives
 
@@ -40,8 +41,11 @@ class PeerWatcher:
     """Follows ``/kvlifecycle/v1/<cluster>/<role>/``; calls ``on_joined``, ``on_updated`` and ``on_lost``."""
 
     def __init__(self, session: EtcdSession, role: Role, *, on_joined: PeerCallback = _noop,
-                 on_lost: PeerCallback = _noop, on_updated: PeerCallback = _noop) -> None:
+                 on_lost: PeerCallback = _noop, on_updated: PeerCallback = _noop,
+                 on_connection: ConnectionCallback | None = None) -> None:
+        """``on_connection(False, why)`` once when the watch breaks, ``(True, "")`` once it has resynced."""
         self.session, self.role = session, Role(role)
+        self.on_connection = on_connection
         self.prefix = role_prefix(session.options.cluster, self.role)
         self.on_joined, self.on_lost, self.on_updated = on_joined, on_lost, on_updated
         self._peers: dict[MemberKey, Member] = {}
@@ -78,14 +82,14 @@ class PeerWatcher:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():  # a callback may close
             self._thread.join(self.session.options.request_timeout_s * 2 + 1)
 
     # -- the diff ---------------------------------------------------------------------------------------------------
     def _resync(self) -> int:
         """List the prefix, report the differences to what was known; returns the revision listed."""
         resp = self.session.call(f"list {self.prefix}", lambda c: c.get_prefix_response(self.prefix))
-        seen: dict[MemberKey, Member] = {}
+        seen: dict[MemberKey, Member | None] = {}
         for kv in resp.kvs:
             parsed = self._parse(kv.key, kv.value)
             if parsed is not None:
@@ -125,6 +129,13 @@ class PeerWatcher:
             elif member != old:
                 self._call(self.on_updated, key, member)
 
+    def _connection(self, up: bool, why: str) -> None:
+        if self.on_connection is not None:
+            try:
+                self.on_connection(up, why)
+            except Exception:
+                log.exception("membership connection callback failed for %s", self.prefix)
+
     def _call(self, fn: PeerCallback, key: MemberKey, member: Member) -> None:
         try:
             fn(key, member)
@@ -141,10 +152,13 @@ class PeerWatcher:
                     revision = self._resync()
                     self.resyncs += 1
                     log.info("membership of %s resynced at revision %d", self.prefix, revision)
+                    self._connection(True, "")
                 revision = self._watch_from(revision + 1)
                 backoff.reset()
             except EtcdUnavailableError as exc:
                 self.connected.clear()
+                if revision >= 0:  # the first failure of this outage, not a failed resync
+                    self._connection(False, str(exc))
                 revision = -1
                 wait = backoff.next()
                 log.warning("watching %s: %s; known peers kept, retrying in %.2fs", self.prefix, exc, wait)

@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from kvlifecycle import events as ev
 from kvlifecycle.invariants import check_quiescent, check_source, check_target
 from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.replay import check, check_pair, replay
@@ -25,6 +23,7 @@ from kvlifecycle.sim.protocol_driver import rank_view
 from kvlifecycle.transport import XferOp
 
 _PINNED, _LOADING = int(SourceState.PINNED_FOR_TRANSFER), int(TargetState.LOADING)
+_HELD = np.array([int(SourceState.ALLOCATED), int(SourceState.READY)])  # a streamed request's blocks, computing
 
 
 def step_checks(world) -> list[str]:
@@ -63,7 +62,14 @@ def in_flight_checks(world) -> list[str]:
         if p is None or d is None:
             continue
         _, grant = _grant_of(world, x.handle.transfer)
-        if grant is not None and grant.agent_epoch == p.transport.epoch:
+        if grant is not None and grant.stream and grant.agent_epoch == p.transport.epoch:
+            # no lease: P's request holds the blocks until its writes settled (StreamProducer.release)
+            states, epochs = p.ledger.block_states(p_ids), p.ledger.epoch[p_ids]
+            if np.isin(states, _HELD, invert=True).any() or (epochs != grant.epoch).any():
+                out.append(f"{p.name}: source block(s) {p_ids.tolist()} freed or reused while stream "
+                           f"{x.handle.transfer} writes from them (states {states.tolist()}, epochs "
+                           f"{epochs.tolist()}, computed at epoch {grant.epoch})")
+        elif grant is not None and grant.agent_epoch == p.transport.epoch:
             states = p.ledger.block_states(p_ids)
             epochs = p.ledger.epoch[p_ids]
             if (states != _PINNED).any() or (epochs != grant.epoch).any():
@@ -117,8 +123,8 @@ def quiescence_checks(world) -> list[str]:
     for w in [*world.p, *world.d]:
         if w.transport.open_handles():
             out.append(f"{w.name}: {w.transport.open_handles()} transfer handle(s) left open")
-        if w.core.busy():
-            out.append(f"{w.name}: protocol core still busy (loads, pushes or calls pending)")
+        if w.busy():
+            out.append(f"{w.name}: protocol core still busy (loads, pushes, streams or calls pending)")
     if world.fabric.in_flight:
         out.append(f"{len(world.fabric.in_flight)} transfer(s) still in flight")
     for watch in world.watches:
@@ -128,50 +134,22 @@ def quiescence_checks(world) -> list[str]:
     return out
 
 
-def log_checks(dirs: Iterable[tuple[Path, bool]], known: list[str] | None = None) -> list[str]:
+def log_checks(dirs: Iterable[tuple[Path, bool]]) -> list[str]:
     """Replay each log and check it; ``(directory, quiescent)``: quiescent is False for a log whose last
     incarnation recorded nothing (replay then ends in the crashed incarnation, which may have left leases)."""
     pairs = [(replay(d), quiescent) for d, quiescent in dirs]
     results = [r for r, _ in pairs]
     out = [f"{r.path}: {v}" for r, quiescent in pairs for v in check(r, quiescent=quiescent)]
-    completed = {e.transfer for r in results if r.side == "source" for e in r.events
-                 if isinstance(e, ev.SrcConsumerDone)}
-    for v in check_pair(results):
-        found = _RELEASED_CANCELLED.search(v.detail)
-        if v.rule == "released-under-reader" and found and found.group(1) in completed:
-            if known is not None:  # KNOWN_FINDINGS["deferred-cancel-completed"]: the reader had finished
-                known.append(f"deferred-cancel-completed: {v}")
-            continue
-        out.append(str(v))
+    out += [str(v) for v in check_pair(results)]
     return out
 
 
 # Findings of the simulation that the checks would report on every affected seed until they are fixed where they
-# live; each has a strict-xfail regression test under tests/sim/ named after it.
-KNOWN_FINDINGS = {
-    "deferred-cancel-completed": (
-        "a cancel deferred under a claimed lease, then the consumer's completion: SourceLedger releases the lease "
-        "as 'cancelled', and check_merged reports released-under-reader whenever P drains the completion "
-        "notification before D polls the DONE (the notification's HLC is stamped at post time)"
-    ),
-}
-KNOWN_FINDINGS["push-timeout-frees-target"] = (
-    "D asks P to push; P accepts and posts the WRITE, but its reply is lost or late: the Consumer fails the load "
-    "on the side-channel timeout, which frees (policy fail) or hands back (recompute) the target blocks while "
-    "P's write into them is still in flight; the LoadFailed it sends releases P's lease but cancels no write"
-)
-_UNDER_TRANSFER = re.compile(r"^[PD]\d+: (?:target|source) block\(s\) .* while transfer (\S+) (?:writes|reads) them")
+# live, each with a strict-xfail regression test under tests/sim/ named after it. None is open: each one found so
+# far is fixed and its seed is a passing regression test (tests/sim/test_sim_findings.py).
+KNOWN_FINDINGS: dict[str, str] = {}
 
 
 def known_finding(world, violation: str) -> str | None:
     """The KNOWN_FINDINGS key ``violation`` is an instance of, or None."""
-    found = _UNDER_TRANSFER.search(violation)
-    if found:
-        transfer = found.group(1)
-        if any(isinstance(e, ev.TgtLoadFailed) and e.transfer == transfer
-               and e.reason.startswith("push request failed") for d in world.d for e in d.watch.events):
-            return "push-timeout-frees-target"
     return None
-
-
-_RELEASED_CANCELLED = re.compile(r"P released (\S+) \(cancelled\)")

@@ -25,7 +25,6 @@ ALL_EDGES: tuple[str, ...] = tuple(edge_names(SOURCE_MACHINE) + edge_names(TARGE
 
 # Edges the simulated engines cannot take, and why; they are listed, never counted as unexercised.
 NOT_MODELED = {
-    "source: PREFIX_CACHED -> PINNED_FOR_TRANSFER (grant)": "prefix-cache hits (share) are not simulated yet",
     "target: LOADING -> FREE (cancel [not in_flight])": "unreachable: a LOADING request always has a live load "
                                                         "(check_target's loading-without-transfer)",
 }
@@ -47,6 +46,7 @@ _INDEX = {"source": _edge_index(SOURCE_MACHINE), "target": _edge_index(TARGET_MA
 _LOADING, _PINNED = int(TargetState.LOADING), int(SourceState.PINNED_FOR_TRANSFER)
 _SELF_LOOPS = {
     "part_done": "target: LOADING -> LOADING (part_done [not all_parts_done])",
+    "layer_landed": "target: LOADING -> LOADING (layer_landed)",
     "cancel": "target: LOADING -> LOADING (cancel [in_flight])",
     "grant": "source: PINNED_FOR_TRANSFER -> PINNED_FOR_TRANSFER (grant)",
     "release": "source: PINNED_FOR_TRANSFER -> PINNED_FOR_TRANSFER (release [not last_pin])",
@@ -116,7 +116,9 @@ class LedgerWatch:
 
     def _self_loops(self, event: ev.Event, now: np.ndarray) -> None:
         ledger = self.ledger
-        if isinstance(event, ev.TgtPartDone):
+        if isinstance(event, ev.TgtLayersLanded):
+            self.coverage[_SELF_LOOPS["layer_landed"]] += 1
+        elif isinstance(event, ev.TgtPartDone):
             load = ledger.loads.get(event.transfer)
             if load is not None:
                 self.coverage[_SELF_LOOPS["part_done"]] += 1

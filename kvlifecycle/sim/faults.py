@@ -18,9 +18,15 @@ CANCEL = (
 )
 LEASES = ("lease_expired", "heartbeat_after_expiry", "fail_after_release")
 RESTARTS = ("p_restart", "torn_tail", "d_crash", "stale_epoch_refused")
-ENGINE = ("allocator_reuse", "clock_drift", "push", "pull", "tp_handles")
+ENGINE = ("allocator_reuse", "clock_drift", "push", "pull", "tp_handles", "prefix_share")
+# layer-wise streaming: a stream began; D's reservation came after P's prefill began (declined); a layer's write
+# failed; D, or P, cancelled mid-stream; P died mid-stream; D timed a stream out (P lost, or its last note lost),
+# one P still held (its write window bounds P's writes); P's window closed with a write in flight (cancelled); P
+# stopped the streams of a D silent (crashed, cut off) for the peer timeout
+STREAMS = ("stream", "stream_declined", "stream_write_fail", "stream_cancel_d", "stream_cancel_p", "stream_p_crash",
+           "stream_timeout", "stream_timeout_held", "stream_window_closed", "stream_d_silent")
 
-ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE
+ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE + STREAMS
 
 # What --faults may switch off (the rest are observations of the run, not injections).
 INJECTABLE = {

@@ -24,6 +24,7 @@ class GrantInfo:
     epoch: int  # allocation epoch of the granted blocks
     rank: int
     ranks: int
+    stream: bool = False  # what a layer-wise stream writes (no lease: P's blocks are held by its request)
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,10 @@ class Network:
         self.dropped += len(lost)
         self.in_flight = [m for m in self.in_flight if m not in lost]
 
+    def cut(self, a: str, b: str) -> bool:
+        """Whether a partition separates ``a`` and ``b`` now."""
+        return frozenset((a, b)) in self.partitions
+
     def heal(self) -> None:
         self.partitions.clear()
 

@@ -1,14 +1,17 @@
-"""THE SEAM: the handoff protocol as the simulation drives it, until the Producer/Consumer logic is extracted into
-a deterministic protocol core that both the threaded runtime and the simulator drive. Plugging that core in
-replaces this module and nothing else (the world, the faults, the checks and the scheduler stay).
+"""The handoff's plumbing as the simulation drives it, around the protocol core both it and the threaded runtime
+call (:mod:`kvlifecycle.protocol`).
 
-:class:`ProducerCore` and :class:`ConsumerCore` issue the ledger commands in the order
-:mod:`kvlifecycle.handoff`'s ``Producer`` and ``Consumer`` issue them — claim every lease first (heartbeat), only
-then ``start_load`` and the posts (in one ledger step); a failed read or write releases the handles before the
-ledger settles and tells P (``LoadFailed``); the last part settles the load; P counts completions from transport
-notifications, sweeps expired leases and commits once per service step. What differs is only the plumbing: a
-side-channel request is a message and a later reply (or a timeout) instead of a blocking call, and the service
-"thread" is a step the scheduler runs.
+P: :class:`ProducerCore` is plumbing only: every decision (a renewal, a hand-back, a push's admission, whether a
+write may be posted or must be cancelled, what a settled write or a consumer's notification does, the sweep) is
+:class:`~kvlifecycle.protocol.producer.ProducerProtocol`'s, the class the threaded ``Producer`` calls. D:
+:class:`ConsumerCore` takes the decisions of :mod:`kvlifecycle.protocol.consumer` and bounds reads with
+:class:`~kvlifecycle.protocol.bounds.RenewalClock`, as the ``Consumer`` does, and its loads are the ``Consumer``'s
+:class:`~kvlifecycle.protocol.load.LoadProgress` (each part counted once, the last settles the load; a failure
+waits, ``failing``, for sibling reads in flight), and their launch and service duties are
+:class:`~kvlifecycle.protocol.launch.LoadLaunch`'s (every lease claimed first, then ``start_load`` and the posts in
+one ledger step; what a claim's answer means; which leases an abandon hands back; what a service step owes a load;
+when a heartbeat is due). What differs is the plumbing: a side-channel request is a message and a later reply
+(or a timeout) instead of a blocking call, and the service "thread" is a step the scheduler runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ import numpy as np
 
 from kvlifecycle.handshake import EpochTracker
 from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.protocol.consumer import (
+    OnRefusal,
+    hand_back_settles,
+    on_load_timeout,
+    on_push_unanswered,
+    on_renewal_refused,
+)
+from kvlifecycle.protocol.launch import LaunchStep, LoadLaunch, beat_every
+from kvlifecycle.protocol.producer import ProducerProtocol
 from kvlifecycle.sim.messages import (
     Call,
     GetMeta,
@@ -68,15 +80,16 @@ class _Push:
 
 
 class ProducerCore:
-    """P's side-channel handlers and service step (``Producer``), over one ledger incarnation and transport."""
+    """P's plumbing around :class:`~kvlifecycle.protocol.producer.ProducerProtocol` (the decisions the threaded
+    ``Producer`` makes too): side-channel calls as messages, the service thread as a scheduler step."""
 
     def __init__(self, ledger: SourceLedger, transport: SimTransport, send: Send) -> None:
         self.ledger, self.transport, self.send = ledger, transport, send
+        self.protocol = ProducerProtocol(ledger)
         self.grants: dict[str, GrantInfo] = {}
         self.epochs = EpochTracker()
         self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
         self._pushes: list[_Push] = []
-        self._accepted: set[tuple[str, int, int]] = set()  # (transfer, generation, part) of the WRITEs accepted
         self._jobs: list[Callable[[], None]] = []
         self.pushes_accepted: Counter[str] = Counter()  # transfer -> WRITEs queued for it (bookkeeping for checks)
 
@@ -90,17 +103,18 @@ class ProducerCore:
         elif isinstance(body, Heartbeat):
             if body.hlc:
                 self.ledger.hlc.observe(body.hlc)
-            ok = self.ledger.heartbeat(body.transfer, body.generation, peer=body.agent)
-            reply = Reply(call.call, ok, "" if ok else "lease is gone (released, expired or stale)")
+            answer = self.protocol.renew(body.transfer, body.generation, body.agent)
+            reply = Reply(call.call, answer.ok, answer.detail)
         elif isinstance(body, LoadFailed):
             if body.hlc:
                 self.ledger.hlc.observe(body.hlc)
-            reply = Reply(call.call, self.ledger.fail(body.transfer, body.generation, f"consumer: {body.reason}"))
+            answer = self.protocol.hand_back(body.transfer, body.generation, body.reason)
+            reply = Reply(call.call, answer.ok, answer.detail)
         elif isinstance(body, PushRequest):
             reply = self._on_push(call.call, body)
         else:  # pragma: no cover - the world sends nothing else
             raise TypeError(f"unexpected call {body!r}")
-        self.send(src, Reply(call.call, reply.ok, reply.detail, reply.meta) if isinstance(reply, Reply) else reply)
+        self.send(src, Reply(call.call, reply.ok, reply.detail, reply.meta))
 
     def _on_get_meta(self, msg: GetMeta) -> Reply:
         change = self.epochs.observe(msg.agent, msg.epoch)
@@ -114,27 +128,31 @@ class ProducerCore:
         return Reply(0, True, meta=self.transport.local_metadata())
 
     def _on_push(self, call: int, msg: PushRequest) -> Reply:
-        lease = self.ledger.leases.get(msg.transfer)
         plan = self._push_plans.get((msg.agent, msg.epoch))
-        if lease is None or plan is None:
-            return Reply(call, False, "no live lease" if lease is None else "push unavailable")
-        if (msg.transfer, msg.generation, msg.part) in self._accepted:  # as the Producer: one WRITE per part
-            return Reply(call, True, "duplicate: this part's write was already accepted")
-        if not self.ledger.heartbeat(msg.transfer, msg.generation):  # claim before the write
-            return Reply(call, False, "lease is gone (released, expired or stale)")
-        dst, src = np.asarray(msg.blocks, dtype=np.int32), lease.blocks
+        admission = self.protocol.admit_push(msg.transfer, msg.generation, msg.part,
+                                             unavailable=None if plan is not None else "handshake first")
+        if not admission.write:
+            return Reply(call, admission.answer.ok, admission.answer.detail)
+        assert plan is not None and admission.source is not None
+        dst, src = np.asarray(msg.blocks, dtype=np.int32), admission.source
         note = Notification(msg.target_request, msg.transfer, msg.generation, self.transport.epoch, "done", msg.part,
                             hlc=self.ledger.hlc.tick())
         self._jobs.append(lambda: self._start_push(plan, src, dst, msg, note))
-        self._accepted.add((msg.transfer, msg.generation, msg.part))
+        self.protocol.accept_write(msg.transfer, msg.generation, msg.part)
         self.pushes_accepted[msg.transfer] += 1
         return Reply(call, True)
 
     def _start_push(self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest,
                     note: Notification) -> None:
+        why = self.protocol.stop_write(msg.transfer, msg.generation)
+        if why:
+            self.protocol.write_settled(msg.transfer, msg.generation, msg.part, None)
+            self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"write not posted: {why}")
+            return
         try:
             handle = self.transport.post(XferOp.WRITE, plan, src, dst, notification=note, transfer=msg.transfer)
         except (TransportError, ValueError) as exc:
+            self.protocol.write_settled(msg.transfer, msg.generation, msg.part, None)
             self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"post failed: {exc}")
             return
         self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
@@ -152,11 +170,16 @@ class ProducerCore:
         for push in self._pushes:
             status = self.transport.poll(push.handle)
             if status is XferStatus.PENDING:
-                still.append(push)
+                why = self.protocol.stop_write(push.transfer, push.generation)
+                if not why:
+                    still.append(push)
+                    continue
+                self.transport.release(push.handle)  # cancels it: no byte moves after
+                self.protocol.write_settled(push.transfer, push.generation, push.note.part, None)
+                self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write cancelled: {why}")
                 continue
-            if status is XferStatus.DONE:
-                self.ledger.consumer_done(push.transfer, push.generation, push.note.part)
-            else:
+            self.protocol.write_settled(push.transfer, push.generation, push.note.part, status)
+            if status is not XferStatus.DONE:
                 err = self.transport.error(push.handle)
                 self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write failed: {err}")
             self.transport.release(push.handle)
@@ -174,11 +197,9 @@ class ProducerCore:
         for _sender, note in self.transport.notifications():
             if note.hlc:
                 self.ledger.hlc.observe(note.hlc)
-            if note.kind == "done":
-                self.ledger.consumer_done(note.transfer, note.generation, note.part)
-            elif note.kind == "failed":
-                self.ledger.fail(note.transfer, note.generation, f"consumer: {note.payload.decode(errors='replace')}")
-        self.ledger.sweep()
+            self.protocol.on_notification(note.kind, note.transfer, note.generation, note.part,
+                                          note.payload.decode(errors="replace"))
+        self.protocol.sweep()
         self.ledger.commit()
 
     def busy(self) -> bool:
@@ -204,28 +225,24 @@ class Part:
 
 
 @dataclass(slots=True)
-class Load:
+class Load(LoadLaunch):  # its launch, progress and duties are the protocol core's, as the Consumer's loads are
     request: str
     transfer: str
     mode: str
     parts: list[Part]
-    started: float
     handles: dict[int, TransferHandle] = field(default_factory=dict)
-    done: set[int] = field(default_factory=set)
-    last_beat: float = 0.0
-    failed: bool = False
-    claimed: int = 0
-    live: bool = False
     launched: bool = False
+    handing_back: bool = False  # a hand-back call is in flight
 
 
 @dataclass(slots=True)
 class _Pending:
-    kind: str  # meta | claim | beat | push | handback
+    kind: str  # meta | claim | beat | push | handback | giveup
     deadline: float
     transfer: str = ""
     part: int = 0
     agent: str = ""
+    sent: float = 0.0
 
 
 class ConsumerCore:
@@ -244,6 +261,7 @@ class ConsumerCore:
         self._calls: dict[int, _Pending] = {}
         self._next_call = 0
         self._views: dict[str, tuple[int, int]] = {}  # agent -> (rank, ranks)
+        self.note_sinks: list[Callable[[str, Notification], None]] = []  # the notes no load names (a stream's)
 
     def now(self) -> float:
         return self.ledger.clock.now()
@@ -251,7 +269,7 @@ class ConsumerCore:
     def _call(self, dst: str, body: object, pending: _Pending) -> None:
         self._next_call += 1
         self._calls[self._next_call] = pending
-        pending.agent = dst
+        pending.agent, pending.sent = dst, self.now()
         self.send(dst, Call(self._next_call, body))
 
     # -- handshake --------------------------------------------------------------------------------------------------
@@ -296,7 +314,7 @@ class ConsumerCore:
         transfer = grants[0].transfer if len(grants) == 1 else f"{request}<-" + "+".join(g.transfer for g in grants)
         if request not in self.ledger.requests:
             raise KeyError(f"request {request!r} is not reserved in the target ledger")
-        load = Load(request, transfer, mode, parts, self.now(), last_beat=self.now())
+        load = Load(request, transfer, mode, parts, started=self.now(), last_beat=self.now(), size=len(parts))
         self.loads[transfer] = load
         for p in parts:
             self._by_p_transfer[p.grant.transfer] = transfer
@@ -313,34 +331,29 @@ class ConsumerCore:
                 self._launch(load)
 
     def _launch(self, load: Load) -> None:
-        if load.request not in self.ledger.requests:
-            self._abandon(load, "request no longer reserved")
-            return
-        self._claim_next(load)
+        self._take(load, load.begin(reserved=load.request in self.ledger.requests))
 
-    def _claim_next(self, load: Load) -> None:
-        part = load.parts[load.claimed]
-        self._call(part.link_agent, Heartbeat(part.grant.transfer, part.grant.generation, self.transport.agent,
-                                              self.ledger.hlc.tick()),
-                   _Pending("claim", self.now() + self.request_timeout_s, load.transfer, part.index))
+    def _take(self, load: Load, step: LaunchStep) -> None:
+        """Do the launch's next step, as the protocol core ordered it."""
+        if step.action == "abandon":
+            self._abandon(load, step.reason)
+        elif step.action == "claim":
+            part = load.parts[step.part]
+            self._call(part.link_agent, Heartbeat(part.grant.transfer, part.grant.generation, self.transport.agent,
+                                                  self.ledger.hlc.tick()),
+                       _Pending("claim", self.now() + self.request_timeout_s, load.transfer, part.index))
+        else:
+            with self.ledger.step():
+                self._start_and_post(load, self.ledger.requests[load.request].blocks)
 
-    def _on_claim(self, load: Load, reply: Reply | None) -> None:
+    def _on_claim(self, load: Load, reply: Reply | None, pending: _Pending) -> None:
         if reply is None:
-            self._abandon(load, "claim failed: timed out")
+            self._take(load, load.claim_unanswered("timed out"))
             return
-        if not reply.ok:
-            self._abandon(load, f"lease refused: {reply.detail}")
-            return
-        load.claimed += 1
-        if load.claimed < len(load.parts):
-            self._claim_next(load)
-            return
-        req = self.ledger.requests.get(load.request)
-        if req is None:  # cancelled while claiming (policy fail dropped the reservation)
-            self._abandon(load, "request no longer reserved")
-            return
-        with self.ledger.step():
-            self._start_and_post(load, req.blocks)
+        # a reservation cancelled while claiming (policy fail dropped it) abandons the load
+        self._take(load, load.claim_answered(pending.part, ok=reply.ok, detail=reply.detail, sent_at=pending.sent,
+                                             ttl_s=load.parts[pending.part].grant.ttl_s,
+                                             reserved=load.request in self.ledger.requests))
 
     def _start_and_post(self, load: Load, blocks: np.ndarray) -> None:
         first = load.parts[0]
@@ -381,13 +394,21 @@ class ConsumerCore:
         self.abandoned[load.request] = reason
         if self.ledger.failure_policy == "fail" and load.request in self.ledger.requests:
             self.ledger.cancel(load.request)
-        for p in load.parts[: load.claimed]:
+        for i in load.hand_back_parts():
+            p = load.parts[i]
             self._call(p.link_agent, LoadFailed(p.grant.transfer, p.grant.generation, reason, self.ledger.hlc.tick()),
                        _Pending("handback", self.now() + self.request_timeout_s))
 
-    def _fail(self, load: Load, reason: str) -> None:
+    def _fail(self, load: Load, reason: str, *, wait_siblings: bool = True) -> None:
+        """As the Consumer's: while a sibling part's read is in flight the load is ``failing`` (its blocks stay
+        LOADING); then the handles are released, the ledger fails the load and every P is told."""
         if load.failed and load.transfer not in self.loads:
             return
+        pending = [h for h in load.handles.values() if self.transport.poll(h) is XferStatus.PENDING]
+        settle = load.failure(reason, reads_in_flight=len(pending), wait_siblings=wait_siblings)
+        if settle is None:
+            return
+        reason = settle
         load.failed = True
         self.loads.pop(load.transfer, None)
         for handle in load.handles.values():
@@ -400,12 +421,33 @@ class ConsumerCore:
             self._call(p.link_agent, LoadFailed(p.grant.transfer, p.grant.generation, reason, self.ledger.hlc.tick()),
                        _Pending("handback", self.now() + self.request_timeout_s))
 
-    def _part_done(self, load: Load, part: int) -> None:
-        if part in load.done:
+    def _give_up_push(self, load: Load, reason: str) -> None:
+        """D cannot tell whether P's write is landing: it hands the lease back and keeps its blocks LOADING until
+        P answers (released: fail now; :data:`WRITE_IN_FLIGHT`: P cancels the write and notifies the failure)."""
+        load.given_up = load.given_up or reason
+        if load.handing_back:
             return
-        load.done.add(part)
+        load.handing_back = True
+        for p in load.parts:
+            self._call(p.link_agent, LoadFailed(p.grant.transfer, p.grant.generation, load.given_up,
+                                                self.ledger.hlc.tick()),
+                       _Pending("giveup", self.now() + p.grant.ttl_s, load.transfer, p.index))  # asked again after
+
+    def deadlines(self) -> None:
+        """The service thread's deadline check, run when time reaches it: a read that may outlive its lease is
+        cancelled and its load failed (P may reuse the blocks it reads)."""
+        now = self.now()
+        for load in list(self.loads.values()):
+            duty = load.duty(now, reading=bool(load.handles), timeout_s=self.load_timeout_s)
+            if duty.action == "cancel_reads":
+                self._fail(load, duty.reason, wait_siblings=False)
+                self.ledger.commit()  # a service step: its records are durable before the next step runs
+
+    def _part_done(self, load: Load, part: int) -> None:
+        if not load.part_done(part):
+            return
         self.ledger.part_done(load.transfer, part)
-        if len(load.done) == len(load.parts):
+        if load.complete:
             self.loads.pop(load.transfer, None)
             for p in load.parts:
                 self._by_p_transfer.pop(p.grant.transfer, None)
@@ -434,13 +476,28 @@ class ConsumerCore:
         if load is None:
             return
         if pending.kind == "claim":
-            self._on_claim(load, reply)
+            self._on_claim(load, reply, pending)
         elif pending.kind == "push" and reply is not None and not reply.ok:
-            self._fail(load, f"push refused: {reply.detail}")
+            self._fail(load, f"push refused: {reply.detail}")  # refused before P accepted a write
         elif pending.kind == "push" and reply is None:
-            self._fail(load, "push request failed: timed out")
-        elif pending.kind == "beat" and reply is not None and not reply.ok and load.live:
-            self._fail(load, f"lease lost: {reply.detail}")
+            self._settle_by(load, on_push_unanswered(), "push request failed: timed out")
+        elif pending.kind == "giveup":
+            load.handing_back = False
+            if reply is not None and hand_back_settles(reply.ok, reply.detail):
+                self._fail(load, load.given_up)
+        elif pending.kind == "beat" and reply is not None and reply.ok:
+            load.renewals.acknowledged(pending.part, pending.sent, load.parts[pending.part].grant.ttl_s)
+        elif pending.kind == "beat" and reply is not None and load.live:
+            self._settle_by(load, on_renewal_refused(load.mode, reply.detail), f"lease lost: {reply.detail}")
+
+    def _settle_by(self, load: Load, how: OnRefusal, reason: str) -> None:
+        if how == "give_up":
+            self._give_up_push(load, reason)
+            return
+        if how == "drain_then_fail":  # P's notification of the write may be waiting in the inbox already
+            self._drain_notes()
+        if load.transfer in self.loads:
+            self._fail(load, reason)
 
     def on_note(self, note: Notification) -> None:
         self.transport.inbox.append(("", note))
@@ -452,12 +509,15 @@ class ConsumerCore:
                 del self._calls[call_id]
                 self._settle(pending, None)
         for load in list(self.loads.values()):
-            if load.failed and load.live:
-                self._fail(load, "peer restarted (new agent epoch)")
-                continue
-            if not load.live:
+            duty = load.duty(now, reading=bool(load.handles), timeout_s=self.load_timeout_s)
+            if duty.action == "idle":
                 if not load.launched and now - load.started > self.load_timeout_s:
                     self._abandon(load, "no handshake with the producer before the load timeout")
+                continue
+            if duty.action != "poll":  # a read outlived its lease, a part failed, or a peer restarted
+                self._fail(load, duty.reason, wait_siblings=duty.wait_siblings)
+                if duty.action == "fail" and load.transfer in self.loads:
+                    self._heartbeat(load, now)  # the siblings' leases must outlive their reads
                 continue
             for part, handle in list(load.handles.items()):
                 status = self.transport.poll(handle)
@@ -469,28 +529,37 @@ class ConsumerCore:
                 del load.handles[part]
                 self._part_done(load, part)
                 self.transport.release(handle)
-            if load.transfer in self.loads and now - load.started > self.load_timeout_s:
-                self._fail(load, f"load timed out after {self.load_timeout_s}s")
-            elif load.transfer in self.loads and load.live:
+            if load.transfer not in self.loads:
+                continue
+            if load.after_poll(now, self.load_timeout_s) == "timeout":
+                self._settle_by(load, on_load_timeout(load.mode), f"load timed out after {self.load_timeout_s}s")
+            elif load.live:
                 self._heartbeat(load, now)
+        self._drain_notes()
+        self.ledger.commit()
+
+    def _drain_notes(self) -> None:
         for _sender, note in self.transport.notifications():
             if note.hlc:
                 self.ledger.hlc.observe(note.hlc)
             transfer = self._by_p_transfer.get(note.transfer)
             load = self.loads.get(transfer) if transfer else None
             if load is None:
+                for sink in self.note_sinks:
+                    sink(_sender, note)
                 continue
             if note.kind == "done":
                 self._part_done(load, note.part)
             elif note.kind == "failed":
                 self._fail(load, f"producer: {note.payload.decode(errors='replace')}")
-        self.ledger.commit()
 
     def _heartbeat(self, load: Load, now: float) -> None:
-        every = min(p.grant.ttl_s for p in load.parts) / 6
-        if now - load.last_beat < every:
+        every = beat_every(min(p.grant.ttl_s for p in load.parts))
+        due = load.beat(now, every)
+        if due == "hand_back":  # handed back: ask again instead of renewing the lease
+            self._give_up_push(load, load.given_up)
+        if due != "renew":
             return
-        load.last_beat = now
         for p in load.parts:
             self._call(p.link_agent, Heartbeat(p.grant.transfer, p.grant.generation, self.transport.agent,
                                                self.ledger.hlc.tick()),

@@ -3,6 +3,8 @@ reproducer, shrunk trace and logs (what ``kvlifecycle sim`` prints and writes)."
 
 from __future__ import annotations
 
+import logging
+import resource
 import shlex
 import time
 from collections import Counter
@@ -61,6 +63,29 @@ class Summary:
         }
 
 
+@dataclass
+class SeedBatch:
+    """Consecutive seeds' results summed up, the failing ones kept whole (in seed order): what a worker process of
+    ``run_many(..., jobs=N)`` sends back per chunk of seeds, so the caller merges one record per chunk."""
+
+    seeds: int = 0
+    coverage: Counter[str] = field(default_factory=Counter)
+    known: Counter[str] = field(default_factory=Counter)
+    violations: int = 0
+    leaks: int = 0
+    failed: list[RunResult] = field(default_factory=list)
+
+    def add(self, result: RunResult) -> SeedBatch:
+        self.seeds += 1
+        self.coverage.update(result.coverage)
+        self.known.update(k.split(":")[0] for k in result.known)
+        self.violations += len(result.violations)
+        self.leaks += len(result.leaks)
+        if not result.ok:
+            self.failed.append(result)
+        return self
+
+
 def reproducer(seed: int, cli_args: str) -> str:
     return f"kvlifecycle sim --seed {seed}{(' ' + cli_args) if cli_args else ''}"
 
@@ -88,26 +113,55 @@ def format_trace(result: RunResult, steps: list[Step], original: int) -> str:
 
 
 def run_many(seeds: Iterable[int], config: SimConfig, *, out: Path | None, cli_args: str = "", do_shrink: bool = True,
-             on_failure: Callable[[Failure], None] | None = None) -> Summary:
+             on_failure: Callable[[Failure], None] | None = None, jobs: int = 1,
+             worker_init: Callable[[], None] | None = None) -> Summary:
+    """Run every seed and sum them up. ``jobs`` > 1 spreads the seeds over that many worker processes
+    (:mod:`kvlifecycle.sim.parallel`; ``worker_init`` runs in each first); the summary is the same as one process
+    gives, failures in seed order, each shrunk here. ``cpu_s`` then counts the workers' CPU time too."""
+    # The real stream code logs each fault the simulation injects (a lost stream request, a failed write): thousands
+    # of warnings per run, noise that also costs time (a test's log capture formats every one of them).
+    stream_log = logging.getLogger("kvlifecycle.streaming")
+    level = stream_log.level
+    stream_log.setLevel(logging.ERROR)
+    try:
+        if jobs > 1:
+            from kvlifecycle.sim.parallel import run_seeds
+
+            batches: Iterable[SeedBatch] = run_seeds(list(seeds), config, jobs, worker_init)
+        else:  # one batch per seed: a failure is reported as soon as it is found
+            batches = (SeedBatch().add(run_seed(seed, config)) for seed in seeds)
+        return _run_many(batches, config, out=out, cli_args=cli_args, do_shrink=do_shrink, on_failure=on_failure)
+    finally:
+        stream_log.setLevel(level)
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run_many(batches: Iterable[SeedBatch], config: SimConfig, *, out: Path | None, cli_args: str, do_shrink: bool,
+              on_failure: Callable[[Failure], None] | None) -> Summary:
     summary = Summary()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for seed in seeds:
-        result = run_seed(seed, config)
-        summary.seeds += 1
-        summary.coverage.update(result.coverage)
-        summary.known.update(k.split(":")[0] for k in result.known)
-        summary.violations += len(result.violations)
-        summary.leaks += len(result.leaks)
-        if result.ok:
-            continue
-        failure = Failure(seed, (result.violations + result.leaks)[0], reproducer(seed, cli_args), len(result.steps))
-        if out is not None:
-            trace, logs, shrunk = write_failure(result, config, out / f"seed-{seed}", do_shrink=do_shrink)
-            failure.trace, failure.logs, failure.shrunk_steps = str(trace), str(logs), shrunk
-        summary.failures.append(failure)
-        if on_failure is not None:
-            on_failure(failure)
-    summary.wall_s, summary.cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu_s()
+    for batch in batches:
+        summary.seeds += batch.seeds
+        summary.coverage.update(batch.coverage)
+        summary.known.update(batch.known)
+        summary.violations += batch.violations
+        summary.leaks += batch.leaks
+        for result in batch.failed:
+            seed = result.seed
+            failure = Failure(seed, (result.violations + result.leaks)[0], reproducer(seed, cli_args),
+                              len(result.steps))
+            if out is not None:
+                trace, logs, shrunk = write_failure(result, config, out / f"seed-{seed}", do_shrink=do_shrink)
+                failure.trace, failure.logs, failure.shrunk_steps = str(trace), str(logs), shrunk
+            summary.failures.append(failure)
+            if on_failure is not None:
+                on_failure(failure)
+    summary.wall_s = time.perf_counter() - t0
+    summary.cpu_s = time.process_time() - c0 + _children_cpu_s() - k0  # the workers', once they have exited
     return summary
 
 

@@ -89,16 +89,21 @@ class Simulation:
         menu: list[tuple[str, float]] = []
         if len(self.requests) < cfg.max_requests:
             menu.append(("arrive", 3))
-        if self._p_requests("allocated"):
+        phases = {pr.phase for w in world.p for pr in w.requests.values()}  # every P request is one of ours
+        if "allocated" in phases:
             menu.append(("prefill", 3))
-        if self._p_requests("prefilled"):
+        if "prefilled" in phases:
             menu.append(("grant", 3))
-        if self._p_requests("granted"):
+        if "granted" in phases:
             menu.append(("regrant", 0.3))
-        if self._p_requests("prefilled"):
+        if "prefilled" in phases:
             menu.append(("p_local", 0.3))
+        if "streaming" in phases:
+            menu.append(("layer", 5))
         if any(d.arrivals for d in world.d):
             menu.append(("admit", 4))
+        if any(d.stream_wanted for d in world.d):
+            menu.append(("stream_ask", 3))
         if world.network.in_flight:
             menu += [("deliver", 30)]
             if cfg.allows("drop"):
@@ -130,7 +135,11 @@ class Simulation:
         pick = rng.randrange(1 << 16)
         if kind == "arrive":
             push = rng.random() < 0.35
-            return (kind, rng.randrange(len(world.groups)), rng.randrange(len(world.d)), rng.randint(1, 3), push)
+            how = "stream" if push and rng.random() < 0.5 else "share" if rng.random() < 0.5 else ""
+            return (kind, rng.randrange(len(world.groups)), rng.randrange(len(world.d)), rng.randint(1, 3), push, how)
+        if kind == "stream_ask":
+            loss = rng.choices(("", "request", "reply"), (8, 1, 1))[0] if cfg.allows("drop") else ""
+            return (kind, pick, loss)
         if kind == "complete":
             return (kind, pick, cfg.allows("duplicate_completion") and rng.random() < 0.15)
         if kind == "service":
@@ -160,16 +169,26 @@ class Simulation:
             self._post_failures = self.world.fabric.post_failures
             self.world.exercise("post_fail")
 
-    def _do_arrive(self, group: int, d: int, nblocks: int, push: bool) -> None:
+    def _do_arrive(self, group: int, d: int, nblocks: int, push: bool, how: str = "") -> None:
+        """A request arrives at a P group. ``how``: ``stream`` (D may reserve first and have it streamed layer by
+        layer), ``share`` (a prefix-cache hit takes cached blocks), or plain."""
         world = self.world
         members = world.groups[group % len(world.groups)]
         mode = "push" if push and len(members) == 1 else "pull"
+        if mode == "push" and how == "stream":
+            mode = "stream"
+        request = f"r{len(self.requests)}"
+        if how == "share" and len(members) == 1 and members[0].share_cached(request, nblocks):
+            self.requests[request] = (group % len(world.groups), world.d[d % len(world.d)].name, nblocks, mode)
+            return
         if any(len(w.free_list) < nblocks for w in members):
             return  # the engine queues it: no blocks now
-        request = f"r{len(self.requests)}"
-        self.requests[request] = (group % len(world.groups), world.d[d % len(world.d)].name, nblocks, mode)
+        dw = world.d[d % len(world.d)]
+        self.requests[request] = (group % len(world.groups), dw.name, nblocks, mode)
         for w in members:
-            w.allocate(request, nblocks)
+            w.allocate(request, nblocks, mode)
+        if mode == "stream":
+            dw.stream_wanted[request] = members[0].name
 
     def _group_of(self, request: str) -> list:
         return self.world.groups[self.requests[request][0]]
@@ -189,7 +208,7 @@ class Simulation:
             _, d, _, mode = self.requests[request]
             for w in self._group_of(request):
                 if w.requests.get(request) is not None and w.requests[request].phase == phase:
-                    w.grant(request, d, mode)
+                    w.grant(request, d, _grant_mode(mode))
 
     def _do_p_local(self, pick: int) -> None:
         """The request finished on P alone (no handoff): its READY blocks are freed or cached."""
@@ -202,6 +221,24 @@ class Simulation:
 
     def _do_regrant(self, pick: int) -> None:
         self._do_grant(pick, "granted")
+
+    def _do_layer(self, pick: int) -> None:
+        todo = [(w, r) for w in self.world.p for r, pr in w.requests.items() if pr.phase == "streaming"]
+        if todo:
+            w, request = todo[pick % len(todo)]
+            w.stream_layer(request)
+
+    def _do_stream_ask(self, pick: int, loss: str) -> None:
+        todo = [(d, r) for d in self.world.d for r in d.stream_wanted]
+        if todo:
+            d, request = todo[pick % len(todo)]
+            self.world.rpc_loss = loss
+            try:
+                d.ask_stream(request)
+            finally:
+                self.world.rpc_loss = ""
+            if loss:
+                self.world.exercise("drop")
 
     def _do_admit(self, pick: int) -> None:
         ready = [(d, r) for d in self.world.d for r in d.arrivals]
@@ -241,6 +278,8 @@ class Simulation:
                     and y.handle.op is x.handle.op and _same_load(self.world, x, y)]
         fabric.fail(pick)
         self.world.exercise("handle_fail")
+        if x.handle.transfer.startswith("stream:"):
+            self.world.exercise("stream_write_fail")
         if siblings:
             self.world.exercise("sibling_fail_in_flight")
 
@@ -251,7 +290,7 @@ class Simulation:
         if node in self.world.p_by_name:
             w.service(cache=cache)
         else:
-            w.core.service()
+            w.service()
 
     def _do_advance(self, dt: float) -> None:
         if self.config.prompt_jobs:  # P's service thread starts a queued push within ms, never a lease later
@@ -260,6 +299,11 @@ class Simulation:
         self.world.clock.advance(dt)
         if self.config.transfer_deadline_s is not None and self.world.fabric.expire(self.config.transfer_deadline_s):
             self.world.exercise("handle_fail")
+        for w in self.world.p:  # P's service thread cancels the writes of a closed window within ms of its end
+            if w.streams.deadlines():
+                self.world.exercise("stream_window_closed")
+        for d in self.world.d:  # D's service thread checks its reads' lease deadlines within ms of them
+            d.core.deadlines()
 
     def _do_cancel_p(self, pick: int) -> None:
         live = [r for r in self.requests if any(r in w.requests for w in self._group_of(r))]
@@ -267,10 +311,14 @@ class Simulation:
             return
         request = live[pick % len(live)]
         for w in self._group_of(request):
-            if request in w.ledger.requests:
+            if request in w.ledger.requests and w.requests[request].mode == "stream":
                 self.world.exercise(f"cancel_p:{p_phase(w, request)}")
-                w.ledger.cancel(request)
-                w.release_eagerly(request)
+                w.abort_stream(request)  # the engine frees through the stream's release, never eagerly
+            elif request in w.ledger.requests:
+                self.world.exercise(f"cancel_p:{p_phase(w, request)}")
+                shared = w.ledger.requests[request].shared
+                if w.ledger.cancel(request) or not shared:  # a prefix hit's blocks stay the cache's until it ends
+                    w.release_eagerly(request)
                 req = w.ledger.requests.get(request)
                 if req is not None and not req.leases and w.requests[request].phase == "granted":
                     w.ledger.free(request)  # already released: the engine frees at once
@@ -284,7 +332,7 @@ class Simulation:
         if d.ledger.requests[request].cancel_pending:
             return
         self.world.exercise(f"cancel_d:{phase}")
-        d.ledger.cancel(request)
+        d.cancel(request)
 
     def _do_finish(self, pick: int) -> None:
         ready = [(d, r) for d in self.world.d for r, req in d.ledger.requests.items()
@@ -345,17 +393,23 @@ class Simulation:
         for w in world.p:
             w.service()
         for d in world.d:
-            d.core.service()
+            d.service()
+        for d in world.d:
+            for request in list(d.stream_wanted):
+                d.ask_stream(request)
         for request in list(self.requests):
             for w in self._group_of(request):
                 pr = w.requests.get(request)
                 if pr is not None and pr.phase == "allocated":
                     w.prefill(request)
                 elif pr is not None and pr.phase == "prefilled":
-                    w.grant(request, self.requests[request][1], self.requests[request][3])
+                    w.grant(request, self.requests[request][1], _grant_mode(self.requests[request][3]))
+                while pr is not None and pr.phase == "streaming":
+                    w.stream_layer(request)
         for d in world.d:
             for request in list(d.arrivals):
-                if not d.admit(request) and world.clock.now() - d.arrivals[request].since > 2 * cfg.ttl_s:
+                if (not d.admit(request) and request in d.arrivals
+                        and world.clock.now() - d.arrivals[request].since > 2 * cfg.ttl_s):
                     d.give_up(request)
             for request, req in list(d.ledger.requests.items()):
                 if req.state == TargetState.READY_FOR_ATTENTION:
@@ -367,8 +421,8 @@ class Simulation:
                     d.ledger.cancel(request)
         world.reconcile()
         quiet = (not world.network.in_flight and not world.fabric.in_flight
-                 and not any(w.ledger.requests or w.core.busy() for w in world.p)
-                 and not any(d.ledger.requests or d.arrivals or d.core.busy() for d in world.d))
+                 and not any(w.ledger.requests or w.busy() for w in world.p)
+                 and not any(d.ledger.requests or d.arrivals or d.stream_wanted or d.busy() for d in world.d))
         if not quiet:
             self._do_advance(cfg.ttl_s / 3)
         return quiet
@@ -382,6 +436,12 @@ class Simulation:
             new += [(watch.ledger.worker, e) for e in watch.events[seen:]]
             self._seen[id(watch)] = len(watch.events)
         self.trace.append((index, step, tuple(new)))
+
+
+def _grant_mode(mode: str) -> str:
+    """A stream-mode request that took the post-prefill path is granted for a push (its D may hold a declined
+    stream's reservation for it)."""
+    return "push" if mode == "stream" else mode
 
 
 def _same_load(world: World, x: Any, y: Any) -> bool:
@@ -433,8 +493,7 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
         sim.world.close()
         dirs = [w.dir for w in [*sim.world.p, *sim.world.d]]
         if not sim.violations and not leaks and not sim.known:
-            sim.violations += checks.log_checks(
-                ((w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d]), sim.known)
+            sim.violations += checks.log_checks((w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d])
         out_dirs: list[Path] = []
         if keep_logs is not None:
             keep_logs.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""Faulty storage for the event logs: a crash loses the batch not yet written, and may tear the last segment at any
-byte (TigerBeetle's faulty storage). Reopening the directory with :class:`~kvlifecycle.eventlog.EventLog` recovers
-the torn tail: it truncates to the last whole record and reports it.
+"""Faulty storage for the event logs: a crash loses the batch not yet written, or tears it at any byte while it is
+being written (TigerBeetle's faulty storage). Reopening the directory with :class:`~kvlifecycle.eventlog.EventLog`
+recovers the torn tail: it truncates to the last whole record and reports it.
 """
 
 from __future__ import annotations
@@ -11,29 +11,32 @@ from pathlib import Path
 from kvlifecycle.eventlog import EventLog, TornTailWarning, segment_paths
 
 
-def crash(log: EventLog) -> None:
-    """The process died: what the log held in memory (its unwritten batch) is gone, the file is just closed."""
+def crash(log: EventLog, tear: float | None = None) -> tuple[Path, int, int] | None:
+    """The process died. Without ``tear``: its unwritten batch is gone, the file is just closed. With ``tear``: it
+    died while writing that batch, which stops at ``tear`` of its bytes (a seeded byte offset; mid-record, as a
+    rule). What an earlier commit wrote survives: the process crashed, the host did not. Returns (segment, new size,
+    written size) of a torn write, else None."""
+    torn = None
     with log._lock:  # the simulated crash reaches into the log: nothing else may drop a batch unwritten
+        if tear is not None and log._pending and log._fh is not None:
+            before = segment_paths(log.directory)
+            start = (before[-1], before[-1].stat().st_size) if before else None
+            log._write_batch()
+            log._fh.flush()
+            last = segment_paths(log.directory)[-1]
+            size = last.stat().st_size
+            offset = start[1] if start is not None and start[0] == last else 0
+            torn = last, offset + int((size - offset) * tear), size
         log._pending.clear()
         log._pending_bytes = 0
         if log._fh is not None:
             log._fh.close()
             log._fh = None
         log._closed = True
-
-
-def tear_tail(directory: str | Path, fraction: float) -> tuple[Path, int, int] | None:
-    """Truncate the last segment of the log in ``directory`` at ``fraction`` of its size (a seeded byte offset).
-    Returns (segment, new size, old size), or None when there is no segment."""
-    segments = segment_paths(Path(directory))
-    if not segments:
-        return None
-    last = segments[-1]
-    size = last.stat().st_size
-    cut = min(size, max(0, int(size * fraction)))
-    with open(last, "r+b") as fh:
-        fh.truncate(cut)
-    return last, cut, size
+    if torn is not None:
+        with open(torn[0], "r+b") as fh:
+            fh.truncate(torn[1])
+    return torn
 
 
 def reopen(directory: str | Path, header: dict) -> tuple[EventLog, bool]:

@@ -1,6 +1,8 @@
 """The simulated cluster: P workers (in TP groups) and D workers, each a real ledger with its event log in a
-directory, a simulated transport over tagged memory, an engine (allocator, prefill, frees, finishes) and the
-protocol core of :mod:`kvlifecycle.sim.protocol_driver`; one network, one fabric, one global clock.
+directory, a simulated transport over tagged memory, an engine (allocator, prefill, frees, finishes, prefix-cache
+hits) and the protocol core of :mod:`kvlifecycle.sim.protocol_driver`, plus the real layer-wise stream code of
+:mod:`kvlifecycle.sim.streams` (D reserves before P computes; P's chunked prefill posts each layer); one network,
+one fabric, one global clock.
 
 Crashes: a worker's log loses its unwritten batch and its last segment may be torn at a seeded byte; the worker
 comes back on the same name with a fresh ledger (a new incarnation) appending to the same log, a new agent epoch,
@@ -14,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +30,9 @@ from kvlifecycle.sim.memory import tag_bytes
 from kvlifecycle.sim.messages import GrantArrived, GrantInfo, NoteMsg
 from kvlifecycle.sim.network import Network
 from kvlifecycle.sim.protocol_driver import ConsumerCore, ProducerCore, deliver
+from kvlifecycle.sim.streams import Loss, SimClient, SimStreamConsumer, SimStreamProducer, StreamLink, reset_stream_ids
 from kvlifecycle.sim.transport import SimFabric, SimTransport, sim_layout
+from kvlifecycle.streaming import StreamOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +48,9 @@ class SimConfig:
     ttl_s: float = 2.0
     max_requests: int = 10
     steps: int = 140
-    # The lease protocol assumes a transfer settles within its lease: a transfer older than this fails (the data
-    # plane's per-transfer timeout). None: no bound, and a read can outlive its lease (see docs/simulation.md).
-    transfer_deadline_s: float | None = 1.0
+    # A data-plane per-transfer timeout: a transfer older than this fails on its own. None (the default): no such
+    # timeout, as with NIXL; the protocol itself bounds every transfer by its lease (kvlifecycle.protocol).
+    transfer_deadline_s: float | None = None
     # P's service thread runs a queued push before time moves on (it polls every ms); False lets a lease expire
     # between the push request and the write's post (see docs/simulation.md)
     prompt_jobs: bool = True
@@ -59,10 +64,11 @@ class SimConfig:
 @dataclass(slots=True)
 class PRequest:
     blocks: np.ndarray
-    phase: str  # allocated | prefilled | granted
+    phase: str  # allocated | prefilled | granted; a stream: allocated | streaming | streamed (| aborted)
     d: str = ""
-    mode: str = "pull"
+    mode: str = "pull"  # pull | push | stream (layer-wise if D's reservation is here when the prefill begins)
     grants: int = 0
+    cursor: int = 0  # a stream: the (chunk, layer) passes computed so far
 
 
 class PWorker:
@@ -93,12 +99,13 @@ class PWorker:
         self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots)
         self.transport.register(self.layout)
         self.core = ProducerCore(ledger, self.transport, self.world.sender(self.name))
+        self.streams = SimStreamProducer(self.core, layers=cfg.regions, options=self.world.stream_options)
 
     def crash(self, tear: float | None) -> None:
+        if self.streams.busy():
+            self.world.exercise("stream_p_crash")
         self.world.fabric.fail_to(self.name, f"{self.name} crashed")
-        storage.crash(self.ledger.log)
-        if tear is not None:
-            storage.tear_tail(self.dir, tear)
+        storage.crash(self.ledger.log, tear)
         self.transport.close()
         self.world.network.forget_node(self.name, keep=lambda payload: isinstance(payload, NoteMsg))
         self.watch.detach()
@@ -110,7 +117,7 @@ class PWorker:
         self.boot()
 
     # -- engine -----------------------------------------------------------------------------------------------------
-    def allocate(self, request: str, n: int) -> bool:
+    def allocate(self, request: str, n: int, mode: str = "pull") -> bool:
         if len(self.free_list) < n:
             return False
         blocks = np.array(self.free_list[-n:][::-1], dtype=np.int32)
@@ -122,7 +129,22 @@ class PWorker:
         del self.free_list[-n:]
         if any(int(b) in self.world.recently_freed.get(self.name, set()) for b in blocks):
             self.world.exercise("allocator_reuse")
-        self.requests[request] = PRequest(blocks, "allocated")
+        self.requests[request] = PRequest(blocks, "allocated", mode=mode)
+        return True
+
+    def share_cached(self, request: str, n: int) -> bool:
+        """A prefix-cache hit: ``request`` takes up to ``n`` PREFIX_CACHED blocks of one earlier allocation
+        (``SourceLedger.share``: no new epoch, the bytes are already there)."""
+        cached = [b for b in self.free_list if int(self.ledger.block_states([b])[0]) == int(SourceState.PREFIX_CACHED)]
+        if not cached:
+            return False
+        epoch = int(self.ledger.epoch[cached[-1]])
+        blocks = [b for b in reversed(cached) if int(self.ledger.epoch[b]) == epoch][:n]
+        self.ledger.share(request, np.array(blocks, dtype=np.int32))
+        for b in blocks:
+            self.free_list.remove(b)
+        self.world.exercise("prefix_share")
+        self.requests[request] = PRequest(np.array(blocks, dtype=np.int32), "allocated")
         return True
 
     def release_eagerly(self, request: str) -> None:
@@ -140,13 +162,64 @@ class PWorker:
 
     def prefill(self, request: str) -> None:
         req = self.requests[request]
-        ledger = self.ledger
-        epoch = ledger.requests[request].epoch
-        for r, region in enumerate(self.regions):
-            for b in req.blocks.tolist():
-                region[b] = tag_bytes(self.index, r, self.transport.epoch, b, epoch, self.world.config.block_bytes)
-        ledger.prefill_done(request)
+        if req.mode == "stream":
+            if self.streams.begin(request):  # D's reservation is here: each layer leaves as computed
+                req.phase = "streaming"
+                self.world.exercise("stream")
+                return
+            # the simulated prefill that does not stream is one step: it ends here, so a reservation arriving
+            # later is declined (a reservation joining a prefill under way is not simulated)
+            self.streams.prefill_ended(request)
+            req.mode = "push"  # the post-prefill path
+        for r in range(len(self.regions)):
+            self._compute(req, request, r, req.blocks)
+        self.ledger.prefill_done(request)
         req.phase = "prefilled"
+
+    def _compute(self, req: PRequest, request: str, region: int, blocks: np.ndarray) -> None:
+        epoch = self.ledger.requests[request].epoch
+        for b in blocks.tolist():
+            self.regions[region][b] = tag_bytes(self.index, region, self.transport.epoch, b, epoch,
+                                                self.world.config.block_bytes)
+
+    def stream_passes(self, req: PRequest) -> list[tuple[int, int]]:
+        """A streaming prefill's (blocks complete, layer) passes: chunked in two for more than one block (the
+        first chunk's layers post a prefix of the blocks, the last chunk's the rest), one layer (region) each."""
+        n = req.blocks.size
+        chunks = [(n + 1) // 2, n] if n > 1 else [n]
+        return [(upto, layer) for upto in chunks for layer in range(len(self.regions))]
+
+    def stream_layer(self, request: str) -> None:
+        """The forward computed the next layer of a streaming prefill: its K/V written, ``layer_done`` queues the
+        post; after the last layer of the last chunk the prefill is done and the engine releases the request
+        (``StreamProducer.release``: P's blocks are freed once no write of them is in flight)."""
+        req = self.requests[request]
+        passes = self.stream_passes(req)
+        upto, layer = passes[req.cursor]
+        self._compute(req, request, layer, req.blocks[:upto])
+        self.streams.layer_done(request, layer, req.blocks[:upto])
+        req.cursor += 1
+        if req.cursor == len(passes):
+            self.ledger.prefill_done(request)
+            req.phase = "streamed"
+            self.streams.release(request, lambda: self._free_streamed(request))
+
+    def _free_streamed(self, request: str) -> None:
+        if request in self.ledger.requests:
+            self.ledger.free(request)
+
+    def abort_stream(self, request: str) -> None:
+        """The engine aborts a stream-mode request: no further layer; P's ledger drops it once its writes settled."""
+        req = self.requests[request]
+        if req.phase in ("streaming", "streamed"):
+            self.world.exercise("stream_cancel_p")
+        req.phase = "aborted"  # the engine computes no further layer of it
+        self.streams.cancel(request)
+        self.streams.release(request, lambda: self._cancel_settled(request))
+
+    def _cancel_settled(self, request: str) -> None:
+        if request in self.ledger.requests:
+            self.ledger.cancel(request)
 
     def grant(self, request: str, d: str, mode: str) -> GrantInfo:
         req = self.requests[request]
@@ -160,6 +233,8 @@ class PWorker:
         return info
 
     def service(self, cache: bool = False) -> None:
+        if self.streams.step():
+            self.world.exercise("stream_d_silent")
         self.core.service()
         for released in self.ledger.take_released():
             req = self.ledger.requests.get(released.request)
@@ -171,6 +246,9 @@ class PWorker:
         for request in [r for r in self.requests if r not in self.ledger.requests]:
             self._give_back(self.requests.pop(request).blocks.tolist())
 
+    def busy(self) -> bool:
+        return self.core.busy() or self.streams.busy()
+
 
 @dataclass(slots=True)
 class Arrival:
@@ -178,6 +256,7 @@ class Arrival:
     ranks: int = 1
     mode: str = "pull"
     since: float = 0.0
+    reserved: bool = False  # into a declined stream's reservation (no new one)
 
 
 class DWorker:
@@ -192,6 +271,8 @@ class DWorker:
         self.arrivals: dict[str, Arrival] = {}
         self.expect: dict[str, tuple[str, list[GrantInfo], int]] = {}  # D transfer -> (request, grants, epoch)
         self.blocks: dict[str, np.ndarray] = {}
+        self.stream_wanted: dict[str, str] = {}  # request -> the P that computes it (D may ask it to stream)
+        self.fallback: set[str] = set()  # declined streams: the post-prefill path fills the same reservation
         self.free_list: list[int] = list(range(cfg.d_blocks - 1, -1, -1))
         self.boot()
 
@@ -212,13 +293,22 @@ class DWorker:
         cfg = self.world.config
         self.core = ConsumerCore(ledger, self.transport, self.world.sender(self.name), block_bytes=cfg.block_bytes,
                                  request_timeout_s=cfg.ttl_s / 4, load_timeout_s=cfg.ttl_s * 5)
+        self.streams = SimStreamConsumer(self.core, self._stream_link, options=self.world.stream_options)
+
+    def _stream_link(self, agent: str) -> StreamLink | None:
+        link = self.core.links.get(agent)
+        if link is None or link.plan is None:
+            return None
+        world = self.world
+        p = world.p_by_name[agent]
+        return StreamLink(agent, link.epoch, SimClient(lambda msg: p.streams.serve(msg),
+                                                       lambda: not world.network.cut(self.name, agent),
+                                                       lambda: world.rpc_loss))
 
     def crash(self, tear: float | None) -> None:
         known = [(link.agent, self.world.p_by_name[link.agent]) for link in self.core.links.values()]
         self.world.fabric.fail_to(self.name, f"{self.name} crashed")
-        storage.crash(self.ledger.log)
-        if tear is not None:
-            storage.tear_tail(self.dir, tear)
+        storage.crash(self.ledger.log, tear)
         self.transport.close()
         self.world.network.forget_node(self.name, keep=lambda payload: isinstance(payload, NoteMsg))
         self.watch.detach()
@@ -226,6 +316,8 @@ class DWorker:
         self.arrivals.clear()
         self.blocks.clear()
         self.expect.clear()
+        self.stream_wanted.clear()
+        self.fallback.clear()
         self.free_list = list(range(self.world.config.d_blocks - 1, -1, -1))
         for region in self.regions:
             region[:] = 0
@@ -239,6 +331,12 @@ class DWorker:
     # -- engine -----------------------------------------------------------------------------------------------------
     def on_grant(self, msg: GrantArrived) -> None:
         g = msg.grant
+        self.stream_wanted.pop(g.request, None)  # P took the post-prefill path: too late to stream
+        if g.request in self.fallback and self.ledger.requests.get(g.request) is not None \
+                and self.ledger.requests[g.request].state == TargetState.RESERVED:
+            self.fallback.discard(g.request)  # a declined stream: the grant fills the same reservation
+            self.arrivals[g.request] = Arrival({g.rank: g}, g.ranks, msg.mode, self.world.clock.now(), reserved=True)
+            return
         if g.request in self.ledger.requests or g.request in self.world.d_ended.get(self.name, set()):
             return  # a duplicate of a grant already admitted (or of a request already gone)
         arrival = self.arrivals.setdefault(g.request, Arrival(ranks=g.ranks, mode=msg.mode,
@@ -250,12 +348,19 @@ class DWorker:
         if arrival is None or len(arrival.grants) < arrival.ranks:
             return False
         n = len(arrival.grants[0].block_ids)
-        if len(self.free_list) < n:
-            return False
-        del self.arrivals[request]
-        blocks = np.array([self.free_list.pop() for _ in range(n)], dtype=np.int32)
-        epoch = self.ledger.reserve(request, blocks)
-        self.blocks[request] = blocks
+        if arrival.reserved:  # a declined stream's reservation, if it still waits
+            del self.arrivals[request]
+            reserved = self.ledger.requests.get(request)
+            if reserved is None or reserved.blocks.size != n or reserved.state != TargetState.RESERVED:
+                return False
+            epoch = reserved.epoch
+        else:
+            if len(self.free_list) < n:
+                return False
+            del self.arrivals[request]
+            blocks = np.array([self.free_list.pop() for _ in range(n)], dtype=np.int32)
+            epoch = self.ledger.reserve(request, blocks)
+            self.blocks[request] = blocks
         grants = [arrival.grants[r] for r in range(arrival.ranks)]
         self.world.exercise(arrival.mode)
         if len(grants) > 1:
@@ -264,6 +369,62 @@ class DWorker:
         self.expect[transfer] = (request, grants, epoch)
         self.core.start(request, grants, arrival.mode)
         return True
+
+    def ask_stream(self, request: str) -> None:
+        """Reserve blocks for ``request`` before P computes it and ask P to stream into them (the real
+        ``StreamConsumer.request_stream``: the load starts, layers=n, before the ask). Declined: RESERVED again,
+        for the post-prefill path."""
+        agent = self.stream_wanted.get(request)
+        p = self.world.p_by_name.get(agent or "")
+        if p is None or request in self.ledger.requests or request not in p.requests:
+            self.stream_wanted.pop(request, None)
+            return
+        if self._stream_link(p.name) is None:
+            self.core.connect(p.name, p.rank, p.ranks, push=True)
+            return
+        pr = p.requests[request]
+        if len(self.free_list) < pr.blocks.size:
+            return
+        del self.stream_wanted[request]
+        blocks = np.array([self.free_list.pop() for _ in range(pr.blocks.size)], dtype=np.int32)
+        epoch = self.ledger.reserve(request, blocks)
+        self.blocks[request] = blocks
+        computed = (tuple(pr.blocks.tolist()), p.transport.epoch, p.ledger.requests[request].epoch)
+        transfer = self.streams.request_stream(request, p.name, layers=self.world.config.regions)
+        if transfer is None:
+            self.world.exercise("stream_declined")
+            self.fallback.add(request)
+            return
+        # what the checks expect of it: P's blocks of the request, as computed by this incarnation of P
+        source = GrantInfo(request, transfer, 0, p.name, computed[0], 1, 0.0, p.name, computed[1], computed[2], 0, 1,
+                           stream=True)
+        self.expect[transfer] = (request, [source], epoch)
+
+    def cancel(self, request: str) -> None:
+        """The engine cancels ``request``: a stream's cancel also asks P to stop (freed once it settled)."""
+        if self.streams.streaming(request):
+            self.world.exercise("stream_cancel_d")
+            self.streams.cancel(request)
+        else:
+            self.ledger.cancel(request)
+
+    def service(self) -> None:
+        self.core.service()
+        self.streams.step()  # its heartbeats; a P silent for the peer timeout ends D's streams (rare: not counted)
+        world = self.world
+
+        def held(stream: Any) -> bool:  # P still holds it: only its write window keeps a write out of the blocks
+            return bool(world.p_by_name[stream.link.agent].streams.held(stream.source) == stream.transfer)
+
+        timed_out, still_held = self.streams.time_out(held)
+        if timed_out:
+            world.exercise("stream_timeout")
+        if still_held:
+            world.exercise("stream_timeout_held")
+        self.ledger.commit()
+
+    def busy(self) -> bool:
+        return self.core.busy() or self.streams.busy()
 
     def give_up(self, request: str) -> None:
         """The engine stops waiting for a request whose grants did not all arrive (never reserved here)."""
@@ -285,6 +446,11 @@ class DWorker:
 class World:
     def __init__(self, config: SimConfig, root: Path, seed: int, drift: bool = True) -> None:
         self.config, self.root, self.seed = config, root, seed
+        # the window (0.8 of the timeout) fits the TTL for any config.ttl_s (P's reservation sweep is not simulated)
+        self.stream_options = StreamOptions(stream_timeout_s=3 * config.ttl_s, reservation_ttl_s=3 * config.ttl_s,
+                                            heartbeat_interval_s=config.ttl_s / 4, peer_timeout_s=config.ttl_s)
+        self.rpc_loss: Loss = ""  # what the current step loses of a blocking side-channel call
+        reset_stream_ids()
         self.clock = ManualClock(1000.0)
         self.network = Network()
         self.fabric = SimFabric(note_sink=self._note, now=self.clock.now)

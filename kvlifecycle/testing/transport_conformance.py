@@ -27,6 +27,7 @@ import pytest
 
 from kvlifecycle.transport import (
     BlockView,
+    DeviceOrderedPost,
     HandleReleasedError,
     KVLayout,
     MemoryKind,
@@ -37,6 +38,7 @@ from kvlifecycle.transport import (
     Transport,
     TransportError,
     XferStatus,
+    orders_on_device,
 )
 
 REGIONS, BLOCKS, BLOCK_BYTES = 4, 32, 256
@@ -119,6 +121,13 @@ class TransportConformance(abc.ABC):
         """Register ``buffers`` with ``transport`` (override where a transport needs more than the layout)."""
         transport.register(buffers.layout)
 
+    def device_event(self, buffers: KVBuffers) -> object:
+        """For a transport that orders on the device (:class:`~kvlifecycle.transport.DeviceOrderedPost`): an event
+        of the kind its ``post_after`` takes, after every write to ``buffers`` enqueued so far (a CUDA event on the
+        current stream, say). Override it there; other transports never reach it."""
+        raise NotImplementedError(f"{type(self).__name__}: the transport orders on the device; "
+                                  "override device_event")
+
     @pytest.fixture
     def pair(self, request: pytest.FixtureRequest) -> Iterator[Pair]:
         suffix = f"{request.node.name}-{time.monotonic_ns()}"
@@ -166,6 +175,30 @@ class TransportConformance(abc.ABC):
         for r in range(REGIONS):
             assert np.array_equal(tb.blocks(r, remote), ta.blocks(r, local))
         a.release(h)
+
+    def test_post_after_a_device_event_is_byte_exact_and_notifies(self, pair: Pair) -> None:
+        a, b, ta, tb, a_sees_b, _ = pair
+        if not isinstance(a, DeviceOrderedPost):  # its callers wait on the host before posting: it must say so
+            assert not orders_on_device(a) and not orders_on_device(b)
+            return
+        local, remote = np.array([4, 9, 30], dtype=np.int32), np.array([1, 22, 13], dtype=np.int32)
+        plan = a.prepare(a_sees_b)
+        note = Notification("req-after", "xfer-after", 1, epoch=a.epoch, kind="done")
+        h = a.post_after(self.device_event(ta), "WRITE", plan, local, remote, regions=[0, 2], notification=note)
+        assert wait_status(a, h) is XferStatus.DONE, a.error(h)
+        for r in range(REGIONS):
+            expected = ta.blocks(r, local) if r in (0, 2) else np.zeros_like(ta.blocks(r, local))
+            assert np.array_equal(tb.blocks(r, remote), expected)
+        assert wait_notes(b, 1) == [(a.agent, note)]
+        a.release(h)
+
+    def test_post_after_something_it_cannot_order_after_is_refused(self, pair: Pair) -> None:
+        a, _b, _, _, a_sees_b, _ = pair
+        if not isinstance(a, DeviceOrderedPost):  # nothing to refuse: the post it has orders after nothing
+            assert not hasattr(a, "post_after")
+            return
+        with pytest.raises(TransportError):
+            a.post_after(object(), "WRITE", a.prepare(a_sees_b), [0], [0])
 
     def test_region_subset_moves_only_those_regions(self, pair: Pair) -> None:
         _a, b, ta, tb, _, b_sees_a = pair

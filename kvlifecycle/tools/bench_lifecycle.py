@@ -16,8 +16,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlifecycle.tools.progress import SILENT, Ticker, progress
+
+if TYPE_CHECKING:
+    from kvlifecycle.ledger import Grant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +37,7 @@ def run_source(ledger, requests: int, blocks: int, window: int) -> float:
     import numpy as np
 
     slots = [np.arange(i * blocks, (i + 1) * blocks, dtype=np.int32) for i in range(window)]
-    in_flight: list[tuple[str, object]] = []
+    in_flight: list[tuple[str, Grant]] = []
     start = time.process_time()
     for i in range(requests):
         if len(in_flight) == window:
@@ -101,6 +105,7 @@ def measure(requests: int, blocks: int, window: int, fsync: str, root: Path, rou
         p_rounds.append(run_source(p, requests, blocks, window) / requests * 1e6)
         d_rounds.append(run_target(d, requests, blocks, window) / requests * 1e6)
         assert not check_quiescent(p) and not check_quiescent(d)
+        assert p.log is not None and d.log is not None  # open_ledger with a log_dir attaches one
         events_p, events_d = p.log.appended, d.log.appended
 
         # append throughput: the P log's own events appended again into a fresh log

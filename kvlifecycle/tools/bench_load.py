@@ -218,7 +218,8 @@ def drive(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         deadline = None
         while settled < args.requests or released < started:
             # start what fits: bounded in flight, and blocks free on both sides
-            p_specs, d_specs = [], []
+            p_specs: list[list[object]] = []  # the workers' grant_batch / start_batch rows (see LoadWorker)
+            d_specs: list[list[object]] = []
             while started + len(p_specs) < args.requests and started + len(p_specs) - settled < args.inflight:
                 i = started + len(p_specs)
                 request = f"req-{i}"

@@ -67,9 +67,10 @@ class _Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         import torch
 
+        from kvlifecycle.choices import SideName
         from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
         from kvlifecycle.handshake import CompatInfo
-        from kvlifecycle.ledger import open_ledger
+        from kvlifecycle.ledger import SourceLedger, open_ledger
         from kvlifecycle.transport import KVLayout, MemoryKind
 
         self.cfg = cfg
@@ -105,7 +106,7 @@ class _Worker:
         options = HandoffOptions(secret=cfg.secret.encode() if cfg.secret else None, host=cfg.host, port=cfg.port,
                                  unit_bytes=cfg.unit_bytes, heartbeat_every_s=cfg.heartbeat_every_s,
                                  load_timeout_s=cfg.load_timeout_s, on_connect=on_connect)
-        side = "source" if cfg.side == "producer" else "target"
+        side: SideName = "source" if cfg.side == "producer" else "target"
         extra = {"default_ttl_s": cfg.ttl_s} if side == "source" else {}
         self.ledger: Any = open_ledger(side, cfg.blocks, cfg.log_dir, fsync=cfg.fsync, worker=cfg.name, **extra)
         from kvlifecycle import logs, telemetry
@@ -113,7 +114,7 @@ class _Worker:
         # OTel spans/metrics (to files when $KVL_OTEL_DIR is set; no-ops otherwise) and debug-level event logs
         self.telemetry = telemetry.instrument_from_env(self.ledger)
         logs.log_events(self.ledger)
-        if side == "source":
+        if isinstance(self.ledger, SourceLedger):
             self.role: Any = Producer(self.ledger, self.transport, compat, tp_rank=cfg.tp_rank, options=options)
         else:
             self.role = Consumer(self.ledger, self.transport, compat, tp_rank=cfg.tp_rank, options=options)

@@ -7,6 +7,7 @@ per process, NIXL logs noisily, and a wedged transport must not hang the doctor.
 
 Exit status: 0 when every measured default path reaches ``--min-ratio`` of its ceiling; 1 when one does not, or a
 default path cannot transfer at all (each with the known fix as a hint); 2 when NIXL is not installed.
+With ``--etcd``, the etcd checks of :mod:`kvlifecycle.tools.doctor_etcd` run instead.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prog-thread-check", action="store_true",
                         help="skip the check that NIXL's UCX progress thread spins a core")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--etcd", metavar="ENDPOINTS",
+                        help="check these etcd endpoints (comma-separated host:port) and list the P and D "
+                             "registrations there, instead of the NIXL probes (see kvlifecycle.tools.doctor_etcd)")
+    parser.add_argument("--etcd-cluster", default="default", metavar="NAME",
+                        help="the cluster name of the etcd keys (default 'default')")
+    parser.add_argument("--etcd-timeout", type=float, default=2.0, metavar="S",
+                        help="bound on each etcd call (default 2)")
 
 
 # --- results ---------------------------------------------------------------------------------------------------
@@ -138,10 +146,17 @@ def _probe_transfer(mem: str, nbytes: int, block_bytes: int, iterations: int, de
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
         dst = torch.zeros_like(src)
         src_ptr, dst_ptr, dev = src.data_ptr(), dst.data_ptr(), src.device.index or 0
+
+        def same_bytes() -> bool:
+            torch.cuda.synchronize()
+            return bool(torch.equal(src, dst))
     else:
-        src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        src_ptr, dst_ptr, dev = src.ctypes.data, dst.ctypes.data, 0
+        host_src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+        host_dst = np.zeros_like(host_src)
+        src_ptr, dst_ptr, dev = host_src.ctypes.data, host_dst.ctypes.data, 0
+
+        def same_bytes() -> bool:
+            return bool(np.array_equal(host_src, host_dst))
     a.register_memory(a.get_reg_descs([(dst_ptr, nbytes, dev, "")], mem))
     b.register_memory(b.get_reg_descs([(src_ptr, nbytes, dev, "")], mem))
     a.add_remote_agent(b.get_agent_metadata())
@@ -169,13 +184,7 @@ def _probe_transfer(mem: str, nbytes: int, block_bytes: int, iterations: int, de
         if state == "ERR":
             return {"ok": False, "backend": backend, "error": "NIXL reported the transfer failed (ERR)"}
         best_post, best_xfer = min(best_post, t_post), min(best_xfer, t_xfer)
-    if mem == "VRAM":
-        import torch
-
-        torch.cuda.synchronize()
-        verified = bool(torch.equal(src, dst))
-    else:
-        verified = bool(np.array_equal(src, dst))
+    verified = same_bytes()
     a.release_xfer_handle(handle)
     return {"ok": verified, "backend": backend, "t_post_s": best_post, "t_xfer_s": best_xfer,
             "gbps": nbytes / best_xfer / 1e9, "descriptors": count, "verified": verified,
@@ -354,12 +363,12 @@ def _copy_ceiling_gbps(mem: str, nbytes: int) -> float:
         return nbytes / best / 1e9
     import numpy as np
 
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
+    host_src = np.ones(nbytes, dtype=np.uint8)
+    host_dst = np.zeros_like(host_src)
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        np.copyto(host_dst, host_src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -592,6 +601,10 @@ def render(report: Report) -> str:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
+    if args.etcd:
+        from kvlifecycle.tools.doctor_etcd import run as run_etcd
+
+        return run_etcd(args)
     if importlib.util.find_spec("nixl") is None:
         print("kvlifecycle doctor: NIXL is not installed (pip install 'kvlifecycle[transports]', nixl==1.5.1)",
               file=sys.stderr)

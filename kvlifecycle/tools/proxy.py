@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
+import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 log = logging.getLogger("kvlifecycle.proxy")
@@ -65,6 +67,8 @@ class ProxyConfig:
     prefill_timeout_s: float = 600.0
     # Longest silence while streaming the decode answer.
     decode_idle_timeout_s: float = 600.0
+    # Layer-wise streaming: each prefill server's side channel (HOST:PORT, in --prefill order); empty: off
+    layerwise: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -123,6 +127,90 @@ async def _read_body(reader: asyncio.StreamReader, message: HttpMessage, to_eof:
     return await reader.read(MAX_BODY_BYTES) if to_eof else b""
 
 
+class ResponseEnd:
+    """Follows the framing of an HTTP/1.1 response relayed byte for byte, to tell when its last byte went by.
+
+    D's connection may stay open a moment after its answer is complete; a relay that waits for D's EOF instead
+    sees the client, which has its whole answer, close first, and takes that for a client going away (under
+    ``--layerwise`` it then cancelled the finished request on D and P). Framing: ``Content-Length``, chunked (with
+    trailers), no body (1xx interim answers are skipped, 204 and 304 end at their head), else the answer ends at
+    EOF (never here)."""
+
+    _HEAD, _LENGTH, _SIZE, _CHUNK, _TRAILER, _EOF, _DONE = range(7)
+
+    def __init__(self) -> None:
+        self._state = self._HEAD
+        self._pending = bytearray()  # the part of a head, chunk-size or trailer line read so far
+        self._left = 0  # bytes of the body (or of the chunk and its CRLF) still to come
+
+    @property
+    def complete(self) -> bool:
+        return self._state == self._DONE
+
+    @property
+    def whole_at_eof(self) -> bool:
+        """Whether the answer is whole if the connection ends here (complete, or framed by EOF alone)."""
+        return self._state in (self._DONE, self._EOF)
+
+    def feed(self, data: bytes) -> bool:
+        """Take the next bytes of the answer; True once it is complete (what follows is not looked at)."""
+        if self._state in (self._EOF, self._DONE):
+            return self.complete
+        self._pending += data
+        while self._state not in (self._EOF, self._DONE):
+            if self._state in (self._LENGTH, self._CHUNK):
+                take = min(self._left, len(self._pending))
+                del self._pending[:take]
+                self._left -= take
+                if self._left:
+                    return False
+                self._state = self._DONE if self._state == self._LENGTH else self._SIZE
+                continue
+            marker = b"\r\n\r\n" if self._state == self._HEAD else b"\r\n"
+            end = self._pending.find(marker)
+            if end < 0:
+                if len(self._pending) > MAX_HEADER_BYTES:
+                    self._state = self._EOF  # not a framing this follows: the answer ends at EOF
+                return False
+            line = bytes(self._pending[:end])
+            del self._pending[:end + len(marker)]
+            if self._state == self._HEAD:
+                self._state, self._left = self._framing(line.decode("latin-1"))
+            elif self._state == self._SIZE:
+                try:
+                    size = int(line.split(b";")[0].strip(), 16)
+                except ValueError:
+                    self._state = self._EOF
+                    continue
+                self._state, self._left = (self._CHUNK, size + 2) if size else (self._TRAILER, 0)
+            elif not line:  # the empty line after the trailers
+                self._state = self._DONE
+        self._pending.clear()
+        return self.complete
+
+    @classmethod
+    def _framing(cls, head: str) -> tuple[int, int]:
+        lines = head.split("\r\n")
+        try:
+            status = int(lines[0].split(" ", 2)[1])
+        except (IndexError, ValueError):
+            return cls._EOF, 0
+        if 100 <= status < 200:
+            return cls._HEAD, 0  # an interim answer: the real head follows
+        if status in (204, 304):
+            return cls._DONE, 0
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            return cls._SIZE, 0
+        length = headers.get("content-length", "")
+        if length.isdigit():
+            return (cls._LENGTH, int(length)) if int(length) else (cls._DONE, 0)
+        return cls._EOF, 0
+
+
 def _json_response(status: int, payload: dict[str, object]) -> bytes:
     body = json.dumps(payload).encode()
     reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 413: "Payload Too Large",
@@ -139,16 +227,35 @@ def _error(status: int, message: str, kind: str) -> bytes:
     return _json_response(status, {"error": {"message": message, "type": kind, "code": status}})
 
 
+def _prefill_order(prefill: int, decode: int) -> Iterator[int]:
+    """Round robin over the prefill servers, shifted by one after every ``lcm(prefill, decode)`` requests: two
+    cycles in lockstep would pair prefill server i with decode server i forever (equal counts), so no decode
+    server would ever read from another prefill server."""
+    prefill, decode = max(prefill, 1), max(decode, 1)  # none yet (discovery): the index is never used
+    period = math.lcm(prefill, decode)
+    for n in itertools.count():
+        yield (n + n // period) % prefill
+
+
 class PDProxy:
     """The proxy server. ``await start()``, then ``await serve_forever()`` or ``await close()``."""
 
-    def __init__(self, config: ProxyConfig) -> None:
-        if not config.prefill or not config.decode:
+    def __init__(self, config: ProxyConfig, *, discovered: bool = False) -> None:
+        if not discovered and (not config.prefill or not config.decode):
             raise ValueError("the proxy needs at least one --prefill and one --decode server")
         self.config = config
-        self._next_prefill = itertools.cycle(range(len(config.prefill)))
-        self._next_decode = itertools.cycle(range(len(config.decode)))
+        self._next_prefill = _prefill_order(len(config.prefill), len(config.decode))
+        self._next_decode = itertools.cycle(range(max(len(config.decode), 1)))
         self._server: asyncio.base_events.Server | None = None
+
+    def set_upstreams(self, prefill: tuple[Upstream, ...], decode: tuple[Upstream, ...]) -> None:
+        """Route over these servers from now on (discovery calls it on the event loop; requests under way keep
+        the server they picked)."""
+        if (prefill, decode) == (self.config.prefill, self.config.decode):
+            return
+        self.config = dataclasses.replace(self.config, prefill=prefill, decode=decode)
+        self._next_prefill = _prefill_order(len(prefill), len(decode))
+        self._next_decode = itertools.cycle(range(max(len(decode), 1)))
 
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_HEADER_BYTES)
@@ -178,7 +285,7 @@ class PDProxy:
                 if method != "POST":
                     writer.write(_error(405, f"{path} takes POST", "invalid_request_error"))
                 else:
-                    await self._pd_request(path, request, writer)
+                    await self._pd_request(path, request, writer, reader)
             elif path == "/health" or path == "/v1/health":
                 writer.write(await self._health())
             elif method == "GET" and path.startswith("/v1/"):
@@ -197,7 +304,8 @@ class PDProxy:
                 writer.close()
                 await writer.wait_closed()
 
-    async def _pd_request(self, path: str, request: HttpMessage, writer: asyncio.StreamWriter) -> None:
+    async def _pd_request(self, path: str, request: HttpMessage, writer: asyncio.StreamWriter,
+                          reader: asyncio.StreamReader) -> None:
         try:
             body = json.loads(request.body or b"{}")
         except json.JSONDecodeError as exc:
@@ -205,6 +313,11 @@ class PDProxy:
         if not isinstance(body, dict):
             raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
         request_id = request.header("x-request-id") or f"kvl-{uuid.uuid4().hex}"
+        if self.config.layerwise:  # D reserves first, then P streams its layers (kvlifecycle.tools.proxy_layerwise)
+            from kvlifecycle.tools.proxy_layerwise import pd_request
+
+            await pd_request(self, path, body, request_id, writer, reader)
+            return
 
         prefill_body = dict(body)
         prefill_body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True,
@@ -229,8 +342,10 @@ class PDProxy:
         await self._stream_decode(path, decode_body, request_id, writer, decode)
 
     async def _open(self, side: str, servers: Sequence[Upstream],
-                    order: itertools.cycle[int]) -> tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]:
+                    order: Iterator[int]) -> tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]:
         """Connect to the next server of one side, skipping those that refuse; ProxyError if none answers."""
+        if not servers:
+            raise ProxyError(503, f"no {side} server registered", "upstream_unavailable")
         first = next(order)
         tried: list[str] = []
         for offset in range(len(servers)):
@@ -255,7 +370,7 @@ class PDProxy:
         )
         return head.encode() + payload
 
-    async def _post_json(self, side: str, servers: Sequence[Upstream], order: itertools.cycle[int], path: str,
+    async def _post_json(self, side: str, servers: Sequence[Upstream], order: Iterator[int], path: str,
                          body: dict[str, object], request_id: str) -> dict[str, object]:
         upstream, reader, writer = await self._open(side, servers, order)
         try:
@@ -287,15 +402,17 @@ class PDProxy:
 
     async def _stream_decode(self, path: str, body: dict[str, object], request_id: str,
                              client: asyncio.StreamWriter,
-                             decode: tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+                             decode: tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
+        """Relay D's answer to the client; True once it went through whole."""
         upstream, reader, writer = decode
         idle = self.config.decode_idle_timeout_s
         try:
             writer.write(self._request_bytes(upstream, path, body, request_id))
             await writer.drain()
-            # Relay D's answer byte for byte (status, headers, chunked framing): it asked for Connection: close,
-            # so its answer ends at EOF, and so does ours.
+            # Relay D's answer byte for byte (status, headers, chunked framing) up to its last byte (ResponseEnd),
+            # or D's EOF (it was asked for Connection: close) if its framing does not say.
             first = True
+            end = ResponseEnd()
             while True:
                 try:
                     data = await asyncio.wait_for(reader.read(65536), idle)
@@ -304,17 +421,20 @@ class PDProxy:
                         raise ProxyError(504, f"decode server {upstream} sent nothing for {idle:.0f} s",
                                          "upstream_timeout") from exc
                     log.warning("decode server %s went silent for %.0f s; closing the stream", upstream, idle)
-                    return
+                    return False
                 if not data:
                     if first:
                         raise ProxyError(502, f"decode server {upstream} closed the connection without answering")
-                    return
+                    return end.whole_at_eof
                 first = False
                 client.write(data)
                 await client.drain()
+                if end.feed(data):
+                    return True
         except (ConnectionResetError, BrokenPipeError) as exc:
             if first:
                 raise ProxyError(502, f"decode server {upstream} dropped the connection: {exc}") from exc
+            return False
         finally:
             writer.close()
 

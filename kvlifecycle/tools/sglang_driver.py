@@ -316,7 +316,10 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
     if ledger is not None:
         result["ledger"] = {"counts": ledger.counts(), "stats": ledger.stats, "refusals": ledger.refusals,
                             "leases": len(ledger.leases)}
-        result["malformed"] = side.mgr.malformed
+        result["malformed"] = getattr(side.mgr, "side_channel_refused", None)
+        result["rank_socket_refused"] = side.mgr.malformed
+        streamer = getattr(side.mgr, "streamer", None)
+        result["streams"] = dict(streamer.counts) if streamer is not None else {}
     # stay up until the decode is done with us (its heartbeats and acks still reach us)
     linger = time.monotonic() + args.linger
     while time.monotonic() < linger and not (args.sync_dir and (Path(args.sync_dir) / "decode.done").exists()):
@@ -324,6 +327,8 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
     side.close()
     if ledger is not None:
         result["ledger"]["leases_at_exit"] = len(ledger.leases)
+        result["ledger"]["counts_at_exit"] = ledger.counts()
+        result["streams_pending_at_exit"] = side.mgr.streamer.pending() if hasattr(side.mgr, "streamer") else None
     return result
 
 
@@ -413,17 +418,28 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
         receivers[warm] = open_room(warm)
         settle(receivers, done)
         if args.scenario == "suite":
-            # foreign and malformed frames on the prefill rank's control socket: refused, nothing else lost
+            # malformed frames on the prefill rank's side channel, and a foreign one on its SGLang rank socket:
+            # refused and counted, nothing else lost
             import zmq
 
+            from kvlifecycle.sidechannel import encode_frame
+
             info = (receivers[warm].bootstrap_infos or [{}])[0]
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(f"tcp://{info.get('rank_ip')}:{info.get('rank_port')}")
-            sock.send_multipart([b"KVL1", b"\xc1 not msgpack"])
-            sock.send_multipart([b"KVL1", b"\x92\xa3hb"])
-            sock.close()
+            ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+            side_sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+            side_sock.setsockopt(zmq.LINGER, 1000)
+            side_sock.connect(str(info.get("kvl_side")))
+            side_sock.send(b"\xc1 not a side-channel frame")
+            side_sock.send(encode_frame(b"\x92\xa3hb", 1))  # a header, then a body of no message
+            rank_sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
+            rank_sock.setsockopt(zmq.LINGER, 1000)
+            rank_sock.connect(f"tcp://{info.get('rank_ip')}:{info.get('rank_port')}")
+            rank_sock.send_multipart([b"KVL1", b"\xc1 not msgpack"])
+            time.sleep(0.3)  # both refused before the rooms below start
+            side_sock.close()
+            rank_sock.close()
             result["malformed_sent"] = 2
+            result["foreign_sent"] = 1
         timed = ids["transfer"]
         for room in timed:
             receivers[room] = open_room(room)

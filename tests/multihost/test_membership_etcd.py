@@ -213,3 +213,33 @@ def test_drain_refuses_new_grants_waits_for_live_leases_then_leaves(local_etcd: 
     finally:
         watcher.close()
         presence.close()
+
+
+def test_an_ordered_drain_marks_every_rank_by_compare_and_swap_on_its_own_lease(local_etcd: eh.EtcdServer) -> None:
+    from kvlifecycle.membership import MembershipError, instance_ranks, order_drain
+    from kvlifecycle.membership.drain import _mark
+
+    session = session_for(local_etcd)
+    regs = [Registration(session, MemberKey("t", Role.PREFILL, "p0", 0, tp), Member(f"tcp://h:{tp}", f"a{tp}", 1))
+            for tp in range(2)]
+    other = Registration(session, MemberKey("t", Role.PREFILL, "p1"), Member("tcp://h:5700", "b", 1))
+    try:
+        for reg in [*regs, other]:
+            reg.register()
+        with pytest.raises(MembershipError, match="no prefill instance 'nope' is registered"):
+            order_drain(session, "nope")
+        with pytest.raises(MembershipError, match="only a prefill instance drains"):
+            order_drain(session, "p0", role=Role.DECODE)
+        stale = instance_ranks(session, "p0")[0]
+        regs[0].set_state(MemberState.SERVING)  # the rank rewrites its key after our read
+        assert session.call("swap", lambda c: _mark(c, stale)) is False  # nothing overwritten
+        marked = order_drain(session, "p0")
+        assert [(r.key.tp, r.member.state, r.member.agent) for r in marked] == [
+            (0, MemberState.DRAINING, "a0"), (1, MemberState.DRAINING, "a1")]
+        assert [r.lease for r in marked] == [reg.lease_id for reg in regs]  # each on its rank's own lease
+        assert [r.member.state for r in instance_ranks(session, "p1")] == [MemberState.SERVING]
+        assert order_drain(session, "p0") == instance_ranks(session, "p0")  # already draining: nothing to do
+    finally:
+        for reg in [*regs, other]:
+            reg.deregister()
+        session.close()

@@ -8,9 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlifecycle import events as ev
+from kvlifecycle.layer_progress import LayerProgress
 from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.protocol import PushWrites, RenewalClock
+from kvlifecycle.protocol.bounds import WriteWindow
 from kvlifecycle.sim.protocol_driver import ConsumerCore
 from kvlifecycle.sim.world import World
+from kvlifecycle.streaming import StreamProducer
 
 
 def epoch_check_skipped(mp: Any) -> None:
@@ -20,7 +24,7 @@ def epoch_check_skipped(mp: Any) -> None:
 
 def release_on_expiry_skipped(mp: Any) -> None:
     """``sweep`` releases nothing: a lease nobody completes pins its blocks forever."""
-    mp.setattr(SourceLedger, "sweep", lambda self: [])
+    mp.setattr(SourceLedger, "sweep", lambda self, keep=(): [])
 
 
 def completion_applied_twice(mp: Any) -> None:
@@ -72,10 +76,56 @@ def old_epoch_notification_accepted(mp: Any) -> None:
     mp.setattr(World, "incarnation", lambda self, name, boots: zlib.crc32(name.encode()))
 
 
+def released_under_its_write(mp: Any) -> None:
+    """P's sweep and D's hand-back release a lease whose WRITE is still in flight."""
+    mp.setattr(PushWrites, "held", lambda self: set())
+    mp.setattr(PushWrites, "hand_back", lambda self, transfer, generation, reason: False)
+
+
+def push_timeout_fails_the_load(mp: Any) -> None:
+    """D takes a PushRequest without an answer for a failure and frees its blocks (P's write may be landing)."""
+    import kvlifecycle.sim.protocol_driver as driver
+
+    mp.setattr(driver, "on_push_unanswered", lambda: "fail")
+
+
+def read_outlives_its_lease(mp: Any) -> None:
+    """D trusts a read for as long as it runs, however long ago P last renewed its lease."""
+    mp.setattr(RenewalClock, "outlived", lambda self, now: False)
+
+
+def stream_ready_after_first_layer_batch(mp: Any) -> None:
+    """A streaming load's part counts as complete once its first layer batch landed: its blocks become
+    READY_FOR_ATTENTION with layers (and, chunked, blocks) still missing."""
+    mp.setattr(LayerProgress, "complete", lambda self, part: bool(self.landed[part].any()))
+
+
+def stream_released_under_its_writes(mp: Any) -> None:
+    """P's engine releases a streamed request's blocks at once, not once its layer writes settled."""
+    original = StreamProducer.release
+
+    def release(self: StreamProducer, request: str, then: Callable[[], None]) -> None:
+        then()
+        original(self, request, lambda: None)
+
+    mp.setattr(StreamProducer, "release", release)
+
+
+def stream_written_past_its_window(mp: Any) -> None:
+    """P's write window never closes: a stream D timed out is still written, into blocks D freed."""
+    mp.setattr(WriteWindow, "closed", lambda self, now: False)
+
+
 MUTANTS: dict[str, Callable[[Any], None]] = {
     "epoch check skipped": epoch_check_skipped,
     "release on lease expiry skipped": release_on_expiry_skipped,
     "completion applied twice": completion_applied_twice,
     "READY before the last handle finished": ready_before_last_handle,
     "notification accepted from an old agent epoch": old_epoch_notification_accepted,
+    "a lease released under its write": released_under_its_write,
+    "a push timeout fails the load": push_timeout_fails_the_load,
+    "a read outlives its lease": read_outlives_its_lease,
+    "a stream READY after its first layer batch": stream_ready_after_first_layer_batch,
+    "a stream's source released under its writes": stream_released_under_its_writes,
+    "a stream written past its window": stream_written_past_its_window,
 }

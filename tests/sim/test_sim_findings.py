@@ -1,6 +1,6 @@
-"""What the simulation found, one strict-xfail regression test each, named after the finding and pinned to the
-seed that found it (docs/simulation.md describes each). A test that starts passing means the fix landed: remove
-its xfail and the finding's entry in ``kvlifecycle.sim.checks.KNOWN_FINDINGS``."""
+"""What the simulation found, one regression test each, named after the finding and pinned to the seed that found
+it (docs/simulation.md, "Findings"). A finding not fixed yet is a strict-xfail test here and an entry in
+``kvlifecycle.sim.checks.KNOWN_FINDINGS``; when its fix lands the test passes and both go. None is open."""
 
 from __future__ import annotations
 
@@ -32,33 +32,43 @@ def test_duplicate_push_request_writes_into_recomputed_blocks() -> None:
     _clean(6542)
 
 
-@pytest.mark.xfail(strict=True, reason="finding push-timeout-frees-target: a lost PushRequest reply fails D's load "
-                                       "and frees its blocks while P's WRITE into them is in flight")
 def test_push_timeout_frees_target_blocks_under_write() -> None:
+    """Fixed finding push-timeout-frees-target (seed 290): the PushRequest's reply was lost, D failed the load on
+    the timeout and freed the blocks P's WRITE was landing in. D now hands the lease back and keeps the blocks
+    LOADING until P answers; P cancels the write before it releases the lease."""
     _clean(290)
 
 
-@pytest.mark.xfail(strict=True, reason="finding transfer-outlives-lease: with no per-transfer deadline a READ "
-                                       "outlives its lease (heartbeats lost); P expires it and frees the blocks")
 def test_read_outliving_its_lease_reads_reused_blocks() -> None:
+    """Fixed finding transfer-outlives-lease (seed 73, with no data-plane timeout, now the default): D's READ
+    outlived its lease (heartbeats lost), P expired it and reused the blocks. D now gives a read up at its lease's
+    deadline (the last acknowledged renewal's send time + 0.9 TTL)."""
     _clean(73, SimConfig(transfer_deadline_s=None))
 
 
-@pytest.mark.xfail(strict=True, reason="finding push-write-outlives-lease: a push job that runs after its lease "
-                                       "expired posts the WRITE anyway; the same service step releases the lease")
 def test_push_posted_after_its_lease_expired() -> None:
+    """Fixed finding push-write-outlives-lease (seed 36): a push job that ran after its lease expired posted the
+    WRITE anyway. P now posts no write of an ended or expired lease, and cancels one in flight at expiry."""
     _clean(36, SimConfig(prompt_jobs=False))
 
 
-@pytest.mark.xfail(strict=True, reason="finding deferred-cancel-completed: the seed's logs fail check_pair")
+@pytest.mark.parametrize("seed", [61, 1124, 1561])
+def test_lease_bound_edge_seeds(seed: int) -> None:
+    """Seeds that broke the first version of those fixes: a hand-back whose answer came after the caller's
+    deadline (61), a renewal refused under a write that D took for a released lease (1124), a failure D sent P
+    before its log held it, then a crash (1561)."""
+    _clean(seed)
+
+
 def test_deferred_cancel_then_completion_seed() -> None:
+    """Fixed finding deferred-cancel-completed (seed 49): check_pair flagged released-under-reader on a lease whose
+    every consumer had completed, because the deferred cancel recorded the release as ``cancelled``."""
     _clean(49)
 
 
-@pytest.mark.xfail(strict=True, reason="finding deferred-cancel-completed: a cancel deferred under a claimed lease, "
-                                       "then the completion: released as 'cancelled' and flagged released-under-reader")
 def test_deferred_cancel_then_completion_is_not_released_under_reader() -> None:
-    """The ledgers alone: P's completion notification is drained before D polls its DONE (the usual order)."""
+    """The ledgers alone: P's completion notification is drained before D polls its DONE (the usual order); the
+    lease ended by its completion, under no reader."""
     clock, hlc = ManualClock(), HybridLogicalClock(wall_ms=lambda: 0)
     p, d = SourceLedger(4, worker="p0", clock=clock, hlc=hlc), TargetLedger(4, worker="d0", clock=clock, hlc=hlc)
     p_events: list = []
@@ -75,3 +85,18 @@ def test_deferred_cancel_then_completion_is_not_released_under_reader() -> None:
     assert p.consumer_done(g.transfer, g.generation)  # the read finished; its notification reached P
     assert d.part_done(g.transfer)  # D polls the DONE a moment later
     assert check_merged(p_events, d_events) == []
+
+
+def test_stream_timed_out_while_p_still_writes() -> None:
+    """Fixed finding stream-outlives-d-timeout (seed 1, once the simulation timed out streams P still held): D's
+    stream timeout freed the blocks a layer write of P was landing in; nothing bounded P's writes by D's wait. D's
+    request now carries a write window that P's writes end within, and D's timeout outlasts it."""
+    result = run_seed(1, SimConfig())
+    assert result.ok and result.coverage["fault: stream_timeout_held"] >= 1, (result.violations + result.leaks)[:1]
+
+
+def test_stream_write_cancelled_at_its_window_end() -> None:
+    """P's write window ended with a layer write in flight; P cancelled it before D's timeout freed the blocks
+    (seed 9 found it; seed 2581 reaches it since streams heartbeat their P)."""
+    result = run_seed(2581, SimConfig())
+    assert result.ok and result.coverage["fault: stream_window_closed"] >= 1, (result.violations + result.leaks)[:1]

@@ -1,6 +1,9 @@
 """Each mutant (one rule patched away) is caught by the simulation within a fixed seed budget. The seeds each
-needed, at the time of writing: epoch check skipped 5, release on expiry skipped 2, completion applied twice 2,
-READY before the last handle 3, old-epoch notification 14 (see docs/simulation.md)."""
+needed, at the time of writing (streams and prefix hits simulated): epoch check skipped 10, release on expiry
+skipped 1, completion applied twice 2, READY before the last handle 6, old-epoch notification 6, a lease released
+under its write 46, a push timeout failing the load 46, a read outliving its lease 207, a stream READY after its
+first layer batch 2, a stream's source released under its writes 2, a stream written past its window 2 (see
+docs/simulation.md)."""
 
 from __future__ import annotations
 

@@ -110,6 +110,13 @@ class VramPair:
     def make_buffers(self, fill: Fill, seed: int = 0, endpoint: int = 0) -> VramBuffers:
         return VramBuffers(fill, seed, device=self.devices[endpoint])
 
+    def device_event(self, buffers: Any) -> object:
+        """A CUDA event after everything enqueued so far on the current stream of the buffers' device."""
+        device = buffers.tensors[0].device
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
 
 @gpu
 @pytest.mark.gpu

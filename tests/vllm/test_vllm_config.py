@@ -9,23 +9,30 @@ import vllm_harness as h
 CHECK = """
 from types import SimpleNamespace as NS
 from kvlifecycle.adapters.vllm.connector import check_supported_parallelism
-def cfg(tp, pp):
-    return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp))
-check_supported_parallelism(cfg(1, 1))
-for tp, pp in ((2, 1), (1, 2)):
+def cfg(tp=1, pp=1, mla=False, hybrid=False):
+    model = NS(model="some/model", use_mla=mla, is_hybrid=hybrid)
+    return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp), model_config=model)
+for tp in (1, 2, 8):
+    check_supported_parallelism(cfg(tp=tp))
+    print("accepted: tp", tp)
+for case in (dict(pp=2), dict(tp=2, pp=2), dict(mla=True), dict(tp=2, mla=True), dict(hybrid=True)):
     try:
-        check_supported_parallelism(cfg(tp, pp))
+        check_supported_parallelism(cfg(**case))
+        print("accepted:", case)
     except ValueError as exc:
         print("refused:", exc)
 """
 
 
-def test_multi_rank_configurations_are_refused_in_words() -> None:
+def test_tensor_parallelism_is_accepted_and_pp_mla_hybrid_are_refused_in_words() -> None:
     h.require_vllm()
     out = subprocess.run(
         [str(h.VLLM_PYTHON), "-c", CHECK], capture_output=True, text=True, timeout=300, check=True, env=h.base_env()
     )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
-    assert len(lines) == 2
-    assert "tensor_parallel_size=1" in lines[0] and "(got 2)" in lines[0]
-    assert "pipeline_parallel_size=1" in lines[1]
+    lines = out.stdout.splitlines()
+    assert [line for line in lines if line.startswith("accepted:")] == [f"accepted: tp {tp}" for tp in (1, 2, 8)]
+    refused = [line for line in lines if line.startswith("refused:")]
+    assert len(refused) == 5, out.stdout
+    assert all("pipeline_parallel_size=2" in line and "pipeline parallelism" in line for line in refused[:2])
+    assert all("MLA" in line and "replicated on every TP rank" in line for line in refused[2:4])
+    assert "hybrid" in refused[4] and "Mamba" in refused[4] and "some/model" in refused[4]

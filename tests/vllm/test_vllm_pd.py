@@ -156,6 +156,8 @@ def test_prefix_shared_with_a_handoff_still_pinned(cluster: Cluster) -> None:
     shared = h.prompt_of_length(256, offset=7000)  # two full 128-token blocks
     prompt_a = shared + " " + h.prompt_of_length(64, offset=7100)
     prompt_b = shared + " " + h.prompt_of_length(64, offset=7200)
+    # the references first: A's lease must outlast only B's handoff and decode, not two more completions
+    expected = {prompt_a: reference(cluster, prompt_a), prompt_b: reference(cluster, prompt_b)}
     params_a = prefill_only(cluster, prompt_a)
     params_b = prefill_only(cluster, prompt_b)  # A's lease is live: its blocks are pinned
     assert params_a["remote_block_ids"][:2] == params_b["remote_block_ids"][:2]  # the prefix-cache hit
@@ -163,7 +165,7 @@ def test_prefix_shared_with_a_handoff_still_pinned(cluster: Cluster) -> None:
         status, answer = h.post_json(cluster.decode.port, "/v1/completions",
                                      h.completion_body(prompt, MAX_TOKENS, kv_transfer_params=params))
         assert status == 200, answer
-        assert answer["choices"][0]["text"] == reference(cluster, prompt)
+        assert answer["choices"][0]["text"] == expected[prompt]
     dirs = event_dirs(cluster.events, "source")
     rc, report = replay_json(*dirs, events=True)
     assert rc == 0, report.get("violations")

@@ -106,4 +106,6 @@ def build(cache_dir: str | os.PathLike[str]) -> Path:
 
 if __name__ == "__main__":
     target = sys.argv[1] if len(sys.argv) > 1 else os.path.expanduser("~/.cache/kvlifecycle/models")
+    if len(sys.argv) > 2:  # a JSON object of recipe values to change (the directory name follows them)
+        RECIPE.update(json.loads(sys.argv[2]))
     print(build(target))

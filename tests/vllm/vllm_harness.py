@@ -25,6 +25,8 @@ VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 VLLM_CLI = VLLM_VENV / "bin" / "vllm"
 MODEL_NAME = "tiny"
 HOST = "127.0.0.1"
+WARM_UP_LENGTHS = (5, 40)  # two lengths: the static compile, then the dynamic-shape one
+WARM_UP_OFFSET = 4089  # prompt_of_length offsets of the tests stay clear of this first word
 
 
 def free_port() -> int:
@@ -46,10 +48,12 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair on 127.0.0.1")
 
 
-def build_tiny_model(cache_dir: Path, timeout_s: float = 300.0) -> Path:
-    """Build (or reuse) the tiny random Llama inside the vLLM venv; returns its directory."""
+def build_tiny_model(cache_dir: Path, timeout_s: float = 300.0, overrides: dict | None = None) -> Path:
+    """Build (or reuse) the tiny random Llama inside the vLLM venv; returns its directory. ``overrides``: recipe
+    values to change (a benchmark's model shape)."""
     out = subprocess.run(
-        [str(VLLM_PYTHON), str(Path(__file__).with_name("tiny_model.py")), str(cache_dir)],
+        [str(VLLM_PYTHON), str(Path(__file__).with_name("tiny_model.py")), str(cache_dir),
+         *([json.dumps(overrides)] if overrides else [])],
         check=True, capture_output=True, text=True, timeout=timeout_s,
     )
     return Path(out.stdout.strip().splitlines()[-1])
@@ -143,6 +147,26 @@ class ManagedProcess:
 @dataclass
 class VLLMServer(ManagedProcess):
     port: int = 0
+    engine: bool = False  # a ``vllm serve`` (warmed up by ``start_all``), not the proxy
+
+    def warm_up(self, timeout_s: float = 300.0) -> None:
+        """Two plain completions of different lengths, before any handoff.
+
+        vLLM 0.32 compiles ``VocabParallelEmbedding.forward`` with torch.compile on a server's first forward even
+        under ``--enforce-eager`` (py-spy: ``compile_fx`` under ``LlamaModel.embed_input_ids``), and once more at
+        the second distinct prompt length (dynamo's automatic dynamic shapes). On the loaded 2-core machine each
+        compile took 20-30 s; inside a handoff it ran while P held the lease and both engines stepped without pause
+        (vLLM steps every 1 ms while a KV transfer is pending, and each worker spins ``sched_yield`` for 1 s after
+        every step), which is how D's connector threads missed their 30 s bounds and the EngineCore logged "No
+        available shared memory broadcast block found in 60 seconds". Plain requests carry no
+        ``kv_transfer_params``, so the connector ignores them; the prompts start with a word no test prompt starts
+        with (no prefix-cache hit on them)."""
+        for num_tokens in WARM_UP_LENGTHS:
+            status, body = post_json(self.port, "/v1/completions",
+                                     completion_body(prompt_of_length(num_tokens, offset=WARM_UP_OFFSET), 2),
+                                     timeout_s=timeout_s)
+            if status != 200:
+                raise RuntimeError(f"{self.name}: warm-up answered {status}: {body}\n{self.log_tail()}")
 
     @property
     def url(self) -> str:
@@ -164,7 +188,8 @@ class VLLMServer(ManagedProcess):
 def vllm_server(name: str, model_dir: Path, port: int, log_dir: Path, *, kv_transfer_config: dict | None = None,
                 cores: Sequence[int] | None = None, side_channel_port: int | None = None,
                 block_size: int | None = None, extra_env: dict[str, str] | None = None,
-                extra_args: Sequence[str] = ()) -> VLLMServer:
+                extra_args: Sequence[str] = (), log_stats: bool = False) -> VLLMServer:
+    """``log_stats``: keep vLLM's stats on (its ``/metrics`` then carries the KV connector's statistics)."""
     env = base_env(cores)
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
@@ -172,19 +197,22 @@ def vllm_server(name: str, model_dir: Path, port: int, log_dir: Path, *, kv_tran
     argv = [
         str(VLLM_CLI), "serve", str(model_dir), "--host", HOST, "--port", str(port),
         "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048",
-        "--enforce-eager", "--disable-log-stats", "--seed", "0", *extra_args,
+        "--enforce-eager", "--seed", "0", *extra_args,
     ]
+    if not log_stats:
+        argv.append("--disable-log-stats")
     if block_size is not None:
         argv += ["--block-size", str(block_size)]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-    return VLLMServer(name=name, argv=argv, env=env, log_path=log_dir / f"{name}.log", cores=cores, port=port)
+    return VLLMServer(name=name, argv=argv, env=env, log_path=log_dir / f"{name}.log", cores=cores, port=port,
+                      engine=True)
 
 
 def proxy_process(port: int, prefill: Sequence[str], decode: Sequence[str], log_dir: Path,
-                  python: str | None = None) -> VLLMServer:
+                  python: str | None = None, extra_args: Sequence[str] = ()) -> VLLMServer:
     argv = [python or sys.executable, "-m", "kvlifecycle", "proxy", "--port", str(port),
-            "--prefill", *prefill, "--decode", *decode]
+            "--prefill", *prefill, "--decode", *decode, *extra_args]
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     return VLLMServer(name="proxy", argv=argv, env=env, log_path=log_dir / "proxy.log", port=port)
@@ -203,10 +231,12 @@ def http_get(port: int, path: str, timeout_s: float = 10.0) -> tuple[int, bytes]
         conn.close()
 
 
-def post_json(port: int, path: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict]:
+def post_json(port: int, path: str, body: dict, timeout_s: float = 120.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict]:
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
     try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         raw = resp.read()
         try:
@@ -217,7 +247,7 @@ def post_json(port: int, path: str, body: dict, timeout_s: float = 120.0) -> tup
         conn.close()
 
 
-def completion_body(prompt: str, max_tokens: int, **extra: object) -> dict:
+def completion_body(prompt: str | list[str], max_tokens: int, **extra: object) -> dict:
     body: dict = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                   "ignore_eos": True}
     body.update(extra)
@@ -244,8 +274,9 @@ def iter_sse(resp: http.client.HTTPResponse) -> Iterator[dict]:
 
 
 def stream_completion(port: int, prompt: str, max_tokens: int, timeout_s: float = 300.0,
-                      path: str = "/v1/completions") -> StreamResult:
-    """Stream one greedy completion; TTFT is the time to the first SSE event that carries text."""
+                      path: str = "/v1/completions", request_id: str | None = None) -> StreamResult:
+    """Stream one greedy completion; TTFT is the time to the first SSE event that carries text. ``request_id``
+    goes out as ``X-Request-Id`` (the proxy passes it on; vLLM's request id then contains it)."""
     body = completion_body(prompt, max_tokens, stream=True)
     if path.endswith("chat/completions"):
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}],
@@ -255,7 +286,10 @@ def stream_completion(port: int, prompt: str, max_tokens: int, timeout_s: float 
     ttft = None
     parts: list[str] = []
     try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        conn.request("POST", path, body=json.dumps(body), headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
             return StreamResult(resp.read().decode(errors="replace"), float("nan"), time.perf_counter() - start,
@@ -316,8 +350,9 @@ def require_vllm() -> None:
     pytest.skip(reason)
 
 
-def start_all(servers: Iterable[ManagedProcess], timeout_s: float = 420.0) -> None:
-    """Start every server at once (start-up is the slow part), then wait for each, bounded overall."""
+def start_all(servers: Iterable[ManagedProcess], timeout_s: float = 420.0, warm_up: bool = True) -> None:
+    """Start every server at once (start-up is the slow part), then wait for each, bounded overall; then warm up
+    every vLLM server (``VLLMServer.warm_up``: its lazy compiles happen here, not inside a test's handoff)."""
     servers = list(servers)
     for server in servers:
         server.start()
@@ -325,6 +360,22 @@ def start_all(servers: Iterable[ManagedProcess], timeout_s: float = 420.0) -> No
     for server in servers:
         left = max(deadline - time.monotonic(), 1.0)
         server.wait_ready(left)
+    if warm_up:
+        for server in servers:
+            if isinstance(server, VLLMServer) and server.engine:
+                server.warm_up(max(deadline - time.monotonic(), 60.0))
+
+
+def metric_values(port: int, name: str) -> list[float]:
+    """The values of every sample of ``name`` (any labels) in a server's Prometheus ``/metrics``."""
+    status, raw = http_get(port, "/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}")
+    out = []
+    for line in raw.decode(errors="replace").splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            out.append(float(line.rsplit(" ", 1)[1]))
+    return out
 
 
 def replay_json(*log_dirs: Path, quiescent: bool = False, events: bool = False) -> tuple[int, dict]:

@@ -53,11 +53,12 @@ def map_peer(driver: CudaDriver, torch: Any, device: Any, context: Callable[[], 
             except TransportError as exc:
                 raise RemoteMismatchError(f"{meta.agent}: cannot reach GPU {blob.device_id}: {exc}") from exc
         try:
-            for alloc in blob.allocations:
-                local = alloc.base if same_process else driver.open(alloc.handle)
-                if not same_process:
-                    opened.append(local)
-                table.append((alloc.base, alloc.size, local))
+            with context():  # cuIpcOpenMemHandle needs a current context: the connector's thread may have none
+                for alloc in blob.allocations:
+                    local = alloc.base if same_process else driver.open(alloc.handle)
+                    if not same_process:
+                        opened.append(local)
+                    table.append((alloc.base, alloc.size, local))
         except TransportError as exc:
             for ptr in opened:
                 driver.close(ptr)

@@ -51,6 +51,9 @@ class Plan:
     groups: list[Group]
     subsets: dict[tuple[int, tuple[int, ...]], Group] = field(default_factory=dict)
     whole: Launch | None = None  # the launch over every region (regions=None), built with the plan
+    # the launch of each region list posted so far (a layer's K and V, for layer-wise posts): built once, so a
+    # post of a subset neither regroups its regions nor rebinds its kernels (both cost more than the post itself)
+    launches: dict[tuple[int, ...], Launch] = field(default_factory=dict)
 
 
 def region_specs(layout: KVLayout, view: BlockView) -> list[RegionSpec]:
@@ -78,6 +81,21 @@ def groups_of(local_specs: list[RegionSpec], remote_specs: list[RegionSpec], reg
         groups.append(Group(np.asarray(regs, dtype=np.int64), BlockCopier(rem, loc, device, **copier_kwargs),
                             BlockCopier(loc, rem, device, **copier_kwargs), loc[0].unit_bytes))
     return groups
+
+
+MAX_SUBSET_LAUNCHES = 1024  # distinct region lists a plan keeps launches for (then it starts over)
+
+
+def subset_launch(prepared: Plan, regions: np.ndarray | Sequence[int]) -> Launch:
+    """The launch of a post of ``regions``, built on the first post of that exact list and kept on the plan."""
+    key = tuple(int(r) for r in regions)
+    launch = prepared.launches.get(key)
+    if launch is None:
+        launch = launch_of(plan_groups(prepared, regions))  # checks the regions
+        if len(prepared.launches) >= MAX_SUBSET_LAUNCHES:
+            prepared.launches.clear()
+        prepared.launches[key] = launch
+    return launch
 
 
 def plan_groups(prepared: Plan, regions: np.ndarray | Sequence[int] | None) -> list[Group]:

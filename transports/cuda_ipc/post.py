@@ -70,6 +70,10 @@ class PostStreams:
         self.trace = trace
         self.stage_marks: tuple[Any, ...] = ()  # the last traced post's raw stamps (see stage_times)
         self.current_stream = torch._C._cuda_getCurrentRawStream  # the caller's stream, as a raw handle
+        # post_after: the copy is ordered after this stream, which first waits on the caller's event (the compiled
+        # and Python posts both take a stream to order after, so the event goes through one)
+        self.after_stream = torch.cuda.Stream(device)
+        self.cu_after = self.after_stream.cuda_stream
         # Threads seen with this context current: their later calls skip the check (a thread that switches context
         # afterwards gets a loud driver error, never a silent wrong copy).
         self._ctx_ok = threading.local()
@@ -80,6 +84,17 @@ class PostStreams:
             return self.event_pool.pop()
         drv = self.driver
         return DriverEvent(drv, drv.event_create(timing=True)), DriverEvent(drv, drv.event_create(timing=True))
+
+    def order_after(self, after: object) -> int:
+        """The raw stream a post orders after so that its copy starts once ``after`` fired: a recorded
+        ``torch.cuda.Event`` or a raw ``CUevent``. Every later post after an event also starts after this one (a
+        caller's events from one compute stream come in that order anyway)."""
+        raw = after if isinstance(after, int) else getattr(after, "cuda_event", None)
+        if not isinstance(raw, int) or raw <= 0:
+            raise TransportError(f"post_after needs a recorded CUDA event, got {type(after).__name__} ({raw!r})")
+        with self.context():
+            self.driver.stream_wait(self.cu_after, raw)
+        return int(self.cu_after)
 
     def need_context(self) -> bool:
         """Whether this thread must push the transport's context for driver calls (checked once per thread while
@@ -125,8 +140,9 @@ class PythonPost:
         self.host_ids = host_ids
 
     def launch(self, op: XferOp, launch: Launch, local: np.ndarray, remote: np.ndarray, n: int,
-               notify: tuple[str, Notification] | None, busy: bool) -> Inflight:
-        """Launch ``launch``'s copiers for ``op`` over ``n`` checked id pairs; ``busy``: copies are in flight."""
+               notify: tuple[str, Notification] | None, busy: bool, caller: int = 0) -> Inflight:
+        """Launch ``launch``'s copiers for ``op`` over ``n`` checked id pairs; ``busy``: copies are in flight;
+        ``caller``: the raw stream to order after (0: the calling thread's current stream)."""
         copiers = launch.read if op is XferOp.READ else launch.write
         if n == 0 or not copiers:
             return Inflight(None, None, None, [], notify)
@@ -141,7 +157,8 @@ class PythonPost:
             pad = -(-n // 4) * 4  # both id lists 16-byte aligned: one kernel specialisation whatever n is
             slot = res.ring.reserve(2 * pad)
             try:
-                return self._stage_and_launch(copiers, src, dst, n, notify, start, end, pad, slot, t_a, busy)
+                return self._stage_and_launch(copiers, src, dst, n, notify, start, end, pad, slot, t_a, busy,
+                                              caller)
             except BaseException:
                 if slot is not None:
                     res.ring.free(slot)  # a step failed before its kernel was enqueued (later: the context is gone)
@@ -153,7 +170,7 @@ class PythonPost:
 
     def _stage_and_launch(self, copiers: list[BlockCopier], src: np.ndarray, dst: np.ndarray, n: int,
                           notify: tuple[str, Notification] | None, start: DriverEvent, end: DriverEvent, pad: int,
-                          slot: int | None, t_a: float, busy: bool) -> Inflight:
+                          slot: int | None, t_a: float, busy: bool, caller: int) -> Inflight:
         """Stage the ids (one async copy from the pinned ring), order after the caller's stream, launch every
         group's copy, record the completion event. Driver calls go straight to libcuda (no wrapper frames); a
         non-zero result is turned into an error by the checked wrapper."""
@@ -196,7 +213,7 @@ class PythonPost:
             src_ptr = dev_ids.data_ptr()
         t_b = time.perf_counter()
         # Blocks may have been written (P) or last read (D) on the caller's current stream: order after it.
-        rc = lib.cuEventRecord(res.order_event, res.current_stream(res.dev_index))
+        rc = lib.cuEventRecord(res.order_event, caller or res.current_stream(res.dev_index))
         if rc:
             drv.check(rc, "cuEventRecord(order)")
         rc = lib.cuStreamWaitEvent(stream, res.order_event, 0)
@@ -280,10 +297,11 @@ class CompiledPost:
         return native_post.KernelList(descs)
 
     def post(self, kernels: Any, op: XferOp, plan: PreparedPlan, local: np.ndarray, remote: np.ndarray, n: int,
-             notify: tuple[str, Notification] | None, busy: bool) -> Inflight | None:
-        """One call into the compiled post: ids checked and staged, streams ordered, kernels launched, events
-        recorded. None (nothing enqueued) when the id ring has no room, or an id is out of range: the Python path
-        then stages the post on its own, or raises the precise error."""
+             notify: tuple[str, Notification] | None, busy: bool, caller: int = 0) -> Inflight | None:
+        """One call into the compiled post: ids checked and staged, streams ordered (after ``caller``, a raw
+        stream, or the calling thread's current stream for 0), kernels launched, events recorded. None (nothing
+        enqueued) when the id ring has no room, or an id is out of range: the Python path then stages the post on
+        its own, or raises the precise error."""
         res = self.res
         ring, staging = res.ring, self.staging
         if op is XferOp.READ:  # peer -> local
@@ -314,7 +332,7 @@ class CompiledPost:
         args[2] = slot or 0
         args[3] = n
         args[4] = pad
-        args[7] = res.current_stream(res.dev_index)
+        args[7] = caller or res.current_stream(res.dev_index)
         args[8] = start.handle
         args[9] = end.handle
         args[10] = 1 if busy else 0

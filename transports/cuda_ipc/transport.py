@@ -45,7 +45,7 @@ from .ids import IdRing, block_ids, joined_ids, refuse_batch
 from .notify import NotifyChannel
 from .options import CudaIpcOptions
 from .peers import Peer, map_peer, probe_copy, unmap_peer
-from .plans import Launch, Plan, groups_of, launch_of, plan_groups, region_specs
+from .plans import Launch, Plan, groups_of, launch_of, plan_groups, region_specs, subset_launch
 from .post import CompiledPost, Inflight, PostStreams, PythonPost, stage_times
 from .wire import (
     NAME,
@@ -379,6 +379,27 @@ class CudaIpcTransport:
 
         Host time before the kernel launch adds to every request's latency; host time after it overlaps the copy.
         So everything that can wait (the handle record, byte counts, trace marks) comes after the launch."""
+        return self._post(op, plan, local_blocks, remote_blocks, regions, notification, transfer, None)
+
+    def post_after(
+        self,
+        after: object,
+        op: XferOp | str,
+        plan: PreparedPlan,
+        local_blocks: np.ndarray | Sequence[int],
+        remote_blocks: np.ndarray | Sequence[int],
+        *,
+        regions: np.ndarray | Sequence[int] | None = None,
+        notification: Notification | None = None,
+        transfer: str = "",
+    ) -> TransferHandle:
+        """:meth:`post`, the copy ordered after ``after`` (a recorded ``torch.cuda.Event`` or a raw ``CUevent``)
+        instead of after the calling thread's stream (:class:`~kvlifecycle.transport.DeviceOrderedPost`)."""
+        return self._post(op, plan, local_blocks, remote_blocks, regions, notification, transfer, after)
+
+    def _post(self, op: XferOp | str, plan: PreparedPlan, local_blocks: np.ndarray | Sequence[int],
+              remote_blocks: np.ndarray | Sequence[int], regions: np.ndarray | Sequence[int] | None,
+              notification: Notification | None, transfer: str, after: object) -> TransferHandle:
         t0 = time.perf_counter()
         if op.__class__ is not XferOp:
             op = _OPS.get(op) or XferOp(op)  # a dict hit is cheaper than Enum()
@@ -386,6 +407,7 @@ class CudaIpcTransport:
             launch = self._launch_for(plan, regions)
             notify = (plan.peer, notification) if notification is not None else None
             flight = None
+            caller = self._streams.order_after(after) if after is not None and self._streams is not None else 0
             compiled = self._compiled
             if compiled is not None:
                 # The compiled post checks the ids itself: here only what makes them a pair of integer vectors.
@@ -396,7 +418,7 @@ class CudaIpcTransport:
                         and local.dtype.kind in "iu" and remote.dtype.kind in "iu"):
                     kernels = compiled.kernels_for(launch, op, n)
                     if kernels is not None:
-                        flight = compiled.post(kernels, op, plan, local, remote, n, notify, self._busy())
+                        flight = compiled.post(kernels, op, plan, local, remote, n, notify, self._busy(), caller)
             t_checked = time.perf_counter()
             if flight is None:  # the Python path: also where a bad id list gets its precise error
                 local = block_ids(local_blocks, plan.local_blocks, "local")
@@ -404,7 +426,7 @@ class CudaIpcTransport:
                 n = local.size
                 if n != remote.size:
                     raise RemoteMismatchError(f"{n} local blocks vs {remote.size} remote blocks")
-                flight = self._launch_python(op, launch, local, remote, n, notify)
+                flight = self._launch_python(op, launch, local, remote, n, notify, caller)
             # -- the copy is running (or there is nothing to copy): bookkeeping overlaps it --
             rec = self._handles.new(op, plan.peer, plan.peer_epoch, transfer)
             rec.t_post_start = t0
@@ -506,15 +528,15 @@ class CudaIpcTransport:
         prepared = self._plans.get(plan.key)
         if prepared is None or (prepared.plan is not plan and prepared.plan != plan):
             raise PeerEpochError(f"plan {plan.key} for {plan.peer} is void (peer removed or restarted)")
-        if regions is None and prepared.whole is not None:
-            return prepared.whole
-        return launch_of(plan_groups(prepared, regions))
+        if regions is None:
+            return prepared.whole if prepared.whole is not None else launch_of(plan_groups(prepared, None))
+        return subset_launch(prepared, regions)
 
     def _launch_python(self, op: XferOp, launch: Launch, local: np.ndarray, remote: np.ndarray, n: int,
-                       notify: tuple[str, Notification] | None) -> Inflight:
+                       notify: tuple[str, Notification] | None, caller: int = 0) -> Inflight:
         """The Python post of checked ids (the compiled post's fallback, and the path until kernels are warm)."""
         assert self._python_post is not None
-        return self._python_post.launch(op, launch, local, remote, n, notify, self._busy())
+        return self._python_post.launch(op, launch, local, remote, n, notify, self._busy(), caller)
 
     def _busy(self) -> bool:
         """Copies in flight: a post's ids then move on the copy stream, overlapping the running kernel."""

@@ -20,8 +20,8 @@ from kvlifecycle.transports.cuda_ipc.triton_copy import (
 )
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_NUM_WARPS", "REGION_GROUP_HOST_IDS", "BlockCopier", "CudaIpcTransport",
-           "RegionSpec", "compiled_post_bound", "done_at", "driver", "launched_at", "mapped_base_addrs",
-           "raw_cuda_array", "stage_marks", "trace_stages"]
+           "RegionSpec", "compiled_post_bound", "done_at", "driver", "forget_subset_launches", "launched_at",
+           "mapped_base_addrs", "raw_cuda_array", "stage_marks", "trace_stages", "transfer_stream"]
 
 
 def raw_cuda_array(addr: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
@@ -62,3 +62,13 @@ def stage_marks(transport: CudaIpcTransport) -> Any:
 def done_at(transport: CudaIpcTransport, handle_id: Any) -> float:
     """When the transport saw the copy of ``handle_id`` complete."""
     return transport._handles.live[handle_id].t_done
+
+
+def transfer_stream(transport: CudaIpcTransport) -> Any:
+    """The torch stream the transport's copies run on: an event recorded there after a post marks the copy's end."""
+    return transport._stream
+
+
+def forget_subset_launches(transport: CudaIpcTransport, plan: Any) -> None:
+    """Drop the launches the plan keeps per region list: the next post of a subset rebuilds its launch (the A/B)."""
+    transport._plans[plan.key].launches.clear()

@@ -4,6 +4,7 @@ index_copy_, and the batched block-copy kernel alone, each CUDA-event and wall t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -148,12 +149,15 @@ def _kernels(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], dev_sets:
         copier = fastpath.BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps,
                                       region_group=group, cache=cache)
         copier.copy(*dev_sets[0])  # through Triton's JIT once: later launches are direct
+        # fn is called with one of args' sets: (host ids, pad) for a direct launch, (src ids, dst ids) for copy
+        fn: Callable[..., None]
+        args: list[Any]
         if host:
-            def fn(h: Any, pad: int, copier: Any = copier) -> None:
+            def launch(h: Any, pad: int, copier: Any = copier) -> None:
                 n = shape.blocks
                 if not copier.launch_ptrs(stream, h.data_ptr(), h.data_ptr() + 4 * pad, n):
                     raise RuntimeError("direct launch unavailable")
-            args = host_sets
+            fn, args = launch, host_sets
         else:
             fn, args = copier.copy, dev_sets
         ev = median(ip.time_events(fn, args))

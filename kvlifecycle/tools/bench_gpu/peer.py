@@ -4,6 +4,7 @@ across the peer link, and the torch peer copy that is the ceiling there."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 from .in_process import InProcess
@@ -58,11 +59,14 @@ def bench_peer_kernels(torch: Any, ip: InProcess, shape: Shape, sets: list[Any],
             copier = BlockCopier(specs_src, specs_dst, ip.device, chunk_bytes=chunk, num_warps=warps,
                                  region_group=group)
             copier.copy(*dev_sets[0])  # Triton's JIT once: later launches are direct
+            # fn is called with one of args' sets: (host ids, pad) for a direct launch, (src ids, dst ids) for copy
+            fn: Callable[..., None]
+            args: list[Any]
             if host:
-                def fn(h: Any, pad: int, copier: Any = copier) -> None:
+                def launch(h: Any, pad: int, copier: Any = copier) -> None:
                     if not copier.launch_ptrs(stream, h.data_ptr(), h.data_ptr() + 4 * pad, shape.blocks):
                         raise RuntimeError("direct launch unavailable")
-                args = host_sets
+                fn, args = launch, host_sets
             else:
                 fn, args = copier.copy, dev_sets
             ev = median(ip.time_events(fn, args))

@@ -1,0 +1,70 @@
+"""The data plane of the SGLang backend: kvlifecycle's own NIXL transport over SGLang's KV pages and aux rows.
+
+SGLang moves two groups of rows in one handoff: KV pages (``num_pages`` per KV buffer) and metadata rows (one row
+per running request in each aux buffer, a different count, a different size per buffer). Both are region groups
+of one :class:`~kvlifecycle.transport.KVLayout` (:func:`~kvlifecycle.layout.grouped_layout` of two
+:func:`~kvlifecycle.layout.rows_layout`), registered on one
+:class:`~kvlifecycle.transports.nixl.NixlTransport`: a page is a block of the first group, an aux row a block of
+the second, in one block id space (:attr:`DataPlane.aux_start`). The handoff's stream posts through that transport
+(one post per chunk, the last with the aux row) exactly as vLLM's does; every NIXL call is the transport's, covered
+by the transport conformance suite, and the peers' metadata is the handshake's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+from kvlifecycle.transports.nixl import NixlTransport
+
+from kvlifecycle.layout import group_start, grouped_layout, rows_layout
+from kvlifecycle.transport import KVLayout, MemoryKind, TransportError
+
+
+class DataPlaneError(RuntimeError):
+    """The transport could not be made or registered: the manager is not made, with this message."""
+
+
+def layouts(kv_ptrs: Sequence[int], kv_lens: Sequence[int], kv_item_lens: Sequence[int], aux_ptrs: Sequence[int],
+            aux_lens: Sequence[int], aux_item_lens: Sequence[int]) -> KVLayout:
+    """An SGLang ``KVArgs``' KV pages (the first group) and aux rows (the second; none without aux buffers) as one
+    DRAM layout."""
+    kv = rows_layout(MemoryKind.DRAM, 0, kv_ptrs, kv_lens, kv_item_lens)
+    return grouped_layout(kv, rows_layout(MemoryKind.DRAM, 0, aux_ptrs, aux_lens, aux_item_lens)) if aux_ptrs else kv
+
+
+def _aux_start(layout: KVLayout) -> int | None:
+    return group_start(layout, 1) if len(layout.region_groups) > 1 else None
+
+
+class DataPlane:
+    """One SGLang KV manager's transport, registered over its KV pages and aux rows."""
+
+    backend_name = "nixl-ucx"
+
+    def __init__(self, agent: str, epoch: int, layout: KVLayout) -> None:
+        self.layout = layout
+        self.num_pages = layout.region_groups[0].num_blocks
+        self._aux_start = _aux_start(layout)
+        try:
+            self.transport = NixlTransport(agent, epoch=epoch, probe_bytes=0)
+        except TransportError as exc:  # NIXL missing, or the backend did not load
+            raise DataPlaneError(str(exc)) from exc
+        try:
+            self.transport.register(layout)
+        except TransportError as exc:
+            self.transport.close()
+            raise DataPlaneError(f"NIXL refused to register the {layout.num_regions} regions: {exc}") from exc
+
+    @property
+    def aux_start(self) -> int | None:
+        """The block id of aux row 0 (None: no aux rows): a room's aux row is block ``aux_start + aux_index``."""
+        return self._aux_start
+
+    @property
+    def aux_rows(self) -> int:
+        return 0 if self._aux_start is None else self.layout.num_blocks - self._aux_start
+
+    def close(self) -> None:
+        with contextlib.suppress(TransportError):
+            self.transport.close()

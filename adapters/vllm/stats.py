@@ -1,0 +1,129 @@
+"""The connector's transfer statistics through vLLM's KV-connector stats interface, so that they appear in a
+server's ``/metrics`` beside vLLM's own (as NixlConnector's ``vllm:nixl_xfer_time_seconds`` do).
+
+Each worker (every TP rank) fills a :class:`KVLifecycleStats` from its ledgers' events (the ledger already records
+every transfer's post and transfer time, bytes and descriptors, every lease's end and every refusal); vLLM takes it
+each step (``get_kv_connector_stats``), aggregates the ranks' data, ships it to the API server and hands it to
+:class:`KVLifecyclePromMetrics`. The data is plain lists (vLLM serializes it between processes).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvlifecycle import events as ev
+
+HISTOGRAMS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
+COUNTERS = ("num_failed_transfers", "num_expired_leases", "num_refusals")
+
+
+@dataclass
+class KVLifecycleStats(KVConnectorStats):
+    """One interval's observations: a value per transfer for each histogram key, a 1 per event for each counter."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data: dict[str, list[float | int]] = {key: [] for key in HISTOGRAMS + COUNTERS}
+
+    def observe(self, event: ev.Event) -> None:
+        """Fold one ledger event in (a ledger listener: any thread; appends are atomic under the GIL)."""
+        if isinstance(event, ev.TransferObserved):
+            if event.transfer.startswith("probe:"):  # the connect-time probe is not a request's transfer
+                return
+            if not event.ok:
+                self.data["num_failed_transfers"].append(1)
+                return
+            self.data["transfer_duration"].append(event.t_xfer_s)
+            self.data["post_duration"].append(event.t_post_s)
+            self.data["bytes_transferred"].append(event.nbytes)
+            self.data["num_descriptors"].append(event.descriptors)
+        elif isinstance(event, ev.TgtLoadFailed):
+            self.data["num_failed_transfers"].append(1)
+        elif isinstance(event, ev.SrcLeaseReleased) and event.reason == "expired":
+            self.data["num_expired_leases"].append(1)
+        elif isinstance(event, ev.Refused):
+            self.data["num_refusals"].append(1)
+
+    def clone_and_reset(self) -> KVLifecycleStats:
+        old = copy.copy(self)
+        self.reset()
+        return old
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in HISTOGRAMS + COUNTERS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not other.is_empty():
+            for key, values in other.data.items():
+                self.data.setdefault(key, []).extend(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """What vLLM's periodic log line shows for the interval."""
+        xfer = self.data["transfer_duration"]
+        n = len(xfer)
+        total_bytes = float(sum(self.data["bytes_transferred"]))
+        return {
+            "Num successful transfers": n,
+            "Avg xfer time (ms)": round(1e3 * sum(xfer) / n, 3) if n else 0,
+            "Avg post time (ms)": round(1e3 * sum(self.data["post_duration"]) / n, 3) if n else 0,
+            "Avg MB per transfer": round(total_bytes / 2**20 / n, 3) if n else 0,
+            "Num failed transfers": len(self.data["num_failed_transfers"]),
+            "Num expired leases": len(self.data["num_expired_leases"]),
+            "Num refusals": len(self.data["num_refusals"]),
+        }
+
+
+class KVLifecyclePromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvlifecycle_*``: histograms per transfer (time, post time, bytes, descriptors) and counters."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        seconds = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+        spec = {
+            "transfer_duration": ("vllm:kvlifecycle_xfer_time_seconds",
+                                  "Transfer time of kvlifecycle KV cache transfers (post to completion).", seconds),
+            "post_duration": ("vllm:kvlifecycle_post_time_seconds",
+                              "Time to post kvlifecycle KV cache transfers.", seconds),
+            "bytes_transferred": ("vllm:kvlifecycle_bytes_transferred",
+                                  "Bytes per kvlifecycle KV cache transfer.", [2 ** (10 + i) for i in range(1, 25, 2)]),
+            "num_descriptors": ("vllm:kvlifecycle_num_descriptors",
+                                "Descriptors per kvlifecycle KV cache transfer.",
+                                [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]),
+        }
+        self.histograms = {
+            key: create_metric_per_engine(
+                self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames),
+                self.per_engine_labelvalues)
+            for key, (name, doc, buckets) in spec.items()
+        }
+        counters = {
+            "num_failed_transfers": ("vllm:kvlifecycle_num_failed_transfers",
+                                     "Failed kvlifecycle KV loads (any part, any cause)."),
+            "num_expired_leases": ("vllm:kvlifecycle_num_expired_leases",
+                                   "kvlifecycle leases released by expiry (tracked on P)."),
+            "num_refusals": ("vllm:kvlifecycle_num_refusals",
+                             "Commands the kvlifecycle ledgers refused (each is an event in the log)."),
+        }
+        self.counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames), self.per_engine_labelvalues)
+            for key, (name, doc) in counters.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self.histograms.items():
+            for value in transfer_stats_data.get(key, ()):
+                metric[engine_idx].observe(value)
+        for key, metric in self.counters.items():
+            for value in transfer_stats_data.get(key, ()):
+                metric[engine_idx].inc(value)
