@@ -96,7 +96,7 @@ def negotiate(d: CompatInfo, p: CompatInfo, *, d_rank: int = 0) -> HandshakePlan
             p_heads, d_heads = d.num_kv_heads // p.tp_size, d.num_kv_heads // d.tp_size
             plan = L.tp_plan(p_tp=p.tp_size, d_tp=d.tp_size, d_rank=d_rank,
                              p_block_bytes=p_heads * p.block_size, d_block_bytes=d_heads * d.block_size,
-                             num_kv_heads=d.num_kv_heads, kv_layout=d.kv_layout)
+                             num_kv_heads=d.num_kv_heads, kv_layout=d.kv_layout, block_size=d.block_size)
             return HandshakePlan(plan.reads, plan.consumers_per_p_rank, plan.parts)
         views = L.block_size_views(local_block_size=d.block_size, remote_block_size=p.block_size,
                                    kv_layout=d.kv_layout)

@@ -239,10 +239,11 @@ class TPPlan:
 
 
 def tp_plan(*, p_tp: int, d_tp: int, d_rank: int, p_block_bytes: int, d_block_bytes: int,
-            num_kv_heads: int, kv_layout: str) -> TPPlan:
+            num_kv_heads: int, kv_layout: str, block_size: int | None = None) -> TPPlan:
     """Plan the reads of D rank ``d_rank`` under TP sizes ``p_tp`` (producer) and ``d_tp`` (consumer).
 
-    Blocks must be head-major (``HND``) when the TP sizes differ, so a rank's heads are one contiguous slice.
+    Blocks must be head-major when the TP sizes differ, so a rank's heads are one contiguous slice: ``HND``, or
+    token-major (``NHD``) blocks of one token (``block_size`` 1, SGLang's ``--page-size 1``), which are both.
     - ``d_tp == p_tp``: rank i reads rank i, whole blocks.
     - ``d_tp > p_tp``: ``r = d_tp // p_tp`` D ranks share one P rank; D rank reads its ``1/r`` slice of heads at
       offset ``(d_rank % r) * p_block_bytes / r``. The P lease counts ``r`` consumer notifications.
@@ -256,9 +257,11 @@ def tp_plan(*, p_tp: int, d_tp: int, d_rank: int, p_block_bytes: int, d_block_by
                 f"equal TP but block bytes differ: P {p_block_bytes} vs D {d_block_bytes} (block size mapping "
                 "goes through block_size_views)")
         return TPPlan((TPRead(d_rank, BlockView(), BlockView()),), 1)
-    if kv_layout != "HND":
+    if kv_layout != "HND" and not (kv_layout == "NHD" and block_size == 1):
+        got = f"NHD blocks of {block_size} tokens" if kv_layout == "NHD" and block_size else kv_layout
         raise UnsupportedMappingError(
-            f"heterogeneous TP (P {p_tp} ↔ D {d_tp}) needs the HND KV layout; got {kv_layout}")
+            f"heterogeneous TP (P {p_tp} ↔ D {d_tp}) needs the HND layout, or NHD blocks of one token (SGLang "
+            f"--page-size 1); got {got}")
     big, small = max(p_tp, d_tp), min(p_tp, d_tp)
     if big % small:
         raise UnsupportedMappingError(f"TP sizes must divide: P {p_tp}, D {d_tp}")

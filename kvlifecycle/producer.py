@@ -23,10 +23,12 @@ from kvlifecycle.handshake import (
     CompatMismatchError,
     EpochTracker,
     GetMeta,
+    HandshakePlan,
     MalformedHandshakeError,
     MetaReply,
     check_get_meta,
     negotiate,
+    scale_view,
 )
 from kvlifecycle.ledger import SourceLedger
 from kvlifecycle.protocol.producer import Answer, ProducerProtocol
@@ -146,7 +148,7 @@ class Producer:
         except MalformedHandshakeError as exc:
             raise SideChannelRefused("malformed", str(exc)) from exc
         try:
-            negotiate(msg.compat, self.compat, d_rank=msg.tp_rank)
+            plan = negotiate(msg.compat, self.compat, d_rank=msg.tp_rank)
         except CompatMismatchError as exc:  # the fields travel too: D's error lists them like P's
             raise SideChannelRefused("compat", str(exc), msgspec.msgpack.encode(exc.fields)) from exc
         change = self.epochs.observe(msg.agent, msg.epoch)
@@ -157,12 +159,28 @@ class Producer:
         if msg.meta is not None:  # push mode: P writes into D, so P needs D's metadata too
             peer = self.transport.add_peer(msg.meta)
             try:
-                self._push_plans[(peer, msg.meta.epoch)] = self.transport.prepare(peer)
-            except RemoteMismatchError as exc:  # e.g. heterogeneous TP: D pulls its slices, P does not push
+                self._push_plans[(peer, msg.meta.epoch)] = self._prepare_push(peer, msg, plan)
+            except RemoteMismatchError as exc:  # e.g. views this transport cannot express: D pulls instead
                 log.info("push to %s unavailable: %s", peer, exc)
                 self._push_refusals[(peer, msg.meta.epoch)] = str(exc)
         self._expect_activity(WIRE_UP_ACTIVITY_S)
         return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta())
+
+    def _prepare_push(self, peer: str, msg: GetMeta, plan: HandshakePlan) -> PreparedPlan:
+        """The plan of P's writes into D rank ``msg.tp_rank``: whole blocks under equal TP; under heterogeneous TP
+        the views of D's read of this P rank, mirrored (P's slice is D's remote view) and scaled to bytes as D scales
+        them. Raises :class:`RemoteMismatchError` when this P rank is not one D rank ``msg.tp_rank`` reads."""
+        if msg.compat.tp_size == self.compat.tp_size:
+            return self.transport.prepare(peer)
+        reads = [r for r in plan.reads if r.p_rank == self.tp_rank]
+        if not reads:
+            raise RemoteMismatchError(
+                f"P rank {self.tp_rank} (TP {self.compat.tp_size}) is not a source of D rank {msg.tp_rank} "
+                f"(TP {msg.compat.tp_size}), which reads P ranks {[r.p_rank for r in plan.reads]}")
+        unit = self.options.unit_bytes
+        local_view, remote_view = reads[0].remote_view, reads[0].local_view
+        return self.transport.prepare(peer, local_view=scale_view(local_view, unit) if unit else local_view,
+                                      remote_view=scale_view(remote_view, unit) if unit else remote_view)
 
     def _fast_meta(self) -> PeerMetadata | None:
         if self.fast_transport is None:

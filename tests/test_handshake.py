@@ -67,9 +67,17 @@ def test_p_tp_above_d_tp_reads_several_p_ranks() -> None:
     assert [r.local_view for r in plan.reads] == [BlockView(0, 64), BlockView(64, 64)]
 
 
-def test_hetero_tp_needs_hnd() -> None:
-    with pytest.raises(CompatMismatchError, match="HND"):
+def test_hetero_tp_needs_hnd_or_nhd_blocks_of_one_token() -> None:
+    with pytest.raises(CompatMismatchError) as refused:
         negotiate(compat(tp_size=2, kv_layout="NHD"), compat(tp_size=1, kv_layout="NHD"))
+    assert ("heterogeneous TP (P 1 ↔ D 2) needs the HND layout, or NHD blocks of one token (SGLang --page-size 1); "
+            "got NHD blocks of 16 tokens") in str(refused.value)
+    # a one-token NHD block is head-major too: the same plan as HND's
+    for d_tp, p_tp in ((2, 1), (1, 2)):
+        one = negotiate(compat(tp_size=d_tp, kv_layout="NHD", block_size=1),
+                        compat(tp_size=p_tp, kv_layout="NHD", block_size=1))
+        hnd = negotiate(compat(tp_size=d_tp, block_size=1), compat(tp_size=p_tp, block_size=1))
+        assert one == hnd and one.parts == p_tp
 
 
 def test_block_size_ratio_with_nhd_splits_bigger_blocks() -> None:

@@ -1,0 +1,165 @@
+"""Layer-wise streams across heterogeneous TP over the real NIXL DRAM transport, in one process: every rank is a
+real Producer/Consumer with its own NIXL agent. P TP 2 → D TP 1 (one D request, two P ranks each writing its heads)
+and P TP 1 → D TP 2 (one P request, two D ranks each taking its head slice), with head-major blocks (HND of 16
+tokens, NHD of one token). Every P rank fills its heads with its own bytes; after a stream every D block holds
+exactly its head slice(s) and no other block changed. Every wait is bounded; nothing asserts on time."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl._api", reason="needs the real NIXL package (pip install nixl==1.5.1)")
+
+from kvlifecycle.transports.nixl import NixlTransport
+
+from kvlifecycle import layout as L
+from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
+from kvlifecycle.handshake import CompatInfo, CompatMismatchError
+from kvlifecycle.invariants import check_source, check_target
+from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.streaming import StreamConsumer, StreamOptions, StreamProducer
+from kvlifecycle.transport import BlockView, KVLayout
+
+pytestmark = pytest.mark.nixl
+
+HEADS, HEAD_SIZE, DTYPE_BYTES = 4, 8, 2
+UNIT = HEAD_SIZE * DTYPE_BYTES  # bytes of one head × one token: the views' unit (HandoffOptions.unit_bytes)
+LAYERS, BLOCKS = 2, 12
+ROWS, ROW_BYTES, AUX_REGIONS = 4, 24, 1
+STREAM = StreamOptions(stream_timeout_s=20.0)
+_names = itertools.count()
+
+
+@dataclass
+class Rank:
+    """One TP rank's KV (a region per layer, then its aux rows if any) and its side of the handoff."""
+
+    side: str
+    tp: int
+    rank: int
+    block_size: int
+    kv_layout: str
+    seed: int | None
+    aux: bool = False
+    kv: list[np.ndarray] = field(default_factory=list)
+    rows: list[np.ndarray] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        fill = (lambda shape: rng.integers(1, 256, shape, dtype=np.uint8)) if self.seed is not None else \
+            (lambda shape: np.zeros(shape, dtype=np.uint8))
+        self.page_bytes = HEADS // self.tp * self.block_size * UNIT
+        self.kv = [fill((BLOCKS, self.page_bytes)) for _ in range(LAYERS)]
+        pages = L.rows_layout("DRAM", 0, [a.ctypes.data for a in self.kv], [a.nbytes for a in self.kv],
+                              [self.page_bytes] * LAYERS)
+        layout: KVLayout = pages
+        if self.aux:  # SGLang's aux rows: the same bytes on every P rank
+            aux_rng = np.random.default_rng(99)
+            self.rows = [aux_rng.integers(1, 256, (ROWS, ROW_BYTES), dtype=np.uint8) if self.seed is not None
+                         else np.zeros((ROWS, ROW_BYTES), dtype=np.uint8) for _ in range(AUX_REGIONS)]
+            layout = L.grouped_layout(pages, L.rows_layout("DRAM", 0, [a.ctypes.data for a in self.rows],
+                                                           [a.nbytes for a in self.rows], [ROW_BYTES] * AUX_REGIONS))
+        self.layout = layout
+        self.transport = NixlTransport(f"tp-{self.side}{self.rank}-{next(_names)}", probe_bytes=0)
+        self.transport.register(layout)
+        compat = CompatInfo(model_id="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS,
+                            head_size=HEAD_SIZE, block_size=self.block_size, kv_layout=self.kv_layout,
+                            tp_size=self.tp)
+        options = HandoffOptions(unit_bytes=UNIT, probe=False)
+        layers, stream = (1, StreamOptions(stream_timeout_s=20.0, regions_per_layer=LAYERS + AUX_REGIONS)) \
+            if self.aux else (LAYERS, STREAM)
+        self.layers = layers
+        if self.side == "p":
+            self.ledger: SourceLedger | TargetLedger = SourceLedger(layout.num_blocks, worker=f"p{self.rank}")
+            self.handoff: Producer | Consumer = Producer(self.ledger, self.transport, compat, tp_rank=self.rank,
+                                                         options=options)
+            self.streams: StreamProducer | StreamConsumer = StreamProducer(self.handoff, layers=layers,
+                                                                           options=stream)
+        else:
+            self.ledger = TargetLedger(layout.num_blocks, worker=f"d{self.rank}")
+            self.handoff = Consumer(self.ledger, self.transport, compat, tp_rank=self.rank, options=options)
+            self.streams = StreamConsumer(self.handoff, options=stream)
+
+    def snapshot(self) -> list[np.ndarray]:
+        return [a.copy() for a in self.kv + self.rows]
+
+    def close(self) -> None:
+        for part in (self.streams, self.handoff, self.transport):
+            part.close()
+
+
+def world(p_tp: int, d_tp: int, *, block_size: int, kv_layout: str, aux: bool = False) -> tuple[list[Rank],
+                                                                                               list[Rank]]:
+    ps = [Rank("p", p_tp, r, block_size, kv_layout, seed=10 + r, aux=aux) for r in range(p_tp)]
+    ds = [Rank("d", d_tp, r, block_size, kv_layout, seed=None, aux=aux) for r in range(d_tp)]
+    return ps, ds
+
+
+def connect_sources(ps: list[Rank], ds: list[Rank]) -> dict[int, list[str]]:
+    """Each D rank handshakes (with push metadata) with the P ranks it reads; returns their addresses per D rank."""
+    sources: dict[int, list[str]] = {}
+    for d in ds:
+        ranks = L.tp_source_ranks(p_tp=ps[0].tp, d_tp=d.tp, d_rank=d.rank)
+        for r in ranks:
+            d.handoff.connect(ps[r].handoff.address)  # type: ignore[union-attr]
+        sources[d.rank] = [ps[r].handoff.address for r in ranks]  # type: ignore[union-attr]
+    return sources
+
+
+def close_all(ranks: list[Rank]) -> None:
+    for r in ranks:
+        r.close()
+    for r in ranks:
+        problems = check_source(r.ledger) if r.side == "p" else check_target(r.ledger)  # type: ignore[arg-type]
+        assert problems == []
+
+
+@pytest.mark.parametrize(("block_size", "kv_layout"), [(16, "HND"), (1, "NHD")])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_push_plans_carry_the_views_of_d_reads(p_tp: int, d_tp: int, block_size: int, kv_layout: str) -> None:
+    """P prepares each D rank's push plan with the views D's pull of that P rank would use, scaled to bytes."""
+    ps, ds = world(p_tp, d_tp, block_size=block_size, kv_layout=kv_layout)
+    try:
+        connect_sources(ps, ds)
+        slice_bytes = HEADS // max(p_tp, d_tp) * block_size * UNIT
+        for p in ps:
+            plans = p.handoff._push_plans  # type: ignore[union-attr]
+            assert len(plans) == (d_tp // p_tp or 1)
+            for plan in plans.values():
+                d_rank = next(d.rank for d in ds if d.transport.agent == plan.peer)
+                if p_tp > d_tp:  # P's whole block into its slice of D's
+                    assert plan.local_view == BlockView() and plan.remote_view == BlockView(p.rank * slice_bytes,
+                                                                                            slice_bytes)
+                else:  # D rank's slice of P's block into D's whole block
+                    assert plan.local_view == BlockView(d_rank * slice_bytes, slice_bytes)
+                    assert plan.remote_view == BlockView()
+    finally:
+        close_all(ps + ds)
+
+
+def test_a_p_rank_that_is_not_a_source_of_d_refuses_to_push_naming_both_ranks() -> None:
+    p = Rank("p", 4, 0, 16, "HND", seed=3)  # D rank 1 of TP 2 reads P ranks 2 and 3 of TP 4, not 0
+    d = Rank("d", 2, 1, 16, "HND", seed=None)
+    try:
+        with pytest.raises(CompatMismatchError, match="reads P ranks"):  # D refuses it too
+            d.handoff.connect(p.handoff.address)  # type: ignore[union-attr]
+        refusals = list(p.handoff._push_refusals.values())  # type: ignore[union-attr]
+        assert len(refusals) == 1 and "P rank 0" in refusals[0] and "D rank 1" in refusals[0]
+        assert not p.handoff._push_plans  # type: ignore[union-attr]
+    finally:
+        close_all([p, d])
+
+
+def test_nhd_blocks_of_16_across_differing_tp_are_refused_with_what_works() -> None:
+    ps, ds = world(2, 1, block_size=16, kv_layout="NHD")
+    try:
+        with pytest.raises(CompatMismatchError) as refused:
+            ds[0].handoff.connect(ps[0].handoff.address)  # type: ignore[union-attr]
+        assert ("heterogeneous TP (P 2 ↔ D 1) needs the HND layout, or NHD blocks of one token (SGLang --page-size "
+                "1); got NHD blocks of 16 tokens") in str(refused.value)
+    finally:
+        close_all(ps + ds)
