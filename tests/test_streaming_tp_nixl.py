@@ -7,20 +7,26 @@ exactly its head slice(s) and no other block changed. Every wait is bounded; not
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
 
 pytest.importorskip("nixl._api", reason="needs the real NIXL package (pip install nixl==1.5.1)")
 
+from held_transport import Gated
 from kvlifecycle.transports.nixl import NixlTransport
+from waiting import until
 
+from kvlifecycle import events as ev
 from kvlifecycle import layout as L
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo, CompatMismatchError
 from kvlifecycle.invariants import check_source, check_target
 from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.machines import TargetState
 from kvlifecycle.streaming import StreamConsumer, StreamOptions, StreamProducer
 from kvlifecycle.transport import BlockView, KVLayout
 
@@ -45,6 +51,7 @@ class Rank:
     kv_layout: str
     seed: int | None
     aux: bool = False
+    wrap: Callable[[NixlTransport], Any] | None = None  # a transport double over the real one (P's writes held)
     kv: list[np.ndarray] = field(default_factory=list)
     rows: list[np.ndarray] = field(default_factory=list)
 
@@ -64,8 +71,9 @@ class Rank:
             layout = L.grouped_layout(pages, L.rows_layout("DRAM", 0, [a.ctypes.data for a in self.rows],
                                                            [a.nbytes for a in self.rows], [ROW_BYTES] * AUX_REGIONS))
         self.layout = layout
-        self.transport = NixlTransport(f"tp-{self.side}{self.rank}-{next(_names)}", probe_bytes=0)
-        self.transport.register(layout)
+        nixl = NixlTransport(f"tp-{self.side}{self.rank}-{next(_names)}", probe_bytes=0)
+        nixl.register(layout)
+        self.transport = nixl if self.wrap is None else self.wrap(nixl)
         compat = CompatInfo(model_id="m", dtype="bfloat16", num_layers=LAYERS, num_kv_heads=HEADS,
                             head_size=HEAD_SIZE, block_size=self.block_size, kv_layout=self.kv_layout,
                             tp_size=self.tp)
@@ -92,9 +100,11 @@ class Rank:
             part.close()
 
 
-def world(p_tp: int, d_tp: int, *, block_size: int, kv_layout: str, aux: bool = False) -> tuple[list[Rank],
-                                                                                               list[Rank]]:
-    ps = [Rank("p", p_tp, r, block_size, kv_layout, seed=10 + r, aux=aux) for r in range(p_tp)]
+def world(p_tp: int, d_tp: int, *, block_size: int, kv_layout: str, aux: bool = False,
+          gate_p: int | None = None) -> tuple[list[Rank], list[Rank]]:
+    """``gate_p``: the P rank whose writes are held (tests/held_transport.py) until let go."""
+    ps = [Rank("p", p_tp, r, block_size, kv_layout, seed=10 + r, aux=aux, wrap=Gated if r == gate_p else None)
+          for r in range(p_tp)]
     ds = [Rank("d", d_tp, r, block_size, kv_layout, seed=None, aux=aux) for r in range(d_tp)]
     return ps, ds
 
@@ -161,5 +171,154 @@ def test_nhd_blocks_of_16_across_differing_tp_are_refused_with_what_works() -> N
             ds[0].handoff.connect(ps[0].handoff.address)  # type: ignore[union-attr]
         assert ("heterogeneous TP (P 2 ↔ D 1) needs the HND layout, or NHD blocks of one token (SGLang --page-size "
                 "1); got NHD blocks of 16 tokens") in str(refused.value)
+    finally:
+        close_all(ps + ds)
+
+
+def p_forward(p: Rank, request: str, src: list[int]) -> None:
+    """P's prefill: every layer of every block, then its end; P frees its blocks once its writes settled."""
+    ledger, streams = p.ledger, p.streams
+    assert isinstance(ledger, SourceLedger) and isinstance(streams, StreamProducer)
+    for layer in range(p.layers):
+        streams.layer_done(request, layer, src)
+    assert streams.prefill_ended(request)
+    ledger.prefill_done(request)
+    streams.release(request, lambda: ledger.free(request))
+
+
+def expected_slices(ps: list[Rank], d: Rank, src: list[int]) -> list[np.ndarray]:
+    """What D rank ``d``'s blocks must hold per region: the P ranks' heads it reads, side by side (P TP > D TP),
+    or its slice of its one P rank's (D TP > P TP); aux rows whole."""
+    p_tp = ps[0].tp
+    out = []
+    for region in range(LAYERS):
+        if p_tp >= d.tp:
+            ranks = L.tp_source_ranks(p_tp=p_tp, d_tp=d.tp, d_rank=d.rank)
+            out.append(np.concatenate([ps[r].kv[region][src] for r in ranks], axis=1))
+        else:
+            ratio = d.tp // p_tp
+            p = ps[d.rank // ratio]
+            width = p.page_bytes // ratio
+            out.append(p.kv[region][src][:, (d.rank % ratio) * width:(d.rank % ratio + 1) * width])
+    return out
+
+
+def assert_landed(ps: list[Rank], d: Rank, before: list[np.ndarray], src: list[int], dst: list[int]) -> None:
+    for region, want in enumerate(expected_slices(ps, d, src)):
+        assert np.array_equal(d.kv[region][dst], want)
+        others = np.setdiff1d(np.arange(BLOCKS), dst)
+        assert np.array_equal(d.kv[region][others], before[region][others])  # untouched blocks untouched
+
+
+@pytest.mark.parametrize(("block_size", "kv_layout"), [(16, "HND"), (1, "NHD")])
+def test_two_p_ranks_stream_their_heads_into_one_d_request(block_size: int, kv_layout: str) -> None:
+    ps, ds = world(2, 1, block_size=block_size, kv_layout=kv_layout)
+    (d,) = ds
+    try:
+        sources = connect_sources(ps, ds)
+        src, dst = [1, 7, 3, 10], [0, 11, 5, 2]
+        for p in ps:
+            p.ledger.allocate("r", src)  # type: ignore[union-attr]
+        d.ledger.reserve("r", dst)
+        before = d.snapshot()
+        streams = d.streams
+        assert isinstance(streams, StreamConsumer)
+        transfer = streams.request_streams("r", sources[0], layers=LAYERS)
+        assert transfer is not None and streams.streaming("r")
+        assert ps[0].streams.begin("r")  # type: ignore[union-attr]
+        p_forward(ps[0], "r", src)
+        progress = d.ledger.layer_progress  # type: ignore[union-attr]
+        assert until(lambda: transfer in progress and progress[transfer].complete(0), 20.0)
+        assert d.ledger.requests["r"].state == TargetState.LOADING  # P rank 1's heads have not landed: not READY
+        assert ps[1].streams.begin("r")  # type: ignore[union-attr]
+        p_forward(ps[1], "r", src)
+        assert until(lambda: streams.pending() == 0, 20.0)
+        assert streams.counts["completed"] == 1 and (d.ledger.state[dst] == TargetState.READY_FOR_ATTENTION).all()  # type: ignore[union-attr]
+        assert_landed(ps, d, before, src, dst)
+        assert until(lambda: all(not p.ledger.requests for p in ps), 20.0)
+        d.ledger.finish("r")  # type: ignore[union-attr]
+    finally:
+        close_all(ps + ds)
+
+
+def p_end(p: Rank, request: str) -> None:
+    ledger, streams = p.ledger, p.streams
+    assert isinstance(ledger, SourceLedger) and isinstance(streams, StreamProducer)
+    streams.prefill_ended(request, aborted=True)
+    ledger.prefill_done(request)
+    streams.release(request, lambda: ledger.free(request))
+
+
+def test_vllm_56104_a_failed_part_frees_d_blocks_only_once_the_sibling_p_ranks_write_settled() -> None:
+    """P rank 0 aborts while P rank 1's first layer is still in flight into the same D blocks: D fails the load,
+    cancels P rank 1's stream, and keeps the blocks LOADING until that write settled; then they are FREE (vLLM
+    #56104: a block freed and reused while a sibling rank's write may still land)."""
+    ps, ds = world(2, 1, block_size=16, kv_layout="HND", gate_p=1)
+    (d,) = ds
+    gated = ps[1].transport
+    assert isinstance(gated, Gated)
+    try:
+        sources = connect_sources(ps, ds)
+        src, dst = [2, 4, 6], [9, 1, 3]
+        for p in ps:
+            p.ledger.allocate("r", src)  # type: ignore[union-attr]
+        d.ledger.reserve("r", dst)
+        streams = d.streams
+        assert isinstance(streams, StreamConsumer)
+        transfer = streams.request_streams("r", sources[0], layers=LAYERS)
+        assert transfer is not None
+        assert all(p.streams.begin("r") for p in ps)  # type: ignore[union-attr]
+        ps[1].streams.layer_done("r", 0, src)  # type: ignore[union-attr]
+        assert until(lambda: len(gated.pending) == 1)  # P rank 1's write of layer 0 is in flight
+        ps[0].streams.cancel("r", "P rank 0 aborted")  # type: ignore[union-attr]
+        assert until(lambda: (transfer, 0) not in streams._streams)  # part 0 settled (P rank 0's failed note)
+        assert until(lambda: ps[1].streams.status("r").state == "stopping")  # type: ignore[union-attr]
+        assert streams.streaming("r") and transfer in d.ledger.loads  # type: ignore[union-attr]
+        assert (d.ledger.state[dst] == TargetState.LOADING).all()  # type: ignore[union-attr]
+        assert gated.let_go() == 1  # the sibling's write lands now, into blocks D still holds
+        assert until(lambda: streams.pending() == 0, 20.0)
+        assert "r" not in d.ledger.requests and (d.ledger.state[dst] == TargetState.FREE).all()  # type: ignore
+        assert streams.counts["failed"] == 1 and streams.counts["completed"] == 0
+        for p in ps:
+            p_end(p, "r")
+        assert until(lambda: all(not p.ledger.requests for p in ps), 20.0)
+    finally:
+        close_all(ps + ds)
+
+
+def test_a_decline_by_the_first_p_rank_declines_and_a_later_decline_fails_once_the_others_settled() -> None:
+    ps, ds = world(2, 1, block_size=16, kv_layout="HND")
+    (d,) = ds
+    try:
+        sources = connect_sources(ps, ds)
+        streams = d.streams
+        assert isinstance(streams, StreamConsumer)
+        for p in ps:  # both prefills ended before D's reservation: both would decline
+            p.ledger.allocate("a", [1])  # type: ignore[union-attr]
+            assert not p.streams.prefill_ended("a")  # type: ignore[union-attr]
+        d.ledger.reserve("a", [4])
+        assert streams.request_streams("a", sources[0], layers=LAYERS) is None
+        assert d.ledger.requests["a"].state == TargetState.RESERVED and streams.pending() == 0
+        assert ps[1].streams.counts["declined"] == 0  # type: ignore[union-attr]  # P rank 1 was never asked
+        # P rank 0 accepts, P rank 1 declines: P rank 0's reservation is cancelled, then the load fails
+        ps[1].ledger.allocate("b", [2])  # type: ignore[union-attr]
+        assert not ps[1].streams.prefill_ended("b")  # type: ignore[union-attr]
+        d.ledger.reserve("b", [5])
+        events: list[object] = []
+        d.ledger.listeners.append(events.append)  # type: ignore[union-attr]
+        transfer = streams.request_streams("b", sources[0], layers=LAYERS)
+        assert transfer is not None and streams.declines["b"].startswith("prefill began")
+        assert until(lambda: streams.pending() == 0)
+        failed = [e for e in events if isinstance(e, ev.TgtLoadFailed) and e.transfer == transfer]
+        assert len(failed) == 1 and "declined part 1" in failed[0].reason
+        assert "b" not in d.ledger.requests and streams.counts["failed"] == 1
+        assert ps[0].streams.status("b").state == "stopped"  # type: ignore[union-attr]  # D cancelled it unbegun
+        for p in ps:
+            p.ledger.prefill_done("a")  # type: ignore[union-attr]
+            p.ledger.free("a")  # type: ignore[union-attr]
+            p.streams.release("a", lambda: None)  # type: ignore[union-attr]
+        ps[1].ledger.prefill_done("b")  # type: ignore[union-attr]
+        ps[1].ledger.free("b")  # type: ignore[union-attr]
+        d.ledger.cancel("a")  # type: ignore[union-attr]
     finally:
         close_all(ps + ds)

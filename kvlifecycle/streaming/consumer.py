@@ -8,6 +8,11 @@ into the same blocks. Each ``layers`` note, carrying the stream's token, is one 
 whose last one makes the blocks READY_FOR_ATTENTION; a ``failed`` note (sent by P once its writes settled) fails
 the load under the ledger's failure policy.
 
+Several P ranks (P TP > D TP): :meth:`StreamConsumer.request_streams` asks each for its part of one load (part
+``i``: its heads of every block), each part with its own token. Any part failing fails the load, the other parts are
+cancelled, and the ledger fails (frees) the blocks only once every part's stream settled: no block is freed while a
+sibling P rank's write may still land (vLLM #56104).
+
 Cancel: the ledger's cancel leaves the LOADING blocks pending, P is asked to stop, and the blocks are freed when
 the stream settles (P's ``failed`` note, or P's answer that nothing was ever written). P lost: a stream that makes
 no progress for ``stream_timeout_s`` fails. The request carries ``write_window_s``, the bound on P's writes: the
@@ -33,7 +38,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,17 +62,33 @@ def _noop() -> None:
 
 
 @dataclass(slots=True)
+class _Load:
+    """D's one ledger load that one stream per part (P rank) writes into. It settles only once every part's stream
+    settled: a failed part fails the load then, never before a sibling P rank's write may still land (vLLM #56104)."""
+
+    transfer: str
+    open: set[int]  # the parts whose stream has not settled
+    failing: str = ""  # why the load fails once every part settled ("" : no part failed)
+    outcome: str = "failed"  # the count the failure ends under
+
+
+@dataclass(slots=True)
 class _Stream:
     request: str
     source: str  # P's name for the request
     transfer: str
     link: Any  # the PeerLink of the P rank that writes
-    token: bytes
+    token: bytes  # this part's own: a P rank's notes are taken for its part only
     blocks: np.ndarray  # D's block ids, token order
     part: int
     last_progress: float
+    load: _Load
     cancel_sent: bool = False
     answered: float = math.inf  # when P last answered for this stream (its request, or a heartbeat)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.transfer, self.part
 
 
 class StreamConsumer:
@@ -92,7 +113,7 @@ class StreamConsumer:
         self.consumer, self.ledger, self.transport = consumer, consumer.ledger, consumer.transport
         self.options = options or StreamOptions()
         self._now: Callable[[], float] = time.monotonic  # the clock of the stream timeout
-        self._streams: dict[str, _Stream] = {}  # D transfer -> stream
+        self._streams: dict[tuple[str, int], _Stream] = {}  # (D transfer, part) -> the part's unsettled stream
         self._lock = threading.Lock()
         self.declines: OrderedDict[str, str] = OrderedDict()  # request -> why P declined its stream, newest last
         self.counts = {"requested": 0, "declined": 0, "completed": 0, "failed": 0, "timed_out": 0, "forged": 0,
@@ -103,53 +124,86 @@ class StreamConsumer:
         self._stop = threading.Event()
 
     # -- engine-facing -----------------------------------------------------------------------------------------
-    def request_stream(self, request: str, address: str, *, layers: int, source_request: str | None = None,
-                       part: int = 0) -> str | None:
+    def request_stream(self, request: str, address: str, *, layers: int,
+                       source_request: str | None = None) -> str | None:
         """Ask the P rank at ``address`` (connected with push metadata) to stream ``source_request`` (default:
-        ``request``) into ``request``'s reserved blocks. Returns the stream's transfer id, or ``None`` when P
-        declined (``declines[request]`` says why): the reservation is RESERVED again, for the post-prefill path."""
-        link = self.consumer.links.get(address)
-        if link is None:
-            raise ValueError(f"connect to {address} first")
+        ``request``) into ``request``'s reserved blocks: :meth:`request_streams` with one P rank."""
+        return self.request_streams(request, [address], layers=layers, source_request=source_request)
+
+    def request_streams(self, request: str, addresses: Sequence[str], *, layers: int,
+                        source_request: str | None = None) -> str | None:
+        """Ask each P rank at ``addresses`` (connected with push metadata; the P ranks this D rank reads, in the
+        order of its TP plan's reads: part ``i`` is ``addresses[i]``) to stream ``source_request`` (default:
+        ``request``) into ``request``'s reserved blocks, each writing its heads. One load, ``len(addresses)``
+        parts: READY_FOR_ATTENTION once every layer of every part landed. Returns the stream's transfer id, or
+        ``None`` when the first P rank declined (``declines[request]`` says why; the others are not asked): the
+        reservation is RESERVED again, for the post-prefill path. A later P rank declining, or any part failing,
+        fails the load once every part's stream settled (the others are cancelled first)."""
+        if not addresses:
+            raise ValueError("a stream needs at least one P rank")
+        links = [self.consumer.links.get(address) for address in addresses]
+        for address, link in zip(addresses, links, strict=True):
+            if link is None:
+                raise ValueError(f"connect to {address} first")
         blocks = self.ledger.requests[request].blocks.copy()
         transfer = f"stream:{request}:{next(_ids)}"
-        token = secrets.token_bytes(TOKEN_BYTES)
-        # LOADING before P may write a byte into these blocks
-        self.ledger.start_load(request, transfer, parts=1, mode="push", layers=layers, peer=link.agent,
-                               peer_epoch=link.epoch)
+        n = len(links)
+        # LOADING before P may write a byte into these blocks. A load of several P ranks names none of them: a
+        # restarted one's stream ends through peer_lost, and the load waits for its siblings' writes to settle
+        first = links[0] if n == 1 else None
+        self.ledger.start_load(request, transfer, parts=n, mode="push", layers=layers,
+                               peer=first.agent if first is not None else "",
+                               peer_epoch=first.epoch if first is not None else 0)
         source = source_request or request
-        # no timeout while the request is out (P's window may begin at any point of it): its clock starts after
-        stream = _Stream(request, source, transfer, link, token, blocks, part, math.inf)
+        load = _Load(transfer, set(range(n)))
+        # no timeout while a request is out (P's window may begin at any point of it): its clock starts after
+        streams = [_Stream(request, source, transfer, link, secrets.token_bytes(TOKEN_BYTES), blocks, part,
+                           math.inf, load) for part, link in enumerate(links)]
         with self._lock:
-            self._streams[transfer] = stream
+            for stream in streams:
+                self._streams[stream.key] = stream
         self.counts["requested"] += 1
         self._keep_transport_busy()
-        ask = StreamRequest(source, transfer, self.transport.agent, self.transport.epoch,
-                            blocks.tolist(), layers, token, self.options.write_window_s, part)
-        try:
-            ack = link.client.request(ask)
-        except SideChannelError as exc:  # P may hold it or not: ask it to stop, and settle on its answer
-            stream.last_progress = self._now()  # P's window began before now, if at all: the timeout starts here
-            log.warning("stream request %s to %s failed: %s", transfer, address, exc)
-            why = f"stream request failed: {exc}"
-            self._jobs.put(lambda: self._send_cancel(stream, why))
-            return transfer
-        if not ack.ok:
-            with self._lock:
-                self._streams.pop(transfer, None)
-            self.ledger.decline(transfer, ack.detail)
-            self.counts["declined"] += 1
-            self.declines[request] = ack.detail
-            while len(self.declines) > DECLINES_KEPT:
-                self.declines.popitem(last=False)
-            return None
-        stream.last_progress = stream.answered = self._now()  # P's window began before its answer: the timeout starts
+        for part, stream in enumerate(streams):
+            ask = StreamRequest(source, transfer, self.transport.agent, self.transport.epoch,
+                                blocks.tolist(), layers, stream.token, self.options.write_window_s, part)
+            try:
+                ack = stream.link.client.request(ask)
+            except SideChannelError as exc:  # P may hold it or not: ask it to stop, and settle on its answer
+                stream.last_progress = self._now()  # P's window began before now, if at all: the timeout starts here
+                log.warning("stream request %s to %s failed: %s", transfer, addresses[part], exc)
+                self._settle_unasked(streams[part + 1:])
+                self._failing(load, f"stream request failed: {exc}")
+                return transfer
+            if not ack.ok:
+                self._declined(request, ack.detail)
+                if part == 0:  # nothing asked of any P rank is held: RESERVED again
+                    with self._lock:
+                        for unasked in streams:
+                            self._streams.pop(unasked.key, None)
+                    self.ledger.decline(transfer, ack.detail)
+                    return None
+                self._settle_unasked(streams[part + 1:])
+                self._settle(stream, f"P rank {addresses[part]} declined part {part}: {ack.detail}")
+                return transfer
+            stream.last_progress = stream.answered = self._now()  # P's window began before its answer
         return transfer
+
+    def _declined(self, request: str, why: str) -> None:
+        self.counts["declined"] += 1
+        self.declines[request] = why
+        while len(self.declines) > DECLINES_KEPT:
+            self.declines.popitem(last=False)
+
+    def _settle_unasked(self, streams: Sequence[_Stream]) -> None:
+        """Parts never asked of their P rank (an earlier one declined or failed): nothing of them can land."""
+        for stream in streams:
+            self._settle(stream)
 
     def cancel(self, request: str, reason: str = "cancelled on D") -> bool:
         """Cancel ``request`` (D abort, client gone): its blocks are freed once P's writes settled."""
         ok = bool(self.ledger.cancel(request))
-        for stream in self._of(request):
+        for stream in self._of(request):  # every part: its blocks are freed once all of them settled
             self._jobs.put(functools.partial(self._send_cancel, stream, reason))
         return ok
 
@@ -162,14 +216,15 @@ class StreamConsumer:
             gone = [s for s in self._streams.values() if s.link.agent == agent
                     and (before_epoch is None or s.link.epoch < before_epoch)]
         for stream in gone:
-            self._end(stream, "failed", reason)
+            self._settle(stream, reason)
         return len(gone)
 
     def pending(self) -> int:
+        """Parts of streams not settled yet."""
         return len(self._streams)
 
     def streaming(self, request: str) -> bool:
-        """Whether a stream into ``request``'s blocks is under way."""
+        """Whether a stream into ``request``'s blocks is under way (any of its parts not settled)."""
         return bool(self._of(request))
 
     def _of(self, request: str) -> list[_Stream]:
@@ -178,7 +233,7 @@ class StreamConsumer:
 
     # -- notes (the Consumer's service thread) -----------------------------------------------------------------
     def _on_note(self, _sender: str, note: Notification) -> None:
-        stream = self._streams.get(note.transfer)
+        stream = self._streams.get((note.transfer, note.part))
         if stream is None or note.kind not in (NOTE_LAYERS, NOTE_FAILED):
             return
         if not hmac.compare_digest(note.payload[:TOKEN_BYTES], stream.token):
@@ -187,8 +242,8 @@ class StreamConsumer:
             return
         if note.hlc:
             self.ledger.hlc.observe(note.hlc)
-        if note.kind == NOTE_FAILED:
-            self._end(stream, "failed", f"producer: {note.payload[TOKEN_BYTES:].decode(errors='replace')}")
+        if note.kind == NOTE_FAILED:  # sent once every write of this part settled
+            self._settle(stream, f"producer: {note.payload[TOKEN_BYTES:].decode(errors='replace')}")
             return
         try:
             _, batch = decode_batch(note.payload)
@@ -201,27 +256,47 @@ class StreamConsumer:
                              stream.blocks.size)
             return
         stream.last_progress = stream.answered = self._now()  # a landed layer: P is alive too
-        self.ledger.layers_landed(stream.transfer, stream.part, batch.first_layer, batch.num_layers,
-                                  stream.blocks[batch.lo:batch.hi])
-        if stream.transfer not in self.ledger.loads and self._forget(stream):  # the last layer of the last block
-            self.counts["completed"] += 1
+        landed = self.ledger.layers_landed(stream.transfer, stream.part, batch.first_layer, batch.num_layers,
+                                           stream.blocks[batch.lo:batch.hi])
+        progress = self.ledger.layer_progress.get(stream.transfer)
+        if landed and (progress is None or progress.complete(stream.part)):  # this part's last layer of its last block
+            self._settle(stream)
 
-    def _end(self, stream: _Stream, outcome: str, reason: str) -> None:
-        """Settle a stream that did not complete: the ledger fails the load (policy) or discards a cancelled one.
-        The thread that takes the stream out of the table settles it; a racing one does nothing."""
-        if not self._forget(stream):
-            return
-        if stream.transfer in self.ledger.loads:
-            self.ledger.fail(stream.transfer, reason)
-        self.counts[outcome] += 1
-
-    def _forget(self, stream: _Stream) -> bool:
+    def _settle(self, stream: _Stream, failure: str = "", outcome: str = "failed") -> None:
+        """``stream``'s part settled: no write of its P rank can land any more (completed when ``failure`` is "").
+        A failure fails the whole load, and the other parts are cancelled; once every part settled, the ledger
+        fails the load (policy), or discards a cancelled one, or saw it complete. The thread that takes the stream
+        out of the table settles it; a racing one does nothing."""
+        load = stream.load
         with self._lock:
-            return self._streams.pop(stream.transfer, None) is not None
+            if self._streams.pop(stream.key, None) is None:
+                return
+            load.open.discard(stream.part)
+            last = not load.open
+        if failure:
+            self._failing(load, failure, outcome)
+        if not last:
+            return
+        if not load.failing:
+            self.counts["completed"] += 1
+            return
+        if load.transfer in self.ledger.loads:
+            self.ledger.fail(load.transfer, load.failing)
+        self.counts[load.outcome] += 1
+
+    def _failing(self, load: _Load, reason: str, outcome: str = "failed") -> None:
+        """``load`` will fail (the first reason stays): ask every part still unsettled to stop."""
+        with self._lock:
+            if load.failing:
+                return
+            load.failing, load.outcome = reason, outcome
+            others = [s for s in self._streams.values() if s.load is load]
+        for other in others:
+            self._jobs.put(functools.partial(self._send_cancel, other, f"part failed: {reason}"))
 
     # -- service thread ----------------------------------------------------------------------------------------
     def _send_cancel(self, stream: _Stream, reason: str) -> None:
-        if stream.transfer not in self._streams or stream.cancel_sent:
+        if self._streams.get(stream.key) is not stream or stream.cancel_sent:
             return
         stream.cancel_sent = True
         try:
@@ -232,7 +307,7 @@ class StreamConsumer:
             log.info("stream cancel %s not delivered: %s", stream.transfer, exc)
             return
         if ack.ok and ack.detail == "settled":  # nothing was or will be written
-            self._end(stream, "failed", f"{reason}; nothing in flight")
+            self._settle(stream, f"{reason}; nothing in flight")
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -256,7 +331,7 @@ class StreamConsumer:
         for stream in late:
             log.warning("stream %s of %s: no layer in %.1fs (P lost?)", stream.transfer, stream.request,
                         self.options.stream_timeout_s)
-            self._end(stream, "timed_out", f"stream timed out: no layer in {self.options.stream_timeout_s}s")
+            self._settle(stream, f"stream timed out: no layer in {self.options.stream_timeout_s}s", "timed_out")
         return len(late)
 
     def _beat(self) -> int:
@@ -298,7 +373,7 @@ class StreamConsumer:
             log.warning("stream %s of %s: P %s not heard for %.2fs", stream.transfer, stream.request,
                         stream.link.agent, limit)
             self.counts["peer_lost"] += 1
-            self._end(stream, "failed", f"peer timeout: P {stream.link.agent} not heard for {limit:.3g} s")
+            self._settle(stream, f"peer timeout: P {stream.link.agent} not heard for {limit:.3g} s")
         return len(silent)
 
     def _keep_transport_busy(self) -> None:

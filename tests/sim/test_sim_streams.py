@@ -75,5 +75,5 @@ def test_the_simulated_streams_run_the_real_decisions() -> None:
     for method in ("begin", "layer_done", "cancel", "release", "_on_stream_request", "_on_stream_cancel",
                    "_post_layer", "_halt", "_poll", "_settle"):
         assert method not in SimStreamProducer.__dict__ and method in StreamProducer.__dict__, method
-    for method in ("cancel", "_on_note", "_end", "_forget", "_send_cancel"):
+    for method in ("cancel", "_on_note", "_settle", "_failing", "_send_cancel", "request_streams"):
         assert method not in SimStreamConsumer.__dict__ and method in StreamConsumer.__dict__, method
