@@ -109,7 +109,7 @@ def test_a_duplicated_stream_request_starts_one_stream(pd) -> None:
     sp, sc, _, _ = pd
     sc.ledger.reserve("r", [4, 5])
     transfer = sc.request_stream("r", sp.producer.address, layers=LAYERS)
-    held = sp._reservations["r"][0]
+    (held, _, _), = sp._reservations["r"].values()
     client = SideChannelClient(sp.producer.address, (), timeout_s=5.0)
     try:
         assert client.request(held).ok  # the same request again (a retry): acknowledged, not a second stream

@@ -322,3 +322,104 @@ def test_a_decline_by_the_first_p_rank_declines_and_a_later_decline_fails_once_t
         d.ledger.cancel("a")  # type: ignore[union-attr]
     finally:
         close_all(ps + ds)
+
+
+@pytest.mark.parametrize(("block_size", "kv_layout"), [(16, "HND"), (1, "NHD")])
+def test_one_p_rank_streams_each_d_rank_its_head_slice(block_size: int, kv_layout: str) -> None:
+    """P TP 1 → D TP 2: both D ranks' reservations for one P request coexist; P waits for both (``reservations``),
+    then each layer leaves as one write per D rank, each with its own D's views (its half of P's heads)."""
+    ps, ds = world(1, 2, block_size=block_size, kv_layout=kv_layout)
+    (p,) = ps
+    producer = p.streams
+    assert isinstance(producer, StreamProducer)
+    try:
+        sources = connect_sources(ps, ds)
+        src, dsts = [3, 0, 8], {0: [4, 9, 1], 1: [11, 2, 6]}
+        p.ledger.allocate("r", src)  # type: ignore[union-attr]
+        befores, transfers = {}, {}
+        for d in ds:
+            d.ledger.reserve("d-r", dsts[d.rank])
+            befores[d.rank] = d.snapshot()
+            assert producer.reservations("r") == d.rank
+            transfers[d.rank] = d.streams.request_streams("d-r", sources[d.rank], layers=LAYERS,  # type: ignore
+                                                          source_request="r")
+            assert transfers[d.rank] is not None
+        assert producer.reservations("r") == 2 and producer.status("r").state == "reserved"
+        assert producer.begin("r")
+        assert producer.status("r").state in ("streaming", "complete") and producer.pending() == 2
+        p_forward(p, "r", src)
+        for d in ds:
+            assert until(lambda d=d: d.streams.pending() == 0, 20.0)  # type: ignore[union-attr]
+            assert (d.ledger.state[dsts[d.rank]] == TargetState.READY_FOR_ATTENTION).all()  # type: ignore
+            assert_landed(ps, d, befores[d.rank], src, dsts[d.rank])
+            d.ledger.finish("d-r")  # type: ignore[union-attr]
+        assert until(lambda: not p.ledger.requests, 20.0)  # released once both D ranks' writes settled
+        assert producer.counts["layers_posted"] == 2 * LAYERS and producer.status("r").state == "none"
+    finally:
+        close_all(ps + ds)
+
+
+def test_a_d_rank_reserving_after_the_prefill_began_joins_and_catches_up() -> None:
+    ps, ds = world(1, 2, block_size=16, kv_layout="HND")
+    (p,) = ps
+    producer = p.streams
+    assert isinstance(producer, StreamProducer)
+    try:
+        sources = connect_sources(ps, ds)
+        src, dsts = [5, 6], {0: [1, 2], 1: [3, 4]}
+        p.ledger.allocate("r", src)  # type: ignore[union-attr]
+        ds[0].ledger.reserve("r", dsts[0])
+        assert ds[0].streams.request_streams("r", sources[0], layers=LAYERS)  # type: ignore[union-attr]
+        assert producer.begin("r")
+        producer.layer_done("r", 0, src)  # layer 0 leaves for D rank 0 only
+        ds[1].ledger.reserve("r", dsts[1])
+        assert ds[1].streams.request_streams("r", sources[1], layers=LAYERS)  # type: ignore[union-attr]
+        assert producer.reservations("r") == 2 and producer.counts["joined_late"] == 1
+        for layer in range(1, LAYERS):
+            producer.layer_done("r", layer, src)
+        assert producer.prefill_ended("r")
+        p.ledger.prefill_done("r")  # type: ignore[union-attr]
+        producer.release("r", lambda: p.ledger.free("r"))  # type: ignore[union-attr]
+        for d in ds:
+            assert until(lambda d=d: d.streams.pending() == 0, 20.0)  # type: ignore[union-attr]
+            assert (d.ledger.state[dsts[d.rank]] == TargetState.READY_FOR_ATTENTION).all()  # type: ignore
+            d.ledger.finish("r")  # type: ignore[union-attr]
+        for d in ds:
+            want = expected_slices(ps, d, src)
+            assert all(np.array_equal(d.kv[region][dsts[d.rank]], want[region]) for region in range(LAYERS))
+        assert until(lambda: not p.ledger.requests, 20.0)
+    finally:
+        close_all(ps + ds)
+
+
+def test_region_groups_stream_across_tp_2_to_1_pages_sliced_and_aux_rows_whole() -> None:
+    """SGLang's form: KV pages and aux rows in one layout, one 'layer' of all regions. Each P rank writes its heads
+    of the pages and the aux row whole (the same bytes on every P rank)."""
+    ps, ds = world(2, 1, block_size=1, kv_layout="NHD", aux=True)
+    (d,) = ds
+    try:
+        sources = connect_sources(ps, ds)
+        pages, dpages, row, drow = [2, 9], [7, 0], 3, 1
+        src = [*pages, L.group_start(ps[0].layout, 1) + row]
+        dst = [*dpages, L.group_start(d.layout, 1) + drow]
+        for p in ps:
+            p.ledger.allocate("r", src)  # type: ignore[union-attr]
+        d.ledger.reserve("r", dst)
+        before = d.snapshot()
+        streams = d.streams
+        assert isinstance(streams, StreamConsumer)
+        assert streams.request_streams("r", sources[0], layers=1)
+        for p in ps:
+            assert p.streams.begin("r")  # type: ignore[union-attr]
+            p_forward(p, "r", src)
+        assert until(lambda: streams.pending() == 0, 20.0)
+        assert (d.ledger.state[dst] == TargetState.READY_FOR_ATTENTION).all()  # type: ignore[union-attr]
+        assert_landed(ps, d, before, pages, dpages)
+        for region in range(AUX_REGIONS):
+            assert np.array_equal(d.rows[region][drow], ps[0].rows[region][row])
+            others = np.setdiff1d(np.arange(ROWS), [drow])
+            assert np.array_equal(d.rows[region][others], before[LAYERS + region][others])
+        assert until(lambda: all(not p.ledger.requests for p in ps), 20.0)
+        d.ledger.finish("r")  # type: ignore[union-attr]
+    finally:
+        close_all(ps + ds)

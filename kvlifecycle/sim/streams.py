@@ -97,12 +97,13 @@ class SimStreamProducer(StreamProducer):
     def busy(self) -> bool:
         return bool(self._streams) or not self._jobs.empty()
 
-    def held(self, request: str) -> str:
-        """The transfer of the stream (or the reservation) of ``request`` this P still holds ("" : none)."""
-        stream = self._streams.get(request)
+    def held(self, request: str, agent: str) -> str:
+        """The transfer of the stream (or the reservation) of ``request`` into D ``agent`` this P still holds
+        ("" : none)."""
+        stream = self._streams.get((request, agent))
         if stream is not None:
             return stream.ask.transfer
-        reservation = self._reservations.get(request)
+        reservation = self._reservations.get(request, {}).get(agent)
         return reservation[0].transfer if reservation is not None else ""
 
 

@@ -414,7 +414,8 @@ class DWorker:
         world = self.world
 
         def held(stream: Any) -> bool:  # P still holds it: only its write window keeps a write out of the blocks
-            return bool(world.p_by_name[stream.link.agent].streams.held(stream.source) == stream.transfer)
+            held_by_p = world.p_by_name[stream.link.agent].streams.held(stream.source, self.streams.transport.agent)
+            return bool(held_by_p == stream.transfer)
 
         timed_out, still_held = self.streams.time_out(held)
         if timed_out:

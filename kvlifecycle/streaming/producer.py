@@ -95,6 +95,10 @@ def _noop() -> None:
     pass
 
 
+_Key = tuple[str, str]  # (P's request, D agent): one stream per D rank of a request (D TP > P TP: several)
+_Held = tuple[StreamRequest, PreparedPlan, float]  # a reservation not begun: D's ask, its push plan, when it came
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStatus:
     """What P knows of a request's stream (:meth:`StreamProducer.status`), for an engine that reports each request's
@@ -170,12 +174,14 @@ class StreamProducer:
         self._regions = layer_regions(layers, self.options.regions_per_layer)
         self._device_ordered = orders_on_device(self.transport)  # then a layer's device event rides with its post
         self._now: Callable[[], float] = time.monotonic  # the clock of every reservation, window and sweep
-        self._reservations: dict[str, tuple[StreamRequest, PreparedPlan, float]] = {}
-        self._reservation_heard: dict[str, float] = {}  # request -> when D last named its held reservation
-        self._waiting: dict[str, _Waiting] = {}  # prefills begun before their reservation: a reservation joins
+        self._reservations: dict[str, dict[str, _Held]] = {}  # request -> D agent -> its reservation, unbegun
+        self._reservation_heard: dict[_Key, float] = {}  # when D last named its held reservation
+        # prefills under way: the layers computed so far, on which a reservation arriving meanwhile catches up
+        self._waiting: dict[str, _Waiting] = {}
         self._plain: dict[str, float] = {}  # prefills ended without a reservation: a late one is declined
         self._cancelled: dict[str, tuple[str, float]] = {}  # reservations D cancelled unbegun: (why, when)
-        self._streams: dict[str, _Stream] = {}
+        self._voided: dict[tuple[str, bytes], float] = {}  # (request, token) D gave up on: its reservation is declined
+        self._streams: dict[_Key, _Stream] = {}
         self.counts = {"streamed": 0, "joined_late": 0, "fallback": 0, "declined": 0, "layers_posted": 0,
                        "writes_failed": 0, "cancelled_by_d": 0, "window_cancelled": 0, "peer_timed_out": 0,
                        "peer_cancelled": 0, "heartbeats": 0}
@@ -185,27 +191,31 @@ class StreamProducer:
 
     # -- engine-facing (any thread; nothing here waits on the network) -----------------------------------------
     def begin(self, request: str) -> bool:
-        """P's prefill of ``request`` starts: True if it streams now (D's reservation is here, its window open).
-        False: it does not stream yet; a reservation arriving before :meth:`prefill_ended` still starts the stream."""
+        """P's prefill of ``request`` starts: True if it streams now (a D reservation is here, its window open: every
+        D rank's reservation held starts its stream). False: it does not stream yet; a reservation arriving before
+        :meth:`prefill_ended` still starts a stream (as does another D rank's, arriving after the first began)."""
         now = self._now()
         with self._lock:
-            entry = self._reservations.pop(request, None)
-            window = WriteWindow.received(entry[2], entry[0].write_window_s) if entry is not None else None
-            if entry is None or window is None or window.closed(now):  # none yet, or its window ended meanwhile
-                if request not in self._plain and request not in self._streams:
-                    self._waiting[request] = _Waiting(now, [None] * self.layers)
-                return False
-            self._start(request, entry[0], entry[1], window).heard = self._reservation_heard.pop(request, now)
-            return True
+            started = 0
+            for agent, (ask, plan, at) in self._reservations.pop(request, {}).items():
+                heard = self._reservation_heard.pop((request, agent), now)
+                window = WriteWindow.received(at, ask.write_window_s)
+                if window.closed(now):  # its window ended meanwhile
+                    continue
+                self._start(request, ask, plan, window).heard = heard
+                started += 1
+            if request not in self._plain:
+                self._waiting.setdefault(request, _Waiting(now, [None] * self.layers))
+            return started > 0
 
     def prefill_ended(self, request: str, *, aborted: bool = False) -> bool:
         """P's prefill of ``request`` ended: True if it streams (release it with :meth:`release`). False: no
         reservation came in time; the post-prefill path serves it (counted as a fallback unless ``aborted``) and a
         reservation arriving later is declined."""
         with self._lock:
-            if request in self._streams:
-                return True
             self._waiting.pop(request, None)
+            if self._of(request):
+                return True
             if not aborted:
                 self.counts["fallback"] += 1
             self._plain[request] = self._now()
@@ -215,12 +225,23 @@ class StreamProducer:
         """(Under ``_lock``.) The stream of ``request`` into D's reservation ``ask``."""
         stream = _Stream(request, ask, plan, np.asarray(ask.blocks, dtype=np.int32),
                          np.zeros(self.layers, dtype=np.int64), window, heard=self._now())
-        self._streams[request] = stream
+        self._streams[(request, ask.agent)] = stream
         self.counts["streamed"] += 1
         return stream
 
+    def _of(self, request: str) -> list[_Stream]:
+        """(Under ``_lock``.) The streams of ``request``, one per D rank."""
+        return [s for (r, _), s in self._streams.items() if r == request]
+
     def streaming(self, request: str) -> bool:
-        return request in self._streams
+        with self._lock:
+            return bool(self._of(request))
+
+    def reservations(self, request: str) -> int:
+        """How many D ranks' reservations for ``request`` are held or streaming: an engine expecting several (D TP >
+        P TP) can wait for all of them before it prefills."""
+        with self._lock:
+            return len(self._reservations.get(request, {})) + sum(1 for s in self._of(request) if not s.stopping)
 
     def layer_done(self, request: str, layer: int, blocks: Sequence[int] | np.ndarray,
                    ready: LayerReady | None = None) -> None:
@@ -230,42 +251,55 @@ class StreamProducer:
         while the request does not stream yet); returns at once. ``ready``: the layer's work may still be running;
         the post waits for it (``None``: the KV is written already)."""
         ids = np.array(blocks, dtype=np.int32)  # a copy: the engine may reuse its list
-        stream = self._streams.get(request)
-        if stream is None:
-            with self._lock:  # against a reservation turning the waiting request into a stream meanwhile
-                stream = self._streams.get(request)
-                waiting = self._waiting.get(request) if stream is None else None
-                if waiting is not None and 0 <= layer < self.layers:
-                    waiting.computed[layer] = (ids, ready)
-            if stream is None:
-                return
-        self._jobs.put(lambda: self._post_layer(stream, int(layer), ids, ready))
+        with self._lock:  # against a reservation joining meanwhile: it catches up on this layer, or its post is here
+            waiting = self._waiting.get(request)
+            if waiting is not None and 0 <= layer < self.layers:
+                waiting.computed[layer] = (ids, ready)
+            for stream in self._of(request):
+                self._jobs.put(functools.partial(self._post_layer, stream, int(layer), ids, ready))
 
     def cancel(self, request: str, reason: str = "aborted on P") -> None:
         """Post no further layer of ``request``; D is told once the writes in flight settled. A reservation whose
         prefill has not begun ends too, D told at once (no byte was written): it does not wait for its timeout."""
         with self._lock:
-            stream = self._streams.get(request)
-            entry = self._reservations.pop(request, None) if stream is None else None
-            if entry is not None:  # a stream stopped before its first layer: settling it sends D the failed note
-                ask, plan, at = entry
+            streams = self._of(request)
+            for agent, (ask, plan, at) in self._reservations.pop(request, {}).items():
+                # a stream stopped before its first layer: settling it sends D the failed note
+                self._reservation_heard.pop((request, agent), None)
                 stream = _Stream(request, ask, plan, np.asarray(ask.blocks, dtype=np.int32),
                                  np.zeros(self.layers, dtype=np.int64), WriteWindow.received(at, ask.write_window_s))
-                self._streams[request] = stream
-        if stream is not None:
+                self._streams[(request, agent)] = stream
+                streams.append(stream)
+        for stream in streams:
             self._stop_posting(stream, reason)
-            self._jobs.put(lambda: self._settle(stream))
+            self._jobs.put(functools.partial(self._settle, stream))
 
     def status(self, request: str) -> StreamStatus:
-        """Where ``request``'s stream stands (any thread; a snapshot)."""
+        """Where ``request``'s stream stands (any thread; a snapshot). Streamed to several D ranks: ``stopping`` or
+        ``stopped`` if any of them is (its reason), ``complete`` once all are; counts summed (``in_flight``) or the
+        least of them (``posted``)."""
         with self._lock:
-            held = self._reservations.get(request)
-            if held is not None:
-                return StreamStatus("reserved", reserved=len(held[0].blocks))
-            stream = self._streams.get(request)
+            held = list(self._reservations.get(request, {}).values())
+            streams = self._of(request)
             cancelled = self._cancelled.get(request)
-        if stream is None:
+        if not streams:
+            if held:
+                return StreamStatus("reserved", reserved=max(len(ask.blocks) for ask, _, _ in held))
             return StreamStatus("stopped", cancelled[0]) if cancelled is not None else StreamStatus("none")
+        each = [self._status_of(stream) for stream in streams]
+        if len(each) == 1 and not held:
+            return each[0]
+        reserved, posted = max(e.reserved for e in each), min(e.posted for e in each)
+        in_flight = sum(e.in_flight for e in each)
+        for state in ("stopping", "stopped"):
+            worst = [e for e in each if e.state == state]
+            if worst:
+                return StreamStatus(state, worst[0].reason, reserved, posted, in_flight)
+        state = "complete" if not held and all(e.state == "complete" for e in each) else "streaming"
+        return StreamStatus(state, "", reserved, posted, in_flight)
+
+    @staticmethod
+    def _status_of(stream: _Stream) -> StreamStatus:
         in_flight, size = len(stream.writes), int(stream.dst.size)
         posted = int(stream.sent.min()) if stream.sent.size else 0
         if stream.stopping:
@@ -275,26 +309,35 @@ class StreamProducer:
 
     def release(self, request: str, then: Callable[[], None]) -> None:
         """The engine is done with ``request`` on P: ``then`` (its release of the blocks in P's ledger) runs once
-        no write of the request is in flight, on the service thread (at once for a request that did not stream).
-        A stream released before every layer of every reserved block was posted is ended as failed for D."""
+        no write of the request's streams (one per D rank) is in flight, on the service thread (at once for a
+        request that did not stream). A stream released before every layer of every reserved block was posted is
+        ended as failed for its D."""
         with self._lock:
             self._plain.pop(request, None)
-            self._reservations.pop(request, None)
+            for agent in self._reservations.pop(request, {}):
+                self._reservation_heard.pop((request, agent), None)
             self._waiting.pop(request, None)
             self._cancelled.pop(request, None)
-            stream = self._streams.get(request)
-        if stream is None:
+            streams = self._of(request)
+        if not streams:
             then()
             return
+        unsettled = [len(streams)]
+
+        def one_settled() -> None:  # the service thread runs every settle: no race on the count
+            unsettled[0] -= 1
+            if not unsettled[0]:
+                then()
 
         def job() -> None:
-            stream.released.append(then)
-            stream.release_asked = True
-            short = np.flatnonzero(stream.sent < stream.dst.size).tolist()
-            if not stream.stopping and short:
-                self._halt(stream, f"prefill ended with layers {short} short of D's {stream.dst.size} blocks")
-            else:
-                self._settle(stream)
+            for stream in streams:
+                stream.released.append(one_settled)
+                stream.release_asked = True
+                short = np.flatnonzero(stream.sent < stream.dst.size).tolist()
+                if not stream.stopping and short:
+                    self._halt(stream, f"prefill ended with layers {short} short of D's {stream.dst.size} blocks")
+                else:
+                    self._settle(stream)
 
         self._jobs.put(job)
 
@@ -313,22 +356,30 @@ class StreamProducer:
                                   f"regions ({self.options.regions_per_layer} per layer)")
         if len(msg.token) != TOKEN_BYTES:
             return self._declined(f"token must be {TOKEN_BYTES} bytes")
+        key, now = (msg.request, msg.agent), self._now()
         with self._lock:
-            if msg.request in self._plain or msg.request in self._streams:
-                held = self._streams.get(msg.request)
-                if held is not None and held.ask.transfer == msg.transfer:
+            under_way = self._streams.get(key)
+            if under_way is not None:
+                if under_way.ask.transfer == msg.transfer:
                     return Ack(True, "duplicate: this stream is already under way")
+                return self._declined("another stream of this request into this D is under way")
+            held = self._reservations.get(msg.request, {}).get(msg.agent)
+            if held is not None:
+                return Ack(held[0].transfer == msg.transfer, "duplicate reservation")
+            if (msg.request, msg.token) in self._voided:
+                return self._declined("cancelled by D (or D timed out) before it arrived: the post-prefill path "
+                                      "serves it")
+            if msg.request in self._plain:
                 return self._declined("prefill began without this reservation: the post-prefill path serves it")
-            held_ask = self._reservations.get(msg.request)
-            if held_ask is not None:
-                return Ack(held_ask[0].transfer == msg.transfer, "duplicate reservation")
-            waiting = self._waiting.pop(msg.request, None)
+            waiting = self._waiting.get(msg.request)
             if waiting is None:
-                self._reservations[msg.request] = (msg, plan, self._now())  # the write window starts here
-                self._reservation_heard[msg.request] = self._now()
+                if self._of(msg.request):  # the prefill ended, streaming into other D ranks
+                    return self._declined("prefill ended before this reservation: the post-prefill path serves it")
+                self._reservations.setdefault(msg.request, {})[msg.agent] = (msg, plan, now)  # the window starts
+                self._reservation_heard[key] = now
                 return Ack(True)
             # the prefill is under way: catch up on its layers, within the window that starts now
-            stream = self._start(msg.request, msg, plan, WriteWindow.received(self._now(), msg.write_window_s))
+            stream = self._start(msg.request, msg, plan, WriteWindow.received(now, msg.write_window_s))
             self.counts["joined_late"] += 1
             for layer, computed in enumerate(waiting.computed):
                 if computed is not None:  # queued under the lock: before any later post of the same layer
@@ -337,7 +388,7 @@ class StreamProducer:
 
     def _on_stream_query(self, msg: StreamQuery, _peer: bytes) -> Ack:
         with self._lock:
-            return Ack(msg.request in self._reservations or msg.request in self._streams)
+            return Ack(bool(self._reservations.get(msg.request)) or bool(self._of(msg.request)))
 
     def _on_heartbeat(self, msg: StreamHeartbeat, _peer: bytes) -> Ack:
         """D ``msg.agent`` holds the streams named: each is heard now. The answer tells D that this P is alive."""
@@ -346,9 +397,10 @@ class StreamProducer:
             for stream in self._streams.values():
                 if stream.ask.agent == msg.agent and stream.ask.epoch == msg.epoch and stream.ask.token in named:
                     stream.heard = now
-            for request, (ask, _, _) in self._reservations.items():
-                if ask.agent == msg.agent and ask.epoch == msg.epoch and ask.token in named:
-                    self._reservation_heard[request] = now
+            for request, held in self._reservations.items():
+                ask = held[msg.agent][0] if msg.agent in held else None
+                if ask is not None and ask.epoch == msg.epoch and ask.token in named:
+                    self._reservation_heard[(request, msg.agent)] = now
         self.counts["heartbeats"] += 1
         return Ack(True, str(self.transport.epoch))
 
@@ -358,12 +410,13 @@ class StreamProducer:
         with self._lock:
             late = [s for s in self._streams.values() if not s.stopping and now - s.heard > limit]
             # a held reservation of a silent D goes as D's cancel of it goes: D may free those blocks soon
-            for request in [r for r in self._reservations if now - self._reservation_heard.get(r, now) > limit]:
-                ask = self._reservations.pop(request)[0]
-                self._reservation_heard.pop(request, None)
-                self._plain[request] = now  # its prefill, if it comes, takes the usual path
-                self._cancelled[request] = (f"peer timeout: D {ask.agent} not heard for {limit:g} s", now)
-                self.counts["peer_timed_out"] += 1
+            for key in [k for k, heard in self._reservation_heard.items() if now - heard > limit]:
+                del self._reservation_heard[key]
+                ask = self._drop_reservation(*key)
+                if ask is not None:  # the same ask, if it comes again, is declined
+                    self._voided[(ask.request, ask.token)] = now
+                    self._cancelled[ask.request] = (f"peer timeout: D {ask.agent} not heard for {limit:g} s", now)
+                    self.counts["peer_timed_out"] += 1
         for stream in late:
             self.counts["peer_timed_out"] += 1
             self._stop_posting(stream, f"peer timeout: D {stream.ask.agent} not heard for {limit:g} s")
@@ -374,6 +427,14 @@ class StreamProducer:
             self._settle(stream)
         return len(late)
 
+    def _drop_reservation(self, request: str, agent: str) -> StreamRequest | None:
+        """(Under ``_lock``.) Take D ``agent``'s held reservation of ``request`` out; its ask, if there was one."""
+        held = self._reservations.get(request, {})
+        entry = held.pop(agent, None)
+        if not held:
+            self._reservations.pop(request, None)
+        return entry[0] if entry is not None else None
+
     def _declined(self, why: str) -> Ack:
         self.counts["declined"] += 1
         return Ack(False, why)
@@ -381,19 +442,22 @@ class StreamProducer:
     def _on_stream_cancel(self, msg: StreamCancel, _peer: bytes) -> Ack:
         """``settled``: nothing was or will be written for this stream (D may free at once); ``settling``: a
         ``failed`` note follows once the writes in flight settled."""
+        now = self._now()
         with self._lock:
-            held = self._reservations.get(msg.request)
-            if held is not None and held[0].transfer == msg.transfer and held[0].token == msg.token:
-                del self._reservations[msg.request]
-                self._plain[msg.request] = self._now()  # its prefill, if it comes, takes the usual path
-                self._cancelled[msg.request] = (f"cancelled by D: {msg.reason}", self._now())
-                return Ack(True, "settled")
-            stream = self._streams.get(msg.request)
-            if stream is None and held is None:  # a request delayed past this cancel must not start a stream D freed
-                self._plain.setdefault(msg.request, self._now())
-        if stream is None or stream.ask.transfer != msg.transfer:
+            for agent, (ask, _, _) in list(self._reservations.get(msg.request, {}).items()):
+                if ask.transfer == msg.transfer and ask.token == msg.token:
+                    self._drop_reservation(msg.request, agent)
+                    self._reservation_heard.pop((msg.request, agent), None)
+                    self._voided[(msg.request, msg.token)] = now  # the same ask, delayed, is declined
+                    self._cancelled[msg.request] = (f"cancelled by D: {msg.reason}", now)
+                    return Ack(True, "settled")
+            streams = [s for s in self._of(msg.request) if s.ask.transfer == msg.transfer]
+            stream = next((s for s in streams if s.ask.token == msg.token), None)
+            if stream is None:  # an ask delayed past this cancel must not start a stream D freed
+                self._voided[(msg.request, msg.token)] = now
+        if not streams:
             return Ack(True, "settled")
-        if stream.ask.token != msg.token:
+        if stream is None:
             return Ack(False, "stream token: not this stream's")
         self.counts["cancelled_by_d"] += 1
         self._stop_posting(stream, f"cancelled by D: {msg.reason}")
@@ -523,7 +587,7 @@ class StreamProducer:
                 log.warning("could not tell %s that stream %s stopped: %s", stream.plan.peer, ask.transfer, exc)
         if stream.release_asked:
             with self._lock:
-                self._streams.pop(stream.request, None)
+                self._streams.pop((stream.request, stream.ask.agent), None)
             for then in stream.released:
                 try:
                     then()
@@ -534,12 +598,14 @@ class StreamProducer:
     def _sweep(self) -> None:
         now = self._now()
         with self._lock:
-            stale = [r for r, (ask, _, at) in self._reservations.items()
+            stale = [(r, a) for r, held in self._reservations.items() for a, (ask, _, at) in held.items()
                      if now - at > min(self.options.reservation_ttl_s, ask.write_window_s)]
-            for request in stale:
-                del self._reservations[request]
-            for request in [r for r in self._reservation_heard if r not in self._reservations]:
-                del self._reservation_heard[request]  # its reservation began, was cancelled or released
+            for request, agent in stale:
+                self._drop_reservation(request, agent)
+            for key in [k for k in self._reservation_heard if k[1] not in self._reservations.get(k[0], {})]:
+                del self._reservation_heard[key]  # its reservation began, was cancelled or released
+            for void in [k for k, at in self._voided.items() if now - at > self.options.reservation_ttl_s]:
+                del self._voided[void]
             for request in [r for r, at in self._plain.items() if now - at > self.options.reservation_ttl_s]:
                 del self._plain[request]
             for request in [r for r, (_, at) in self._cancelled.items() if now - at > self.options.reservation_ttl_s]:
