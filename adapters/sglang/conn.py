@@ -46,7 +46,7 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.runtime_context import get_device
+from sglang.srt.runtime_context import get_device, get_parallel
 from sglang.srt.server_args import ServerArgs
 
 from kvlifecycle import envvars
@@ -100,12 +100,37 @@ def _float(value: float | None) -> float:
     return float(value)
 
 
+def attention_tp() -> tuple[int, int]:
+    """This scheduler rank's attention TP size and rank (SGLang's ``get_parallel()``, as ``CommonKVManager`` reads
+    them): the TP the KV heads are split over, so the one the handshake compares."""
+    parallel = get_parallel()
+    return max(1, int(parallel.attn_tp_size or 1)), int(parallel.attn_tp_rank or 0)
+
+
+def _total_heads(args: KVArgs, tp_size: int) -> int:
+    total = int(getattr(args, "total_kv_head_num", 0) or 0)  # SGLang's decode sets the head counts only sometimes
+    return total or int(getattr(args, "kv_head_num", 0) or 0) * tp_size or 1
+
+
 def compat_of(args: KVArgs, server_args: ServerArgs, tp_size: int) -> CompatInfo:
     """The compatibility record both sides' handshake compares. The rows' sizes are not in it: the transport checks
-    every region's row size against its own when it prepares the push plan (a mismatch is refused there, by name)."""
+    every region's row size against its own when it prepares the push plan (a mismatch is refused there, by name).
+    ``tp_size`` is SGLang's attention TP size; the heads are the model's (all ranks')."""
     return CompatInfo(model_id=str(server_args.model_path)[:256], dtype=str(args.kv_cache_dtype_str or "auto"),
-                      num_layers=max(1, len(args.kv_data_ptrs)), num_kv_heads=max(1, int(args.total_kv_head_num or 1)),
+                      num_layers=max(1, len(args.kv_data_ptrs)), num_kv_heads=_total_heads(args, tp_size),
                       head_size=1, block_size=int(args.page_size), kv_layout="NHD", tp_size=max(1, tp_size))
+
+
+def unit_bytes_of(args: KVArgs, tp_size: int) -> int:
+    """Bytes of one head × one token in a KV page row of this rank (``HandoffOptions.unit_bytes``: the TP plan's
+    views are in those units, the compatibility record's ``head_size`` being 1). 0 when the rows do not split
+    evenly into this rank's heads × the page size (K and V rows of different sizes): no heterogeneous TP then."""
+    heads = int(getattr(args, "kv_head_num", 0) or 0) or _total_heads(args, tp_size) // tp_size
+    rows = {int(n) for n in args.kv_item_lens}
+    per_page = max(1, heads) * max(1, int(args.page_size))
+    if len(rows) != 1 or next(iter(rows)) % per_page:
+        return 0
+    return next(iter(rows)) // per_page
 
 
 class KVLifecycleKVManager(CommonKVManager):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import requests
-from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, compat_of, logger
+from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -64,10 +64,16 @@ class _PRank:
 class _DRoom:
     room: int
     bootstrap_addr: str
-    peer: str  # the prefill rank's peer id
+    peers: list[str]  # the prefill ranks' peer ids, in P TP rank order: part i of the room's load is peers[i]
     transfer: str = ""  # the stream's transfer id once reserved
     loading: bool = False
     reason: str = ""  # why it failed, first cause
+
+
+def _p_tp_rank(info: dict) -> int:
+    """A bootstrap info's prefill attention TP rank (its row key ``dp/cp/tp/pp``; 0 where it names none)."""
+    parts = str(info.get("kvl_rank_key", "")).split("/")
+    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else 0
 
 
 class DecodeKVManager(KVLifecycleKVManager):
@@ -90,9 +96,11 @@ class DecodeKVManager(KVLifecycleKVManager):
 
     def _start_handoff(self, args: KVArgs, server_args: ServerArgs) -> None:
         self.ledger.listeners.append(self._on_ledger_event)
-        compat = compat_of(args, server_args, int(getattr(server_args, "tp_size", 1) or 1))
-        self.consumer = Consumer(self.ledger, self.plane.transport, compat, tp_rank=int(args.engine_rank),
-                                 options=HandoffOptions(probe=False))
+        self.kvl_tp_size, tp_rank = attention_tp()
+        compat = compat_of(args, server_args, self.kvl_tp_size)
+        self.kvl_unit_bytes = unit_bytes_of(args, self.kvl_tp_size)
+        self.consumer = Consumer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
+                                 options=HandoffOptions(probe=False, unit_bytes=self.kvl_unit_bytes))
         self.streams = StreamConsumer(self.consumer, options=self.stream_options)
 
     def _close_handoff(self) -> None:
@@ -110,21 +118,30 @@ class DecodeKVManager(KVLifecycleKVManager):
 
     # -- receiver-facing -------------------------------------------------------------------------------------------
     def d_connect(self, receiver: KVLifecycleKVReceiver) -> None:
-        """receiver.init(): handshake with the room's prefill rank (once per rank and epoch)."""
+        """receiver.init(): handshake with every prefill rank the room reads (SGLang's non-dummy bootstrap infos:
+        its ``target_tp_ranks``, one rank under equal TP or D TP > P TP, P TP / D TP ranks under P TP > D TP), each
+        once per rank and epoch; the first refusal fails the room with P's reason."""
         room = receiver.bootstrap_room
-        infos = [i for i in receiver.bootstrap_infos or [] if not i.get("is_dummy")]
-        if len(infos) != 1:
-            self._d_fail(room, f"the kvlifecycle backend streams a room from one prefill rank, not {len(infos)}")
-            return
-        info = infos[0]
-        pid, epoch = self.peer_id(receiver.bootstrap_addr, info), int(info.get("kvl_epoch", 0))
+        infos = sorted((i for i in receiver.bootstrap_infos or [] if not i.get("is_dummy")), key=_p_tp_rank)
+        pids = [self.peer_id(receiver.bootstrap_addr, info) for info in infos]
         with self._lock:
-            self.d_rooms[room] = _DRoom(room, receiver.bootstrap_addr, pid)
-            rank = self.p_ranks.get(pid)
-        if rank is None or rank.epoch != epoch:
-            rank = self._d_handshake(receiver.bootstrap_addr, pid, info)
-        if rank.refusal:
-            self._d_fail(room, rank.refusal)
+            self.d_rooms[room] = _DRoom(room, receiver.bootstrap_addr, pids)
+        if not infos:
+            self._d_fail(room, f"no prefill rank to read room {room} from at {receiver.bootstrap_addr}")
+            return
+        p_tp = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", self.kvl_tp_size)
+        if p_tp != self.kvl_tp_size and not self.kvl_unit_bytes:
+            self._d_fail(room, f"prefill attention TP {p_tp}, decode {self.kvl_tp_size}: this decode's KV rows "
+                               f"{sorted(set(self.kv_args.kv_item_lens))} do not split into heads × page size")
+            return
+        for pid, info in zip(pids, infos, strict=True):
+            with self._lock:
+                rank = self.p_ranks.get(pid)
+            if rank is None or rank.epoch != int(info.get("kvl_epoch", 0)):
+                rank = self._d_handshake(receiver.bootstrap_addr, pid, info)
+            if rank.refusal:
+                self._d_fail(room, rank.refusal)
+                return
 
     def _d_handshake(self, addr: str, pid: str, info: dict) -> _PRank:
         side, epoch = str(info.get("kvl_side", "")), int(info.get("kvl_epoch", 0))
@@ -150,11 +167,12 @@ class DecodeKVManager(KVLifecycleKVManager):
         room = receiver.bootstrap_room
         with self._lock:
             d = self.d_rooms.get(room)
-            rank = self.p_ranks.get(d.peer) if d is not None else None
-        if d is None or d.reason or rank is None or rank.refusal:
-            self._d_fail(room, (d.reason if d else "") or (rank.refusal if rank else "")
-                         or f"no handshake with the prefill of room {room}")
+            ranks = [self.p_ranks.get(pid) for pid in d.peers] if d is not None else []
+        refusal = next((r.refusal for r in ranks if r is not None and r.refusal), "")
+        if d is None or d.reason or not ranks or None in ranks or refusal:
+            self._d_fail(room, (d.reason if d else "") or refusal or f"no handshake with the prefill of room {room}")
             return
+        sides = [r.side for r in ranks if r is not None]
         blocks = np.asarray(kv_indices, dtype=np.int32)
         aux_start = self.plane.aux_start
         if aux_index is not None and aux_start is not None:
@@ -166,7 +184,7 @@ class DecodeKVManager(KVLifecycleKVManager):
             self._d_fail(room, f"decode ledger refused the pages: {exc}")
             return
         try:
-            transfer = self.streams.request_stream(key, rank.side, layers=1)
+            transfer = self.streams.request_streams(key, sides, layers=1)  # one part per prefill rank
         except (LedgerError, ValueError) as exc:
             self.ledger.cancel(key)
             self._d_fail(room, f"stream request refused: {exc}")
@@ -175,7 +193,7 @@ class DecodeKVManager(KVLifecycleKVManager):
             why = self.streams.declines.get(key, "declined")
             self.ledger.cancel(key)
             if why.startswith("push unavailable"):
-                why = f"prefill {d.peer} {_REFUSED}: KV layout mismatch: {why}"
+                why = f"prefill {d.peers[0]} {_REFUSED}: KV layout mismatch: {why}"
             self._d_fail(room, f"prefill declined the room: {why}")
             return
         with self._lock:
@@ -286,7 +304,7 @@ class DecodeKVManager(KVLifecycleKVManager):
         with self._lock:
             if self.p_ranks.get(pid) is rank:
                 del self.p_ranks[pid]
-            rooms = [d.room for d in self.d_rooms.values() if d.peer == pid]
+            rooms = [d.room for d in self.d_rooms.values() if pid in d.peers]  # every room this rank is part of
             for key in [k for k in self.connection_pool if k.startswith(rank.bootstrap_addr)]:
                 del self.connection_pool[key]
             self.prefill_info_table.pop(rank.bootstrap_addr, None)

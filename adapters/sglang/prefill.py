@@ -24,14 +24,16 @@ import time
 from typing import Any
 
 import numpy as np
-from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, compat_of, logger
+from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import AbortNotification
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import get_local_ip_auto
 
+from kvlifecycle.control import StreamRequest
 from kvlifecycle.handoff import HandoffOptions, Producer
+from kvlifecycle.handshake import GetMeta
 from kvlifecycle.ledger import LedgerError, SourceLedger
 from kvlifecycle.machines import SourceState
 from kvlifecycle.streaming import StreamProducer
@@ -77,10 +79,42 @@ class PrefillKVManager(KVLifecycleKVManager):
         )
 
     def _start_handoff(self, args: KVArgs, server_args: ServerArgs) -> None:
-        compat = compat_of(args, server_args, int(getattr(server_args, "tp_size", 1) or 1))
-        self.producer = Producer(self.ledger, self.plane.transport, compat, tp_rank=int(args.engine_rank),
-                                 options=HandoffOptions(host=get_local_ip_auto(), probe=False))
+        self.kvl_tp_size, tp_rank = attention_tp()
+        compat = compat_of(args, server_args, self.kvl_tp_size)
+        unit = unit_bytes_of(args, self.kvl_tp_size)
+        self.producer = Producer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
+                                 options=HandoffOptions(host=get_local_ip_auto(), probe=False, unit_bytes=unit))
         self.streamer = StreamProducer(self.producer, layers=1, options=self.stream_options)
+        # what SGLang's decode tells its prefill in each rank's metadata (``required_dst_info_num``) the handshake
+        # tells here: a decode of attention TP d > this TP p has d / p ranks reserving each room from this rank
+        self._decode_tp: dict[str, int] = {}  # decode agent -> its attention TP size (from its handshake)
+        self._reserved_by: dict[str, str] = {}  # room's request -> the decode agent whose reservation came first
+        handlers = self.producer.server.handlers
+        on_meta, on_stream = handlers[GetMeta], handlers[StreamRequest]
+
+        def observe_meta(msg: GetMeta, peer: bytes) -> Any:
+            reply = on_meta(msg, peer)  # a refused handshake raises: nothing recorded
+            with self._lock:
+                self._decode_tp[msg.agent] = int(msg.compat.tp_size)
+            return reply
+
+        def observe_stream(msg: StreamRequest, peer: bytes) -> Any:
+            ack = on_stream(msg, peer)
+            if ack.ok:
+                with self._lock:
+                    self._reserved_by.setdefault(msg.request, msg.agent)
+            return ack
+
+        handlers[GetMeta], handlers[StreamRequest] = observe_meta, observe_stream
+
+    def expected_reservations(self, key: str) -> int:
+        """How many decode ranks reserve room ``key`` from this rank: SGLang's ``required_dst_info_num`` (decode
+        attention TP / prefill attention TP when the decode's is larger, else 1), from the first reserver's
+        handshake."""
+        with self._lock:
+            agent = self._reserved_by.get(key)
+            d_tp = self._decode_tp.get(agent, 1) if agent is not None else 1
+        return max(1, d_tp // self.kvl_tp_size)
 
     def _close_handoff(self) -> None:
         self.streamer.close()
@@ -136,7 +170,9 @@ class PrefillKVManager(KVLifecycleKVManager):
         if status.state == "reserved":
             with self._lock:
                 r.reserved_at = r.reserved_at or time.monotonic()
-            return KVPoll.WaitingForInput
+            # the prefill starts only once every decode rank reserved (SGLang waits for all its ranks' metadata)
+            if self.streamer.reservations(r.key) >= self.expected_reservations(r.key):
+                return KVPoll.WaitingForInput
         return KVPoll.Bootstrapping
 
     def add_transfer_request(
@@ -211,6 +247,13 @@ class PrefillKVManager(KVLifecycleKVManager):
             now = time.monotonic()
             with self._lock:
                 waiting = [r for r in self.rooms.values() if r.failure is None and not r.chunks]
+                # reservations of rooms this rank never opened: forgotten once the stream dropped them
+                opened = {r.key for r in self.rooms.values()}
+                orphans = [k for k in self._reserved_by if k not in opened]
+            for key in orphans:
+                if not self.streamer.reservations(key):
+                    with self._lock:
+                        self._reserved_by.pop(key, None)
             for r in waiting:
                 state = self.streamer.status(r.key).state
                 if state == "reserved":
@@ -227,6 +270,7 @@ class PrefillKVManager(KVLifecycleKVManager):
         follows."""
         with self._lock:
             r = self.rooms.pop(room, None)
+            self._reserved_by.pop(str(room), None)
         if r is None:
             return
 

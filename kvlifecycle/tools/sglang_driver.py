@@ -11,6 +11,11 @@ the decode side checks byte for byte what landed, and that every page no success
 KV lives in DRAM (torch CPU tensors); aux rows are SGLang's own ``MetadataBuffers`` where they construct on CPU.
 Every wait is bounded (``--deadline``); the result is one JSON file.
 
+Tensor parallelism: each attention TP rank is its own process (``--tp`` size, ``--tp-rank``; prefill rank 0 runs
+the bootstrap server, a prefill waits for ``--decode-tp`` decode ranks to finish). ``--heads`` splits the model's
+KV heads over the ranks, each prefill rank filling its own heads' bytes; every decode rank checks that its pages
+hold exactly its heads of the prefill's pages (``--page-size 1`` for differing TP sizes).
+
 Scenarios (``--scenario``):
   transfer   ``--rooms`` rooms after one warm-up room (the benchmark's; also plain correctness)
   suite      transfer rooms + abort by decode before metadata, abort by decode after metadata (P holds the send
@@ -56,6 +61,7 @@ class Plan:
     rooms: int
     aux_rows: int
     page_size: int = 16
+    heads: int = 1  # the model's KV heads; a rank of TP t holds heads // t of them
     room_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,11 +97,23 @@ class Plan:
             self.aux_src[room] = i % self.aux_rows
             self.aux_dst[room] = (self.aux_rows - 1 - i) % self.aux_rows
 
-    def kv_bytes(self) -> list[np.ndarray]:
-        """The prefill's KV regions (K and V per layer), the same bytes in every process for one seed."""
+    def kv_bytes(self, tp: int = 1, rank: int = 0) -> list[np.ndarray]:
+        """KV regions (K and V per layer) of attention TP rank ``rank`` of ``tp``, the same bytes in every process
+        for one seed. The model's rows (``item_bytes``: page_size tokens × ``heads`` heads, token-major as SGLang's
+        MHA pages) are random per (page, token, head, byte); a rank's row is its heads' slice of each token. A
+        prefill rank fills its own heads' bytes; a decode rank expects its heads, whichever prefill ranks they came
+        from (the concatenation of several, or a slice of one)."""
+        if self.item_bytes % (self.page_size * self.heads) or self.heads % tp:
+            raise SystemExit(f"--item-bytes {self.item_bytes} must split into page size {self.page_size} × "
+                             f"{self.heads} heads, and the heads into TP {tp}")
         rng = np.random.default_rng(self.seed + 1)
-        return [rng.integers(0, 256, size=(self.num_pages, self.item_bytes), dtype=np.uint8)
-                for _ in range(2 * self.layers)]
+        mine = slice(rank * self.heads // tp, (rank + 1) * self.heads // tp)
+        shape = (self.num_pages, self.page_size, self.heads, self.item_bytes // (self.page_size * self.heads))
+        return [np.ascontiguousarray(rng.integers(0, 256, size=shape, dtype=np.uint8)[:, :, mine, :])
+                .reshape(self.num_pages, -1) for _ in range(2 * self.layers)]
+
+    def row_bytes(self, tp: int) -> int:
+        return self.item_bytes // tp
 
     def aux_row_bytes(self, buf_index: int, row: int, nbytes: int) -> np.ndarray:
         rng = np.random.default_rng((self.seed, buf_index, row))
@@ -127,23 +145,24 @@ class Side:
         self.mode = DisaggregationMode.PREFILL if args.role == "prefill" else DisaggregationMode.DECODE
         sa = ServerArgs(model_path="dummy", device="cpu", host="127.0.0.1", disaggregation_mode=args.role,
                         disaggregation_transfer_backend=args.backend, disaggregation_bootstrap_port=args.port,
-                        port=args.port + 1, page_size=plan.page_size)
-        rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+                        port=args.port + 1, page_size=plan.page_size, tp_size=args.tp)
+        # one scheduler rank of attention TP args.tp: SGLang derives attn_tp_size / attn_tp_rank from these
+        rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=args.tp_rank, dp_rank=None, gpu_id=0))
         # one rank, no torch.distributed: the groups SGLang's managers read exist but are never used
         rc.get_parallel().override_permanently(pp_group=None, world_group=None, attn_tp_group=None)
         # looked up at call time: the plugin's hook replaces the module attribute
         self.get = lambda kind: disagg_utils.get_kv_class(self.backend, getattr(KVClassType, kind))
         self.bootstrap = None
-        if self.mode == DisaggregationMode.PREFILL:
+        if self.mode == DisaggregationMode.PREFILL and args.tp_rank == 0:  # one bootstrap server per prefill
             self.bootstrap = self.get("BOOTSTRAP_SERVER")("127.0.0.1", args.port)
         if self.mode == DisaggregationMode.PREFILL:
-            self.kv = [torch.from_numpy(a.copy()) for a in plan.kv_bytes()]
+            self.kv = [torch.from_numpy(a.copy()) for a in plan.kv_bytes(args.tp, args.tp_rank)]
         else:
-            self.kv = [torch.full((plan.num_pages, plan.item_bytes), SENTINEL, dtype=torch.uint8)
+            self.kv = [torch.full((plan.num_pages, plan.row_bytes(args.tp)), SENTINEL, dtype=torch.uint8)
                        for _ in range(2 * plan.layers)]
         self.aux = self._aux_buffers()
         kv_args = self.get("KVARGS")()
-        kv_args.engine_rank = 0
+        kv_args.engine_rank = args.tp_rank
         kv_args.pp_rank = 0
         kv_args.system_dp_rank = 0
         kv_args.rust_http_port = None
@@ -157,8 +176,8 @@ class Side:
         kv_args.kv_data_mem_kinds = ["DRAM"] * len(self.kv)
         kv_args.num_draft_entries = 0
         kv_args.kv_layer_ids = list(range(plan.layers)) * 2
-        kv_args.kv_head_num = 1
-        kv_args.total_kv_head_num = 1
+        kv_args.kv_head_num = plan.heads // args.tp
+        kv_args.total_kv_head_num = plan.heads
         kv_args.page_size = plan.page_size
         kv_args.aux_data_ptrs = [t.data_ptr() for t in self.aux]
         kv_args.aux_data_lens = [t.nbytes for t in self.aux]
@@ -322,7 +341,9 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
         result["streams"] = dict(streamer.counts) if streamer is not None else {}
     # stay up until the decode is done with us (its heartbeats and acks still reach us)
     linger = time.monotonic() + args.linger
-    while time.monotonic() < linger and not (args.sync_dir and (Path(args.sync_dir) / "decode.done").exists()):
+    done_files = [Path(args.sync_dir) / f"decode{rank}.done" for rank in range(args.decode_tp)] if args.sync_dir \
+        else []
+    while time.monotonic() < linger and not (done_files and all(f.exists() for f in done_files)):
         time.sleep(0.05)
     side.close()
     if ledger is not None:
@@ -471,7 +492,7 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
     for room in receivers:
         result["rooms"][str(room)] = done.get(room, {"status": "timeout", "reason": "driver deadline"})
     # bytes: every successful room's pages and aux row hold P's bytes; every other page kept the sentinel
-    src = plan.kv_bytes()
+    src = plan.kv_bytes(args.tp, args.tp_rank)  # this decode rank's heads of the prefill's bytes
     touched = np.zeros(plan.num_pages, dtype=bool)
     mismatches: list[str] = []
     for room, info in done.items():
@@ -493,14 +514,14 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
         untouched_ok = untouched_ok and bool((v.numpy()[rows] == SENTINEL).all())
     result.update(bytes_equal=not mismatches and any(i["status"] == "success" for i in done.values()),
                   mismatches=mismatches[:20], untouched_ok=untouched_ok,
-                  bytes_moved=int(sum(plan.pages_per_room * plan.item_bytes * 2 * plan.layers
+                  bytes_moved=int(sum(plan.pages_per_room * plan.row_bytes(args.tp) * 2 * plan.layers
                                       for r in ids["transfer"] if done.get(r, {}).get("status") == "success")))
     ledger = getattr(side.mgr, "ledger", None)
     if ledger is not None:
         result["ledger"] = {"counts": ledger.counts(), "stats": ledger.stats, "refusals": ledger.refusals,
                             "loads": len(ledger.loads), "peer_epochs": ledger.peer_epochs}
     if args.sync_dir:
-        (Path(args.sync_dir) / "decode.done").write_text("1")
+        (Path(args.sync_dir) / f"decode{args.tp_rank}.done").write_text("1")
     time.sleep(0.2)
     side.close()
     return result
@@ -525,13 +546,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--item-bytes", type=int, default=4096)
     ap.add_argument("--aux-rows", type=int, default=32)
     ap.add_argument("--deadline", type=float, default=120.0)
-    ap.add_argument("--linger", type=float, default=30.0, help="prefill: wait this long for decode.done")
+    ap.add_argument("--linger", type=float, default=30.0, help="prefill: wait this long for the decodes' done")
+    ap.add_argument("--tp", type=int, default=1, help="this side's attention TP size (one process per rank)")
+    ap.add_argument("--tp-rank", type=int, default=0, help="this process's attention TP rank")
+    ap.add_argument("--decode-tp", type=int, default=1, help="prefill: how many decode ranks report done")
+    ap.add_argument("--heads", type=int, default=1, help="the model's KV heads (split over the TP ranks)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page (SGLang's --page-size)")
     ap.add_argument("--sync-dir", default="")
     ap.add_argument("--chunked", action="store_true", help="send odd rooms in two chunks (chunked prefill)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     plan = Plan(args.seed, args.num_pages, args.layers, args.item_bytes, args.pages_per_room, args.rooms,
-                args.aux_rows)
+                args.aux_rows, page_size=args.page_size, heads=args.heads)
     try:
         result = run_prefill(args, plan) if args.role == "prefill" else run_decode(args, plan)
     except BaseException as exc:

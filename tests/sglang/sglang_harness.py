@@ -175,3 +175,25 @@ def run_probe(script: Path, env_extra: dict[str, str], timeout: float = 240.0) -
     if proc.returncode != 0 or not lines:
         raise AssertionError(f"probe failed rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def run_tp(work: Path, scenario: str, *, p_tp: int, d_tp: int, extra: list[str] | None = None,
+           env_extra: dict[str, str] | None = None, timeout: float = 300.0) -> PairRun:
+    """A prefill of attention TP ``p_tp`` and a decode of ``d_tp``, one process per rank (``prefill0`` ...,
+    ``decode0`` ...), every rank's result returned."""
+    require_sglang()
+    port = free_port()
+    log_dir = work / "logs"
+    env = base_env(log_dir, **(env_extra or {}))
+    common = ["--scenario", scenario, "--port", str(port), "--sync-dir", str(work), *(extra or [])]
+    procs = [spawn(f"prefill{r}", work, ["--role", "prefill", "--tp", str(p_tp), "--tp-rank", str(r),
+                                         "--decode-tp", str(d_tp), *common], env) for r in range(p_tp)]
+    procs += [spawn(f"decode{r}", work, ["--role", "decode", "--tp", str(d_tp), "--tp-rank", str(r), *common], env)
+              for r in range(d_tp)]
+    try:
+        for p in procs:
+            p.wait(timeout)
+        return PairRun({p.name: p.result() for p in procs}, log_dir, work)
+    finally:
+        for p in procs:
+            kill(p)
