@@ -269,6 +269,7 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
                               "epoch": getattr(side.mgr, "kvl_epoch", None)}
     senders: dict[int, Any] = {}
     sent: set[int] = set()
+    reserved_at_send: dict[int, int] = {}
     done: dict[int, dict] = {}
     t_first_send: float | None = None
     timed = set(ids["transfer"]) if args.scenario == "transfer" else set()
@@ -306,6 +307,9 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
                     # processed since, and send() comes now. The backend must not write.
                     if side.mgr.p_room_status(room) != KVPoll.Failed:
                         continue
+                streamer = getattr(side.mgr, "streamer", None)
+                if streamer is not None:  # the decode ranks that reserved the room when the prefill may start
+                    reserved_at_send[room] = streamer.reservations(str(room))
                 s.init(len(plan.src[room]), plan.aux_src[room])
                 side.fill_aux(room)
                 if room in timed and t_first_send is None:
@@ -328,6 +332,7 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
         time.sleep(0.0005)
     for room in order:
         result["rooms"][str(room)] = done.get(room, {"status": "timeout", "reason": "driver deadline"})
+    result["reserved_at_send"] = {str(room): n for room, n in reserved_at_send.items()}
     if timed and all(done.get(r, {}).get("status") == "success" for r in timed):
         result["t_first_send"] = t_first_send
         result["t_all_done"] = max(done[r]["t"] for r in timed)
