@@ -400,7 +400,8 @@ class KVLifecycleKVBootstrapServer(CommonKVBootstrapServer):
             known = key in self.kvl_ranks
             self.kvl_ranks[key] = {"agent": data["kvl_agent"], "epoch": int(data["kvl_epoch"]),
                                    "side": str(data.get("kvl_side", "")),
-                                   "rank_ip": data["rank_ip"], "rank_port": int(data["rank_port"])}
+                                   "rank_ip": data["rank_ip"], "rank_port": int(data["rank_port"]),
+                                   "heads": data.get("kvl_heads") if isinstance(data.get("kvl_heads"), int) else 0}
             if known:
                 # a restarted rank re-registers: it replaces the old row instead of counting twice
                 self._registered_count -= 1
@@ -424,5 +425,6 @@ class KVLifecycleKVBootstrapServer(CommonKVBootstrapServer):
         import json
 
         body = json.loads(resp.body)
-        body.update(kvl_agent=row["agent"], kvl_epoch=row["epoch"], kvl_side=row["side"], kvl_rank_key=key)
+        body.update(kvl_agent=row["agent"], kvl_epoch=row["epoch"], kvl_side=row["side"], kvl_rank_key=key,
+                    kvl_heads=row["heads"])  # the model's KV heads: a decode whose KVArgs carry none takes them
         return web.json_response(body, status=200)

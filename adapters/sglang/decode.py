@@ -23,6 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 import requests
 from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
@@ -99,6 +100,7 @@ class DecodeKVManager(KVLifecycleKVManager):
         self.kvl_tp_size, tp_rank = attention_tp()
         compat = compat_of(args, server_args, self.kvl_tp_size)
         self.kvl_unit_bytes = unit_bytes_of(args, self.kvl_tp_size)
+        self._heads_known = bool(getattr(args, "total_kv_head_num", 0) or getattr(args, "kv_head_num", 0))
         self.consumer = Consumer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
                                  options=HandoffOptions(probe=False, unit_bytes=self.kvl_unit_bytes))
         self.streams = StreamConsumer(self.consumer, options=self.stream_options)
@@ -129,6 +131,8 @@ class DecodeKVManager(KVLifecycleKVManager):
         if not infos:
             self._d_fail(room, f"no prefill rank to read room {room} from at {receiver.bootstrap_addr}")
             return
+        if not self._heads_known:
+            self._d_learn_heads(infos[0])
         p_tp = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", self.kvl_tp_size)
         if p_tp != self.kvl_tp_size and not self.kvl_unit_bytes:
             self._d_fail(room, f"prefill attention TP {p_tp}, decode {self.kvl_tp_size}: this decode's KV rows "
@@ -142,6 +146,21 @@ class DecodeKVManager(KVLifecycleKVManager):
             if rank.refusal:
                 self._d_fail(room, rank.refusal)
                 return
+
+    def _d_learn_heads(self, info: dict) -> None:
+        """SGLang's decode makes its manager before it sets any KV head count on the KVArgs (0.5.23 sets them for
+        its staging path only, ``disaggregation/decode.py:766-788``): the model's count comes from the prefill's
+        bootstrap row then, before the first handshake compares it."""
+        heads = info.get("kvl_heads")
+        if not isinstance(heads, int) or heads < 1 or heads % self.kvl_tp_size:
+            return  # the handshake compares what this decode has, and says what differs
+        with self._lock:
+            self.kv_args.total_kv_head_num = heads
+            self.kv_args.kv_head_num = heads // self.kvl_tp_size
+            self.consumer.compat = compat_of(self.kv_args, self.server_args, self.kvl_tp_size)
+            self.kvl_unit_bytes = unit_bytes_of(self.kv_args, self.kvl_tp_size)
+            self.consumer.options = attrs.evolve(self.consumer.options, unit_bytes=self.kvl_unit_bytes)
+            self._heads_known = True
 
     def _d_handshake(self, addr: str, pid: str, info: dict) -> _PRank:
         side, epoch = str(info.get("kvl_side", "")), int(info.get("kvl_epoch", 0))

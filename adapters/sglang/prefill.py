@@ -123,7 +123,7 @@ class PrefillKVManager(KVLifecycleKVManager):
     # -- bootstrap registration (P) --------------------------------------------------------------------------------
     def _register_topology_row(self, url: str, payload: dict) -> None:
         payload = {**payload, "kvl_agent": self.kvl_agent, "kvl_epoch": self.kvl_epoch,
-                   "kvl_side": self.producer.address}
+                   "kvl_side": self.producer.address, "kvl_heads": self.producer.compat.num_kv_heads}
         super()._register_topology_row(url, payload)
 
     @property

@@ -176,8 +176,9 @@ class Side:
         kv_args.kv_data_mem_kinds = ["DRAM"] * len(self.kv)
         kv_args.num_draft_entries = 0
         kv_args.kv_layer_ids = list(range(plan.layers)) * 2
-        kv_args.kv_head_num = plan.heads // args.tp
-        kv_args.total_kv_head_num = plan.heads
+        if self.mode == DisaggregationMode.PREFILL:  # SGLang's decode sets no head counts before its manager
+            kv_args.kv_head_num = plan.heads // args.tp
+            kv_args.total_kv_head_num = plan.heads
         kv_args.page_size = plan.page_size
         kv_args.aux_data_ptrs = [t.data_ptr() for t in self.aux]
         kv_args.aux_data_lens = [t.nbytes for t in self.aux]
