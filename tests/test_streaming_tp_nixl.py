@@ -249,10 +249,12 @@ def p_end(p: Rank, request: str) -> None:
     streams.release(request, lambda: ledger.free(request))
 
 
-def test_vllm_56104_a_failed_part_frees_d_blocks_only_once_the_sibling_p_ranks_write_settled() -> None:
-    """P rank 0 aborts while P rank 1's first layer is still in flight into the same D blocks: D fails the load,
-    cancels P rank 1's stream, and keeps the blocks LOADING until that write settled; then they are FREE (vLLM
-    #56104: a block freed and reused while a sibling rank's write may still land)."""
+@pytest.mark.parametrize("how", ["p_aborts", "peer_lost"])
+def test_vllm_56104_a_failed_part_frees_d_blocks_only_once_the_sibling_p_ranks_write_settled(how: str) -> None:
+    """P rank 0's part fails (P aborts it, or D learns P rank 0 is gone) while P rank 1's first layer is still in
+    flight into the same D blocks: D fails the load, cancels P rank 1's stream, and keeps the blocks LOADING until
+    that write settled; then they are FREE (vLLM #56104: a block freed and reused while a sibling rank's write may
+    still land)."""
     ps, ds = world(2, 1, block_size=16, kv_layout="HND", gate_p=1)
     (d,) = ds
     gated = ps[1].transport
@@ -270,8 +272,11 @@ def test_vllm_56104_a_failed_part_frees_d_blocks_only_once_the_sibling_p_ranks_w
         assert all(p.streams.begin("r") for p in ps)  # type: ignore[union-attr]
         ps[1].streams.layer_done("r", 0, src)  # type: ignore[union-attr]
         assert until(lambda: len(gated.pending) == 1)  # P rank 1's write of layer 0 is in flight
-        ps[0].streams.cancel("r", "P rank 0 aborted")  # type: ignore[union-attr]
-        assert until(lambda: (transfer, 0) not in streams._streams)  # part 0 settled (P rank 0's failed note)
+        if how == "p_aborts":
+            ps[0].streams.cancel("r", "P rank 0 aborted")  # type: ignore[union-attr]
+        else:
+            assert streams.peer_lost(ps[0].transport.agent, "P rank 0 lost") == 1
+        assert until(lambda: (transfer, 0) not in streams._streams)  # part 0 settled
         assert until(lambda: ps[1].streams.status("r").state == "stopping")  # type: ignore[union-attr]
         assert streams.streaming("r") and transfer in d.ledger.loads  # type: ignore[union-attr]
         assert (d.ledger.state[dst] == TargetState.LOADING).all()  # type: ignore[union-attr]

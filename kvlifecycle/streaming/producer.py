@@ -30,6 +30,10 @@ whose timeout outlasts the window (:mod:`kvlifecycle.protocol.bounds`), never fr
 land in. P's ledger records each
 settled write (``TransferObserved``), which is what the timeline draws as the per-layer posts.
 
+Several D ranks (D TP > P TP): each D rank's reservation of one request is its own stream (keyed by request and D
+agent), posting with its D's push plan (its head slice of P's blocks); the engine-facing calls act on every stream
+of the request, and :meth:`StreamProducer.reservations` says how many D ranks reserved.
+
 Liveness: D's :class:`~kvlifecycle.streaming.wire.StreamHeartbeat` names the streams D holds open; a stream whose D
 was not heard for ``peer_timeout_s`` (D died, or is cut off) stops exactly as D's cancel stops it (no new post, the
 writes in flight are cancelled as at the window's end, then the ``failed`` note), instead of posting on until its
