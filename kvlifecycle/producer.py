@@ -48,6 +48,7 @@ from kvlifecycle.transport import (
 log = logging.getLogger("kvlifecycle.handoff")
 _DEFAULT_OPTIONS = HandoffOptions()
 ENDED_GRANTS_KEPT = 4096  # forgotten grants remembered for GetGrant (a few minutes of requests)
+PEERS_KEPT = 4096  # D agents whose TP size is remembered (far more decode ranks than one P serves)
 # After a handshake D's connect-time probe reads from this side; over UCX that first READ completes only once this
 # agent has progressed the wire-up, so the data plane wakes and polls tightly for a while (not longer: on shared
 # cores a tight poll takes CPU from the engines; past it the idle rhythm still progresses the wire-up)
@@ -93,6 +94,7 @@ class Producer:
         self.epochs = EpochTracker()
         self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
         self._push_refusals: dict[tuple[str, int], str] = {}
+        self._peer_tp: OrderedDict[str, int] = OrderedDict()  # D agent -> its TP size (its last handshake)
         self._pushes: list[_Push] = []
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -156,6 +158,11 @@ class Producer:
             raise SideChannelRefused("stale_epoch", f"{msg.agent}: epoch {msg.epoch} < known {change.previous}")
         if change.kind in ("new", "restarted"):
             self.ledger.peer_restarted(msg.agent, msg.epoch)  # records the epoch; drops push leases of the old one
+        with self._lock:
+            self._peer_tp.pop(msg.agent, None)
+            self._peer_tp[msg.agent] = msg.compat.tp_size
+            while len(self._peer_tp) > PEERS_KEPT:
+                self._peer_tp.popitem(last=False)
         if msg.meta is not None:  # push mode: P writes into D, so P needs D's metadata too
             peer = self.transport.add_peer(msg.meta)
             try:
@@ -181,6 +188,12 @@ class Producer:
         local_view, remote_view = reads[0].remote_view, reads[0].local_view
         return self.transport.prepare(peer, local_view=scale_view(local_view, unit) if unit else local_view,
                                       remote_view=scale_view(remote_view, unit) if unit else remote_view)
+
+    def peer_tp_size(self, agent: str) -> int | None:
+        """The TP size D agent ``agent`` declared in its last accepted handshake (``None``: none seen): how many
+        D ranks read each rank of this P (an engine that waits for all of them before it prefills)."""
+        with self._lock:
+            return self._peer_tp.get(agent)
 
     def _fast_meta(self) -> PeerMetadata | None:
         if self.fast_transport is None:

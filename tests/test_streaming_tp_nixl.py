@@ -350,6 +350,12 @@ def test_one_p_rank_streams_each_d_rank_its_head_slice(block_size: int, kv_layou
                                                           source_request="r")
             assert transfers[d.rank] is not None
         assert producer.reservations("r") == 2 and producer.status("r").state == "reserved"
+        # who reserved, and the TP size each declared in its handshake: how an engine knows it waits for 2 D ranks
+        agents = {d.transport.agent for d in ds}
+        assert set(producer.reserving_agents("r")) == agents and producer.reserving_agents("other") == ()
+        handoff = p.handoff
+        assert isinstance(handoff, Producer)
+        assert all(handoff.peer_tp_size(agent) == 2 for agent in agents) and handoff.peer_tp_size("nobody") is None
         assert producer.begin("r")
         assert producer.status("r").state in ("streaming", "complete") and producer.pending() == 2
         p_forward(p, "r", src)

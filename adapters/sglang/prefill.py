@@ -31,9 +31,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.network import get_local_ip_auto
 
-from kvlifecycle.control import StreamRequest
 from kvlifecycle.handoff import HandoffOptions, Producer
-from kvlifecycle.handshake import GetMeta
 from kvlifecycle.ledger import LedgerError, SourceLedger
 from kvlifecycle.machines import SourceState
 from kvlifecycle.streaming import StreamProducer
@@ -85,35 +83,13 @@ class PrefillKVManager(KVLifecycleKVManager):
         self.producer = Producer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
                                  options=HandoffOptions(host=get_local_ip_auto(), probe=False, unit_bytes=unit))
         self.streamer = StreamProducer(self.producer, layers=1, options=self.stream_options)
-        # what SGLang's decode tells its prefill in each rank's metadata (``required_dst_info_num``) the handshake
-        # tells here: a decode of attention TP d > this TP p has d / p ranks reserving each room from this rank
-        self._decode_tp: dict[str, int] = {}  # decode agent -> its attention TP size (from its handshake)
-        self._reserved_by: dict[str, str] = {}  # room's request -> the decode agent whose reservation came first
-        handlers = self.producer.server.handlers
-        on_meta, on_stream = handlers[GetMeta], handlers[StreamRequest]
-
-        def observe_meta(msg: GetMeta, peer: bytes) -> Any:
-            reply = on_meta(msg, peer)  # a refused handshake raises: nothing recorded
-            with self._lock:
-                self._decode_tp[msg.agent] = int(msg.compat.tp_size)
-            return reply
-
-        def observe_stream(msg: StreamRequest, peer: bytes) -> Any:
-            ack = on_stream(msg, peer)
-            if ack.ok:
-                with self._lock:
-                    self._reserved_by.setdefault(msg.request, msg.agent)
-            return ack
-
-        handlers[GetMeta], handlers[StreamRequest] = observe_meta, observe_stream
 
     def expected_reservations(self, key: str) -> int:
         """How many decode ranks reserve room ``key`` from this rank: SGLang's ``required_dst_info_num`` (decode
-        attention TP / prefill attention TP when the decode's is larger, else 1), from the first reserver's
-        handshake."""
-        with self._lock:
-            agent = self._reserved_by.get(key)
-            d_tp = self._decode_tp.get(agent, 1) if agent is not None else 1
+        attention TP / prefill attention TP when the decode's is larger, else 1), from the TP size each reserving
+        decode declared in its handshake (what SGLang's decode tells its prefill in each rank's metadata)."""
+        agents = self.streamer.reserving_agents(key)
+        d_tp = max((self.producer.peer_tp_size(agent) or 1 for agent in agents), default=1)
         return max(1, d_tp // self.kvl_tp_size)
 
     def _close_handoff(self) -> None:
@@ -247,13 +223,6 @@ class PrefillKVManager(KVLifecycleKVManager):
             now = time.monotonic()
             with self._lock:
                 waiting = [r for r in self.rooms.values() if r.failure is None and not r.chunks]
-                # reservations of rooms this rank never opened: forgotten once the stream dropped them
-                opened = {r.key for r in self.rooms.values()}
-                orphans = [k for k in self._reserved_by if k not in opened]
-            for key in orphans:
-                if not self.streamer.reservations(key):
-                    with self._lock:
-                        self._reserved_by.pop(key, None)
             for r in waiting:
                 state = self.streamer.status(r.key).state
                 if state == "reserved":
@@ -270,7 +239,6 @@ class PrefillKVManager(KVLifecycleKVManager):
         follows."""
         with self._lock:
             r = self.rooms.pop(room, None)
-            self._reserved_by.pop(str(room), None)
         if r is None:
             return
 

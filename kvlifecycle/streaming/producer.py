@@ -247,6 +247,13 @@ class StreamProducer:
         with self._lock:
             return len(self._reservations.get(request, {})) + sum(1 for s in self._of(request) if not s.stopping)
 
+    def reserving_agents(self, request: str) -> tuple[str, ...]:
+        """The D agents whose reservations for ``request`` are held or streaming (those :meth:`reservations`
+        counts): an engine reads each one's TP size off the handshake (:meth:`Producer.peer_tp_size`)."""
+        with self._lock:
+            held = list(self._reservations.get(request, {}))
+            return tuple(held + [s.ask.agent for s in self._of(request) if not s.stopping])
+
     def layer_done(self, request: str, layer: int, blocks: Sequence[int] | np.ndarray,
                    ready: LayerReady | None = None) -> None:
         """Layer ``layer`` of ``request`` is computed for ``blocks``: P's block ids of the request in token order,
