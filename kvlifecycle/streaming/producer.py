@@ -186,6 +186,7 @@ class StreamProducer:
         self._cancelled: dict[str, tuple[str, float]] = {}  # reservations D cancelled unbegun: (why, when)
         self._voided: dict[tuple[str, bytes], float] = {}  # (request, token) D gave up on: its reservation is declined
         self._streams: dict[_Key, _Stream] = {}
+        self._by_request: dict[str, dict[str, _Stream]] = {}  # the same streams by request: layer_done's lookup
         self.counts = {"streamed": 0, "joined_late": 0, "fallback": 0, "declined": 0, "layers_posted": 0,
                        "writes_failed": 0, "cancelled_by_d": 0, "window_cancelled": 0, "peer_timed_out": 0,
                        "peer_cancelled": 0, "heartbeats": 0}
@@ -229,13 +230,28 @@ class StreamProducer:
         """(Under ``_lock``.) The stream of ``request`` into D's reservation ``ask``."""
         stream = _Stream(request, ask, plan, np.asarray(ask.blocks, dtype=np.int32),
                          np.zeros(self.layers, dtype=np.int64), window, heard=self._now())
-        self._streams[(request, ask.agent)] = stream
+        self._add(stream)
         self.counts["streamed"] += 1
         return stream
 
+    def _add(self, stream: _Stream) -> None:
+        """(Under ``_lock``.)"""
+        self._streams[(stream.request, stream.ask.agent)] = stream
+        self._by_request.setdefault(stream.request, {})[stream.ask.agent] = stream
+
+    def _remove(self, stream: _Stream) -> None:
+        """(Under ``_lock``.)"""
+        self._streams.pop((stream.request, stream.ask.agent), None)
+        of_request = self._by_request.get(stream.request)
+        if of_request is not None:
+            of_request.pop(stream.ask.agent, None)
+            if not of_request:
+                del self._by_request[stream.request]
+
     def _of(self, request: str) -> list[_Stream]:
         """(Under ``_lock``.) The streams of ``request``, one per D rank."""
-        return [s for (r, _), s in self._streams.items() if r == request]
+        of_request = self._by_request.get(request)
+        return list(of_request.values()) if of_request else []
 
     def streaming(self, request: str) -> bool:
         with self._lock:
@@ -279,7 +295,7 @@ class StreamProducer:
                 self._reservation_heard.pop((request, agent), None)
                 stream = _Stream(request, ask, plan, np.asarray(ask.blocks, dtype=np.int32),
                                  np.zeros(self.layers, dtype=np.int64), WriteWindow.received(at, ask.write_window_s))
-                self._streams[(request, agent)] = stream
+                self._add(stream)
                 streams.append(stream)
         for stream in streams:
             self._stop_posting(stream, reason)
@@ -598,7 +614,7 @@ class StreamProducer:
                 log.warning("could not tell %s that stream %s stopped: %s", stream.plan.peer, ask.transfer, exc)
         if stream.release_asked:
             with self._lock:
-                self._streams.pop((stream.request, stream.ask.agent), None)
+                self._remove(stream)
             for then in stream.released:
                 try:
                     then()

@@ -64,19 +64,23 @@ if _FAIL is not None or _GATE is not None or _TRACE is not None:
         _cancelled.add(msg.transfer)
         return ack
 
+    def streams_of(self, request):  # type: ignore[no-untyped-def]
+        with self._lock:
+            return self._of(request)  # one stream per D rank
+
     def cancel(self, request, reason="aborted on P"):  # type: ignore[no-untyped-def]
-        stream = self._streams.get(request)
-        if stream is not None:
+        streams = streams_of(self, request)
+        for stream in streams:
             _trace(f"cancel {stream.ask.transfer}")
         _cancel(self, request, reason)
-        if stream is not None:
+        for stream in streams:
             _cancelled.add(stream.ask.transfer)
 
     def release(self, request, then):  # type: ignore[no-untyped-def]
-        stream = self._streams.get(request)
+        streams = streams_of(self, request)
 
-        def traced() -> None:
-            _trace(f"release {request} {len(stream.writes) if stream is not None else 0}")
+        def traced() -> None:  # the writes still in flight when P's blocks go back (0: none)
+            _trace(f"release {request} {sum(len(stream.writes) for stream in streams)}")
             then()
 
         _release(self, request, traced)
