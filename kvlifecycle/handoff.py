@@ -409,8 +409,10 @@ class Consumer:
         parts = [(self.links[addr], grant, i) for i, (addr, grant) in enumerate(pairs)]
         if len(parts) != parts[0][0].plan.parts:
             raise ValueError(f"this D rank reads {parts[0][0].plan.parts} P rank(s); got {len(parts)} grant(s)")
-        if mode == "push" and len(parts) != 1:
-            raise ValueError("push supports one P rank with equal layouts")
+        if mode == "push" and (len(parts) != 1 or parts[0][0].plan.consumers_per_p_rank != 1):
+            # one PushRequest is one WRITE per (transfer, part): D ranks sharing a P rank's lease would collide
+            raise ValueError("push after the prefill supports one P rank with equal layouts (a layer-wise stream "
+                             "or pull crosses TP sizes)")
         transfer = pairs[0][1].transfer if len(pairs) == 1 else f"{request}<-" + "+".join(g.transfer for _, g in pairs)
         if request not in self.ledger.requests:
             raise KeyError(f"request {request!r} is not reserved in the target ledger")

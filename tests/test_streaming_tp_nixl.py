@@ -151,6 +151,28 @@ def test_push_plans_carry_the_views_of_d_reads(p_tp: int, d_tp: int, block_size:
         close_all(ps + ds)
 
 
+def test_push_after_the_prefill_across_tp_sizes_is_refused_before_any_load_starts() -> None:
+    """One PushRequest is one WRITE per (transfer, part): two D ranks sharing P's two-consumer lease would collide
+    (the second one's write taken for a duplicate). The post-prefill push refuses them by name; streams and pulls
+    cross TP sizes."""
+    ps, ds = world(1, 2, block_size=16, kv_layout="HND")
+    (p,) = ps
+    try:
+        sources = connect_sources(ps, ds)
+        p.ledger.allocate("r", [3, 0])  # type: ignore[union-attr]
+        p.ledger.prefill_done("r")  # type: ignore[union-attr]
+        grant = p.handoff.grant("r", consumers=2)  # type: ignore[union-attr]
+        d = ds[0]
+        d.ledger.reserve("d-r", [4, 9])
+        with pytest.raises(ValueError, match="push after the prefill supports one P rank with equal layouts"):
+            d.handoff.request_push("d-r", grant, address=sources[0][0])  # type: ignore[union-attr]
+        assert d.ledger.requests["d-r"].state == TargetState.RESERVED and not d.ledger.loads
+        d.ledger.cancel("d-r")
+        p.ledger.cancel("r")  # type: ignore[union-attr]
+    finally:
+        close_all(ps + ds)
+
+
 def test_a_p_rank_that_is_not_a_source_of_d_refuses_to_push_naming_both_ranks() -> None:
     p = Rank("p", 4, 0, 16, "HND", seed=3)  # D rank 1 of TP 2 reads P ranks 2 and 3 of TP 4, not 0
     d = Rank("d", 2, 1, 16, "HND", seed=None)

@@ -645,6 +645,8 @@ class WorkerSide:
     def _stream(self, peer: PeerRef) -> bool:
         """Layer-wise: ask P to stream into the reservation; False when declined (the post-prefill path follows)."""
         assert self.consumer is not None and self.streaming is not None
+        if peer.remote_tp_size != self.tp_size:  # this adapter streams rank to rank; other sizes pull after it
+            return False
         address = self._source_addresses(peer)[0]
         if address not in self.consumer.links:
             self.consumer.connect(address, push=True)
