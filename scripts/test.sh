@@ -8,18 +8,34 @@
 #
 # KVL_SKIP_ENGINES=1 skips the two engine environments for a quick core run (their tests then skip).
 # In CI (CI=true) nothing may be skipped: KVL_REQUIRE_ALL=1 turns such skips into failures.
-# The type check (scripts/typecheck.sh, mypy) runs right after the main setup: a type error fails the run before
-# the engine environments are built and before any test.
+# The type check (scripts/typecheck.sh, mypy) runs right after the main setup, while the engine environments build:
+# a type error fails the run before any test.
 # Extra arguments go to pytest. pytest's "no tests ran" (exit 5) is a failure here.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# The two engine environments are independent pip installs (mostly one core each, unpacking wheels): they build
+# side by side while the type check and etcd run, each into its own log, printed when it ends.
+engine_jobs=()
+engine_logs=()
+if [[ "${KVL_SKIP_ENGINES:-0}" != "1" ]]; then
+    trap 'kill "${engine_jobs[@]}" 2>/dev/null || true' EXIT
+    for env in vllm sglang; do
+        engine_logs+=("$(mktemp)")
+        bash "scripts/setup-$env-env.sh" >"${engine_logs[-1]}" 2>&1 &
+        engine_jobs+=("$!")
+    done
+fi
 bash scripts/typecheck.sh
 bash scripts/setup-etcd.sh
-if [[ "${KVL_SKIP_ENGINES:-0}" != "1" ]]; then
-    bash scripts/setup-vllm-env.sh
-    bash scripts/setup-sglang-env.sh
-fi
+engine_failed=0
+for i in "${!engine_jobs[@]}"; do
+    wait "${engine_jobs[$i]}" || engine_failed=1
+    cat "${engine_logs[$i]}" >&2
+    rm -f "${engine_logs[$i]}"
+done
+trap - EXIT
+[[ $engine_failed -eq 0 ]] || { echo "scripts/test.sh: an engine environment failed to build (its log is above)" >&2; exit 1; }
 if [[ "${CI:-}" == "true" ]]; then
     export KVL_REQUIRE_ALL=1
 fi
