@@ -22,7 +22,8 @@ from kvlifecycle import layout as L
 from kvlifecycle.transport import WIRE_VERSION, BlockView, PeerMetadata
 from kvlifecycle.untrusted import check_msgpack
 
-STRICT_FIELDS = ("wire_version", "model_id", "dtype", "num_layers", "num_kv_heads", "head_size", "kv_layout")
+STRICT_FIELDS = ("wire_version", "model_id", "dtype", "num_layers", "num_kv_heads", "head_size", "kv_layout",
+                 "kv_replicated")
 
 # Decoding checks these bounds (msgspec constraints), so a peer's zero TP size or negative head count is refused as
 # malformed before any arithmetic divides by it. The bounds are far beyond any real model.
@@ -42,6 +43,8 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_layout: Annotated[str, msgspec.Meta(pattern="^(NHD|HND)$")]
     tp_size: _Count = 1
     wire_version: _Counter = WIRE_VERSION
+    # every TP rank holds the whole KV (MLA's latent cache) instead of a slice of the heads: nothing to split
+    kv_replicated: bool = False
 
     def compat_hash(self) -> str:
         fields = [getattr(self, f) for f in self.__struct_fields__]
@@ -90,6 +93,12 @@ def negotiate(d: CompatInfo, p: CompatInfo, *, d_rank: int = 0) -> HandshakePlan
     bs_differs = d.block_size != p.block_size
     if tp_differs and bs_differs:
         raise CompatMismatchError(_mismatch(d, p, fields, "TP size and block size both differ: unsupported"), fields)
+    if tp_differs and d.kv_replicated:
+        # a head split of a replicated cache would hand each D rank parts of several copies; one real sender per
+        # D rank and the other P ranks standing by (SGLang's dummy ranks) is not mapped
+        raise CompatMismatchError(_mismatch(d, p, fields, "the KV is replicated on every TP rank (MLA): moving it "
+                                                          "between different TP sizes is unsupported, run P and D "
+                                                          "at one TP size"), fields)
     # bytes per block and rank, in units of one head × one token × head_size (the dtype is the same on both sides)
     try:
         if tp_differs:

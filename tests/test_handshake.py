@@ -22,7 +22,7 @@ def test_hash_is_stable_and_covers_every_field() -> None:
     a = compat()
     assert a.compat_hash() == compat().compat_hash()
     changes = dict(model_id="x", dtype="float16", num_layers=5, num_kv_heads=4, head_size=128, block_size=32,
-                   kv_layout="NHD", tp_size=2, wire_version=99)
+                   kv_layout="NHD", tp_size=2, wire_version=99, kv_replicated=True)
     assert set(changes) == set(CompatInfo.__struct_fields__)
     for name, value in changes.items():
         assert compat(**{name: value}).compat_hash() != a.compat_hash(), name
@@ -34,10 +34,11 @@ def test_identical_peers_get_a_plain_plan() -> None:
     assert plan.reads[0].remote_view == BlockView()
 
 
-@pytest.mark.parametrize("field", ["model_id", "dtype", "num_layers", "head_size", "num_kv_heads", "wire_version"])
+@pytest.mark.parametrize("field", ["model_id", "dtype", "num_layers", "head_size", "num_kv_heads", "wire_version",
+                                   "kv_replicated"])
 def test_strict_mismatch_refused_field_by_field(field: str) -> None:
     value = {"model_id": "other", "dtype": "float32", "num_layers": 7, "head_size": 32, "num_kv_heads": 2,
-             "wire_version": WIRE_VERSION + 1}[field]
+             "wire_version": WIRE_VERSION + 1, "kv_replicated": True}[field]
     with pytest.raises(CompatMismatchError) as info:
         negotiate(compat(), compat(**{field: value}))
     assert [f[0] for f in info.value.fields] == [field]
@@ -58,6 +59,27 @@ def test_d_tp_above_p_tp_slices_heads_and_counts_consumers() -> None:
     assert [p.reads[0].p_rank for p in plans] == [0, 0]
     # units: (8 heads / 1) × 16 tokens per P block, halves of 64 units
     assert [p.reads[0].remote_view for p in plans] == [BlockView(0, 64), BlockView(64, 64)]
+
+
+@pytest.mark.parametrize(("d_tp", "p_tp"), [(1, 2), (2, 1)])
+def test_replicated_kv_across_tp_sizes_is_refused_naming_mla(d_tp: int, p_tp: int) -> None:
+    # MLA's latent cache is whole on every rank: a head split would stitch parts of several copies together
+    with pytest.raises(CompatMismatchError) as info:
+        negotiate(compat(tp_size=d_tp, kv_replicated=True), compat(tp_size=p_tp, kv_replicated=True))
+    assert "replicated on every TP rank (MLA)" in str(info.value)
+    assert [f[0] for f in info.value.fields] == ["tp_size"]
+
+
+def test_replicated_kv_at_one_tp_size_moves_whole_blocks() -> None:
+    plan = negotiate(compat(tp_size=2, kv_replicated=True), compat(tp_size=2, kv_replicated=True), d_rank=1)
+    assert [(r.p_rank, r.remote_view) for r in plan.reads] == [(1, BlockView())] and plan.parts == 1
+
+
+def test_a_record_without_the_replicated_field_decodes_as_not_replicated() -> None:
+    # an older peer's record (the field appended later) is a split-heads cache
+    old = {f: getattr(compat(), f) for f in CompatInfo.__struct_fields__ if f != "kv_replicated"}
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=CompatInfo)
+    assert decoded.kv_replicated is False and decoded == compat()
 
 
 def test_p_tp_above_d_tp_reads_several_p_ranks() -> None:

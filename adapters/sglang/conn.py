@@ -112,13 +112,15 @@ def _total_heads(args: KVArgs, tp_size: int) -> int:
     return total or int(getattr(args, "kv_head_num", 0) or 0) * tp_size or 1
 
 
-def compat_of(args: KVArgs, server_args: ServerArgs, tp_size: int) -> CompatInfo:
+def compat_of(args: KVArgs, server_args: ServerArgs, tp_size: int, *, replicated: bool = False) -> CompatInfo:
     """The compatibility record both sides' handshake compares. The rows' sizes are not in it: the transport checks
     every region's row size against its own when it prepares the push plan (a mismatch is refused there, by name).
-    ``tp_size`` is SGLang's attention TP size; the heads are the model's (all ranks')."""
+    ``tp_size`` is SGLang's attention TP size; the heads are the model's (all ranks'). ``replicated``: an MLA
+    backend, whose latent KV is whole on every rank (the handshake refuses it between different TP sizes)."""
     return CompatInfo(model_id=str(server_args.model_path)[:256], dtype=str(args.kv_cache_dtype_str or "auto"),
                       num_layers=max(1, len(args.kv_data_ptrs)), num_kv_heads=_total_heads(args, tp_size),
-                      head_size=1, block_size=int(args.page_size), kv_layout="NHD", tp_size=max(1, tp_size))
+                      head_size=1, block_size=int(args.page_size), kv_layout="NHD", tp_size=max(1, tp_size),
+                      kv_replicated=replicated)
 
 
 def unit_bytes_of(args: KVArgs, tp_size: int) -> int:
@@ -164,6 +166,7 @@ class KVLifecycleKVManager(CommonKVManager):
         is_mla_backend: bool | None = False,
     ) -> None:
         self.settings = Settings.from_env()
+        self.kvl_kv_replicated = bool(is_mla_backend)  # before the handoff starts: its compatibility record says it
         self.kvl_epoch = new_epoch()
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         self.kvl_role = role

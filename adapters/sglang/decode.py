@@ -98,7 +98,7 @@ class DecodeKVManager(KVLifecycleKVManager):
     def _start_handoff(self, args: KVArgs, server_args: ServerArgs) -> None:
         self.ledger.listeners.append(self._on_ledger_event)
         self.kvl_tp_size, tp_rank = attention_tp()
-        compat = compat_of(args, server_args, self.kvl_tp_size)
+        compat = compat_of(args, server_args, self.kvl_tp_size, replicated=self.kvl_kv_replicated)
         self.kvl_unit_bytes = unit_bytes_of(args, self.kvl_tp_size)
         self._heads_known = bool(getattr(args, "total_kv_head_num", 0) or getattr(args, "kv_head_num", 0))
         self.consumer = Consumer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
@@ -128,12 +128,16 @@ class DecodeKVManager(KVLifecycleKVManager):
         pids = [self.peer_id(receiver.bootstrap_addr, info) for info in infos]
         with self._lock:
             self.d_rooms[room] = _DRoom(room, receiver.bootstrap_addr, pids)
+        p_tp = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", self.kvl_tp_size)
+        if self.kvl_kv_replicated and p_tp != self.kvl_tp_size:  # the handshake would refuse it too, by field
+            self._d_fail(room, f"prefill attention TP {p_tp}, decode {self.kvl_tp_size}: an MLA backend's KV is "
+                               "replicated on every TP rank; moving it between different TP sizes is unsupported")
+            return
         if not infos:
             self._d_fail(room, f"no prefill rank to read room {room} from at {receiver.bootstrap_addr}")
             return
         if not self._heads_known:
             self._d_learn_heads(infos[0])
-        p_tp = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", self.kvl_tp_size)
         if p_tp != self.kvl_tp_size and not self.kvl_unit_bytes:
             self._d_fail(room, f"prefill attention TP {p_tp}, decode {self.kvl_tp_size}: this decode's KV rows "
                                f"{sorted(set(self.kv_args.kv_item_lens))} do not split into heads × page size")
@@ -157,7 +161,8 @@ class DecodeKVManager(KVLifecycleKVManager):
         with self._lock:
             self.kv_args.total_kv_head_num = heads
             self.kv_args.kv_head_num = heads // self.kvl_tp_size
-            self.consumer.compat = compat_of(self.kv_args, self.server_args, self.kvl_tp_size)
+            self.consumer.compat = compat_of(self.kv_args, self.server_args, self.kvl_tp_size,
+                                          replicated=self.kvl_kv_replicated)
             self.kvl_unit_bytes = unit_bytes_of(self.kv_args, self.kvl_tp_size)
             self.consumer.options = attrs.evolve(self.consumer.options, unit_bytes=self.kvl_unit_bytes)
             self._heads_known = True

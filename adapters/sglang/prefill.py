@@ -78,7 +78,7 @@ class PrefillKVManager(KVLifecycleKVManager):
 
     def _start_handoff(self, args: KVArgs, server_args: ServerArgs) -> None:
         self.kvl_tp_size, tp_rank = attention_tp()
-        compat = compat_of(args, server_args, self.kvl_tp_size)
+        compat = compat_of(args, server_args, self.kvl_tp_size, replicated=self.kvl_kv_replicated)
         unit = unit_bytes_of(args, self.kvl_tp_size)
         self.producer = Producer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
                                  options=HandoffOptions(host=get_local_ip_auto(), probe=False, unit_bytes=unit))

@@ -196,7 +196,7 @@ class Side:
         kv_args.draft_kv_layers = 0
         self.kv_args = kv_args
         t0 = time.monotonic()
-        self.mgr = self.get("MANAGER")(kv_args, self.mode, sa, False)
+        self.mgr = self.get("MANAGER")(kv_args, self.mode, sa, args.mla)
         _log(f"{args.backend} {args.role} manager up in {time.monotonic() - t0:.2f}s")
         self.addr = f"127.0.0.1:{args.port}"
 
@@ -560,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page (SGLang's --page-size)")
     ap.add_argument("--sync-dir", default="")
     ap.add_argument("--chunked", action="store_true", help="send odd rooms in two chunks (chunked prefill)")
+    ap.add_argument("--mla", action="store_true", help="make the manager an MLA backend's (replicated latent KV)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     plan = Plan(args.seed, args.num_pages, args.layers, args.item_bytes, args.pages_per_room, args.rooms,

@@ -105,3 +105,15 @@ def test_differing_tp_with_pages_of_16_tokens_is_refused_with_the_page_size(tmp_
     assert "refused this decode's registration" in room["reason"], room
     assert "NHD blocks of 16 tokens" in room["reason"] and "--page-size 1" in room["reason"], room
     assert d["untouched_ok"] is True  # nothing was written
+
+
+def test_mla_between_different_tp_sizes_fails_the_room_naming_mla(tmp_path: Path) -> None:
+    # an MLA backend's latent KV is whole on every rank: a head split would stitch parts of two copies together.
+    # The decode refuses the room before it reserves anything, and says why (not a timeout, not a head count)
+    run = h.run_tp(tmp_path, "refused", p_tp=2, d_tp=1, extra=[*_args(1), "--mla"],
+                   env_extra={"KVL_SGLANG_PEER_TIMEOUT_S": "120"})
+    (d,) = _ranks(run, "decode")
+    room = d["rooms"][str(FIRST_ROOM + 700)]
+    assert room["status"] == "failed", room
+    assert "MLA" in room["reason"] and "replicated on every TP rank" in room["reason"], room
+    assert d["ledger"]["counts"]["RESERVED"] == 0 and d["ledger"]["counts"]["LOADING"] == 0
