@@ -162,7 +162,8 @@ class Consumer:
         """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
         ``transport``. At connect, ``path_selector`` picks the path of each P rank's reads (the transports'
         ``SameNodeSelector``: the fast path when both sides hold VRAM on one node and the self-test passes); the
-        default keeps every read on ``transport``, which also carries pushes."""
+        default keeps every read on ``transport``. For pushes the fast path's metadata goes to P in the handshake,
+        whose own path selector picks where its writes go; their notifications are drained from both transports."""
         self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
         self.fast_transport = fast_transport
         self.path_selector = path_selector
@@ -205,9 +206,10 @@ class Consumer:
                 )
             )
         me: PeerMetadata | None = self.transport.local_metadata() if push else None
+        fast_me = self._fast_meta() if push else None  # P's path selector may pick it for its writes
         try:
             reply: MetaReply = client.request(
-                GetMeta(self.compat, self.tp_rank, self.transport.agent, self.transport.epoch, me)
+                GetMeta(self.compat, self.tp_rank, self.transport.agent, self.transport.epoch, me, fast_me)
             )
         except SideChannelRefused as exc:
             if old is None:
@@ -248,6 +250,15 @@ class Consumer:
         if self.options.on_connect is not None:
             self.options.on_connect(link, probe)
         return link
+
+    def _fast_meta(self) -> PeerMetadata | None:
+        if self.fast_transport is None:
+            return None
+        try:
+            return self.fast_transport.local_metadata()
+        except TransportError as exc:  # not registered, or closed: P writes through NIXL
+            log.info("no fast-path metadata offered for pushes: %s", exc)
+            return None
 
     def _select_data_path(self, link: PeerLink, reply: MetaReply, read: Any, unit: int) -> None:
         """Ask the path selector where this P rank's reads go; ``link.choice`` keeps why (the selector logs it)."""

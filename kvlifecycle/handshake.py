@@ -132,6 +132,10 @@ class GetMeta(msgspec.Struct, frozen=True, tag=True):
     agent: _Name
     epoch: _Counter
     meta: PeerMetadata | None = None  # D's own metadata, for push mode (P writes into D)
+    # D's same-node fast path (CUDA IPC) next to ``meta``, for push mode: P's path selector picks it for its writes
+    # when both sides hold VRAM on one node and its self-test passes. Optional with a default, as
+    # ``MetaReply.fast_meta``: an older D's GetMeta still decodes (None: P writes through ``meta``'s transport).
+    fast_meta: PeerMetadata | None = None
 
 
 class MetaReply(msgspec.Struct, frozen=True, tag=True):
@@ -175,8 +179,11 @@ def check_meta_reply(reply: MetaReply, who: str = "peer") -> MetaReply:
 
 
 def check_get_meta(msg: GetMeta) -> GetMeta:
+    """``msg`` if every metadata it carries is usable, else :class:`MalformedHandshakeError`."""
     if msg.meta is not None:
         check_metadata(msg.meta, msg.agent or "consumer")
+    if msg.fast_meta is not None:
+        check_metadata(msg.fast_meta, f"{msg.agent or 'consumer'} (fast path)")
     return msg
 
 

@@ -1,5 +1,6 @@
 """Which transport moves one link's bytes: the path-selector protocol the :class:`~kvlifecycle.handoff.Consumer`
-asks at every handshake.
+asks at every handshake for its reads, and the :class:`~kvlifecycle.producer.Producer` for its pushes (D's
+``GetMeta`` with push metadata carries D's fast-path metadata, as P's ``MetaReply`` carries P's).
 
 The core only asks; the policy lives with the transports (``kvlifecycle.transports.select.SameNodeSelector``: CUDA
 IPC when both sides hold VRAM on one node and the connect-time self-test passes, else NIXL). The default,
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from kvlifecycle.transport import PeerMetadata, ProbeResult, Transport
+from kvlifecycle.transport import PeerMetadata, PreparedPlan, ProbeResult, Transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +39,29 @@ class DataPath:
     choice: PathChoice | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PushPath:
+    """Where P's writes into one D agent go: the transport that posts them (and polls, releases and notifies),
+    D's name on it, the plan prepared on it, and the choice that picked it (``None``: no selection took place).
+
+    .. versionadded:: 0.1.0"""
+
+    transport: Transport
+    peer: str
+    plan: PreparedPlan
+    choice: PathChoice | None = None
+
+
 @runtime_checkable
 class PathSelector(Protocol):
     """Picks a link's data path at the handshake."""
 
     def select(self, primary: Transport, fast: Transport | None, offer: PeerMetadata | None) -> DataPath:
-        """``primary``: the Consumer's transport (it carried the handshake, and stays the fallback); ``fast``: the
-        Consumer's same-node fast path, if any (registered over the same KV regions); ``offer``: the fast-path
-        metadata P sent in its handshake reply, if any. Returns ``DataPath(primary)`` to stay on ``primary``; a
-        path on ``fast`` must name P's agent on it (the selector added the peer)."""
+        """``primary``: the asking side's transport (it carried the handshake, and stays the fallback); ``fast``:
+        its same-node fast path, if any (registered over the same KV regions); ``offer``: the fast-path metadata
+        the peer sent in its handshake (P's reply to a Consumer; D's push ``GetMeta`` to a Producer), if any.
+        Returns ``DataPath(primary)`` to stay on ``primary``; a path on ``fast`` must name the peer's agent on it
+        (the selector added the peer)."""
         ...
 
 

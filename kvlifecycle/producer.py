@@ -4,6 +4,7 @@ options, block mapping and messages with this module."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -31,6 +32,7 @@ from kvlifecycle.handshake import (
     scale_view,
 )
 from kvlifecycle.ledger import SourceLedger
+from kvlifecycle.path_selection import PRIMARY_PATH, PathSelector, PushPath
 from kvlifecycle.protocol.producer import Answer, ProducerProtocol
 from kvlifecycle.sidechannel import Ack, SideChannelRefused, SideChannelServer
 from kvlifecycle.transport import (
@@ -63,7 +65,7 @@ class _Push:
     handle: TransferHandle
     transfer: str
     generation: int
-    peer: str
+    path: PushPath  # the transport that owns ``handle``, and D's name on it
     note: Notification
 
 
@@ -79,12 +81,17 @@ class Producer:
         tp_rank: int = 0,
         options: HandoffOptions = _DEFAULT_OPTIONS,
         fast_transport: Transport | None = None,
+        path_selector: PathSelector = PRIMARY_PATH,
     ) -> None:
         """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
         ``transport``; its metadata travels in the handshake reply next to ``transport``'s, and the notifications
-        of reads through it are drained like ``transport``'s."""
+        of reads through it are drained like ``transport``'s. At a push handshake, ``path_selector`` (the one a
+        Consumer takes: the transports' ``SameNodeSelector`` picks the fast path when both sides hold VRAM on one
+        node and the self-test passes) picks the transport of P's writes into that D; the default keeps every
+        write on ``transport``."""
         self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
         self.fast_transport = fast_transport
+        self.path_selector = path_selector
         self.options = options
         self.grants: dict[str, GrantReply] = {}
         self._aliases: dict[str, str] = {}  # request -> the other name its grant is published under
@@ -92,7 +99,7 @@ class Producer:
         # ended, instead of waiting for a grant that will never be published
         self._ended: OrderedDict[str, str] = OrderedDict()  # request -> its last transfer
         self.epochs = EpochTracker()
-        self._push_plans: dict[tuple[str, int], PreparedPlan] = {}
+        self._push_plans: dict[tuple[str, int], PushPath] = {}  # (D agent, its epoch) -> where P's writes go
         self._push_refusals: dict[tuple[str, int], str] = {}
         self._peer_tp: OrderedDict[str, int] = OrderedDict()  # D agent -> its TP size (its last handshake)
         self._pushes: list[_Push] = []
@@ -166,19 +173,49 @@ class Producer:
         if msg.meta is not None:  # push mode: P writes into D, so P needs D's metadata too
             peer = self.transport.add_peer(msg.meta)
             try:
-                self._push_plans[(peer, msg.meta.epoch)] = self._prepare_push(peer, msg, plan)
+                primary = PushPath(self.transport, peer, self._prepare_push(self.transport, peer, msg, plan))
             except RemoteMismatchError as exc:  # e.g. views this transport cannot express: D pulls instead
                 log.info("push to %s unavailable: %s", peer, exc)
                 self._push_refusals[(peer, msg.meta.epoch)] = str(exc)
+            else:
+                self._push_plans[(peer, msg.meta.epoch)] = self._select_push_path(primary, msg, plan)
         self._expect_activity(WIRE_UP_ACTIVITY_S)
         return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta())
 
-    def _prepare_push(self, peer: str, msg: GetMeta, plan: HandshakePlan) -> PreparedPlan:
-        """The plan of P's writes into D rank ``msg.tp_rank``: whole blocks under equal TP; under heterogeneous TP
-        the views of D's read of this P rank, mirrored (P's slice is D's remote view) and scaled to bytes as D scales
-        them. Raises :class:`RemoteMismatchError` when this P rank is not one D rank ``msg.tp_rank`` reads."""
+    def _select_push_path(self, primary: PushPath, msg: GetMeta, plan: HandshakePlan) -> PushPath:
+        """Ask the path selector where P's writes into this D go (as D asks for its reads): the fast path gets a
+        plan of the same views as ``primary``'s; a view it refuses keeps ``primary`` (logged, and said in the
+        choice)."""
+        path = self.path_selector.select(self.transport, self.fast_transport, msg.fast_meta)
+        if path.transport is self.transport:
+            return dataclasses.replace(primary, choice=path.choice)
+        try:
+            fast = self._prepare_push(path.transport, path.peer, msg, plan)
+        except TransportError as exc:
+            log.info("fast path to %s not used for pushes: %s", primary.peer, exc)
+            choice = path.choice and dataclasses.replace(
+                path.choice, backend=self.transport.name, reason=f"the fast path refused the views: {exc}")
+            return dataclasses.replace(primary, choice=choice)
+        log.info("pushes to %s go through %s (%s)", primary.peer, path.transport.name,
+                 path.choice.reason if path.choice is not None else "selected")
+        return PushPath(path.transport, path.peer, fast, path.choice)
+
+    def push_path(self, agent: str, epoch: int) -> PushPath | None:
+        """Where P's writes into D ``agent`` (at agent epoch ``epoch``) go; ``None``: no push handshake of that
+        incarnation was accepted (:meth:`push_refusal` says why, if one was refused)."""
+        return self._push_plans.get((agent, epoch))
+
+    def push_refusal(self, agent: str, epoch: int) -> str:
+        """Why pushes into D ``agent`` at ``epoch`` are unavailable."""
+        return self._push_refusals.get((agent, epoch), "handshake with push metadata first")
+
+    def _prepare_push(self, transport: Transport, peer: str, msg: GetMeta, plan: HandshakePlan) -> PreparedPlan:
+        """The plan of P's writes into D rank ``msg.tp_rank`` on ``transport`` (D's name there: ``peer``): whole
+        blocks under equal TP; under heterogeneous TP the views of D's read of this P rank, mirrored (P's slice is
+        D's remote view) and scaled to bytes as D scales them. Raises :class:`RemoteMismatchError` when this P rank
+        is not one D rank ``msg.tp_rank`` reads (or ``transport``'s error for views it cannot express)."""
         if msg.compat.tp_size == self.compat.tp_size:
-            return self.transport.prepare(peer)
+            return transport.prepare(peer)
         reads = [r for r in plan.reads if r.p_rank == self.tp_rank]
         if not reads:
             raise RemoteMismatchError(
@@ -186,8 +223,8 @@ class Producer:
                 f"(TP {msg.compat.tp_size}), which reads P ranks {[r.p_rank for r in plan.reads]}")
         unit = self.options.unit_bytes
         local_view, remote_view = reads[0].remote_view, reads[0].local_view
-        return self.transport.prepare(peer, local_view=scale_view(local_view, unit) if unit else local_view,
-                                      remote_view=scale_view(remote_view, unit) if unit else remote_view)
+        return transport.prepare(peer, local_view=scale_view(local_view, unit) if unit else local_view,
+                                 remote_view=scale_view(remote_view, unit) if unit else remote_view)
 
     def peer_tp_size(self, agent: str) -> int | None:
         """The TP size D agent ``agent`` declared in its last accepted handshake (``None``: none seen): how many
@@ -336,15 +373,14 @@ class Producer:
         return True
 
     def _on_push(self, msg: PushRequest, _peer: bytes) -> Ack:
-        plan = self._push_plans.get((msg.agent, msg.epoch))
+        path = self.push_path(msg.agent, msg.epoch)
         why = self._check_claim(msg.transfer, msg.generation, msg.token)  # only the claimant has P write for it
         if why:
             return Ack(False, self._refuse_token("push", msg.transfer, why))
-        unavailable = None if plan is not None else self._push_refusals.get(
-            (msg.agent, msg.epoch), "handshake with push metadata first")
+        unavailable = None if path is not None else self.push_refusal(msg.agent, msg.epoch)
         with self._lock:  # no live lease, no plan, a duplicate (one WRITE per part, ever), or renewed to write
             admission = self.protocol.admit_push(msg.transfer, msg.generation, msg.part, unavailable=unavailable)
-        if not admission.write or plan is None or admission.source is None:
+        if not admission.write or path is None or admission.source is None:
             return Ack(admission.answer.ok, admission.answer.detail)
         try:  # D may hold a prefix already: it then gets P's tail; a D block left empty is refused
             dst, src = map_blocks(np.asarray(msg.blocks, dtype=np.int32), admission.source)
@@ -354,7 +390,7 @@ class Producer:
             msg.target_request,
             msg.transfer,
             msg.generation,
-            self.transport.epoch,
+            path.transport.epoch,
             "done",
             msg.part,
             msg.token,  # the claim's token: D takes this completion (or failure) only from the P it claimed
@@ -362,25 +398,26 @@ class Producer:
         )
         with self._lock:
             self.protocol.accept_write(msg.transfer, msg.generation, msg.part)
-        self._jobs.put(lambda: self._start_push(plan, src, dst, msg, note))
+        self._jobs.put(lambda: self._start_push(path, src, dst, msg, note))
         return Ack(True)
 
     # -- service thread ---------------------------------------------------------------------------------------------
     def _start_push(
-        self, plan: PreparedPlan, src: np.ndarray, dst: np.ndarray, msg: PushRequest, note: Notification
+        self, path: PushPath, src: np.ndarray, dst: np.ndarray, msg: PushRequest, note: Notification
     ) -> None:
         why = self._must_stop(msg.transfer, msg.generation)
         if why:  # e.g. the job ran after the lease expired
             self._write_settled(msg.transfer, msg.generation, msg.part, None)
-            self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"write not posted: {why}")
+            self._push_failed(msg.transfer, msg.generation, path, note, f"write not posted: {why}")
             return
         try:
-            handle = self.transport.post(XferOp.WRITE, plan, src, dst, notification=note, transfer=msg.transfer)
+            handle = path.transport.post(XferOp.WRITE, path.plan, src, dst, notification=note,
+                                         transfer=msg.transfer)
         except (TransportError, ValueError) as exc:
             self._write_settled(msg.transfer, msg.generation, msg.part, None)
-            self._push_failed(msg.transfer, msg.generation, plan.peer, note, f"post failed: {exc}")
+            self._push_failed(msg.transfer, msg.generation, path, note, f"post failed: {exc}")
             return
-        self._pushes.append(_Push(handle, msg.transfer, msg.generation, plan.peer, note))
+        self._pushes.append(_Push(handle, msg.transfer, msg.generation, path, note))
 
     def _must_stop(self, transfer: str, generation: int) -> str:
         with self._lock:
@@ -391,34 +428,35 @@ class Producer:
         with self._lock:
             self.protocol.write_settled(transfer, generation, part, status)
 
-    def _push_failed(self, transfer: str, generation: int, peer: str, note: Notification, reason: str) -> None:
+    def _push_failed(self, transfer: str, generation: int, path: PushPath, note: Notification, reason: str) -> None:
         """A failed write must reach D (SGLang #36033). D settles its load first and answers ``LoadFailed``, which
         releases the lease here — so P never releases under a load D still thinks is in flight. If D cannot be
         told, the lease is released now; if D never answers, lease expiry reclaims the blocks."""
-        log.warning("push %s to %s failed: %s", transfer, peer, reason)
+        log.warning("push %s to %s failed: %s", transfer, path.peer, reason)
         try:
             failed = msgspec.structs.replace(
                 note, kind="failed", payload=note.payload + reason.encode()[:512], hlc=self.ledger.hlc.tick()
             )
-            self.transport.send_notification(peer, failed)
+            path.transport.send_notification(path.peer, failed)  # D drains its fast path's notifications too
         except TransportError as exc:
-            log.warning("could not tell %s that push %s failed (%s): releasing now", peer, transfer, exc)
+            log.warning("could not tell %s that push %s failed (%s): releasing now", path.peer, transfer, exc)
             self.ledger.fail(transfer, generation, reason)
 
     def _poll_pushes(self) -> None:
         still = []
         for push in self._pushes:
-            status = self.transport.poll(push.handle)
+            via = push.path.transport
+            status = via.poll(push.handle)
             if status is XferStatus.PENDING:
                 why = self._must_stop(push.transfer, push.generation)
                 if not why:
                     still.append(push)
                     continue
-                self.transport.release(push.handle)  # cancels the write: it never outlives its lease
+                via.release(push.handle)  # cancels the write: it never outlives its lease
                 self._write_settled(push.transfer, push.generation, push.note.part, None)
-                self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write cancelled: {why}")
+                self._push_failed(push.transfer, push.generation, push.path, push.note, f"write cancelled: {why}")
                 continue
-            stats = self.transport.stats(push.handle)
+            stats = via.stats(push.handle)
             if status is XferStatus.DONE:
                 if stats is not None:
                     self.ledger.observe_transfer(
@@ -432,10 +470,10 @@ class Producer:
                     )
                 self._write_settled(push.transfer, push.generation, push.note.part, status)
             else:
-                err = self.transport.error(push.handle)
+                err = via.error(push.handle)
                 self._write_settled(push.transfer, push.generation, push.note.part, None)
-                self._push_failed(push.transfer, push.generation, push.peer, push.note, f"write failed: {err}")
-            self.transport.release(push.handle)
+                self._push_failed(push.transfer, push.generation, push.path, push.note, f"write failed: {err}")
+            via.release(push.handle)
         self._pushes = still
 
     def _drain(self) -> None:

@@ -42,12 +42,16 @@ class StreamWorker(_Worker):
             self.streamer = StreamConsumer(self.role, options=options)
 
     def fail_writes_of_layer(self, layer: int) -> None:
-        """Posts of ``layer``'s WRITE raise from now on (-1: none do)."""
-        if layer < 0:
-            self.streamer.transport = self.transport
-            return
+        """Posts of ``layer``'s WRITE raise from now on (-1: none do), on every D's push path (streams begun
+        after the call take it)."""
+        import dataclasses
+
         rpl = self.streamer.options.regions_per_layer
-        self.streamer.transport = _FailingPosts(self.transport, list(range(layer * rpl, (layer + 1) * rpl)))
+        plans = self.role._push_plans
+        for key, path in plans.items():
+            inner = getattr(path.transport, "_inner", path.transport)
+            failing = _FailingPosts(inner, list(range(layer * rpl, (layer + 1) * rpl)))
+            plans[key] = dataclasses.replace(path, transport=inner if layer < 0 else failing)
 
     # -- P ----------------------------------------------------------------------------------------------------
     def allocate(self, request: str, blocks: list[int]) -> None:

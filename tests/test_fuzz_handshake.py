@@ -58,7 +58,7 @@ meta = st.builds(PeerMetadata, st.text(max_size=20), mostly(st.integers(0, 99), 
 rank = mostly(st.integers(0, 8), st.sampled_from([-1, 2**20 + 1]))
 typed = (st.builds(MetaReply, compat, rank, meta, st.none() | meta)
          | st.builds(GetMeta, compat, rank, mostly(st.text(max_size=20), st.just("a" * 300)),
-                     mostly(st.integers(0, 99), st.just(-1)), st.none() | meta)
+                     mostly(st.integers(0, 99), st.just(-1)), st.none() | meta, st.none() | meta)
          ).map(msgspec.msgpack.encode)
 FIELDS = ["compat", "tp_rank", "meta", "fast_meta", "agent", "epoch"]
 
@@ -72,7 +72,7 @@ def test_handshake_decoder_is_total(raw: bytes) -> None:
         pass
     else:
         assert isinstance(msg, MetaReply | GetMeta)
-        for m in (msg.meta, getattr(msg, "fast_meta", None)):
+        for m in (msg.meta, msg.fast_meta):  # both messages carry a fast path's metadata, optionally
             if m is not None:
                 accepted = m.layout.to_layout()
                 assert accepted.num_regions == len(m.layout.base_addrs)

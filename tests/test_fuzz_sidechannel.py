@@ -62,7 +62,7 @@ def typed_messages(known: list) -> st.SearchStrategy[bytes]:
         | st.builds(Heartbeat, text, counter, text, counter, counter, token)
         | st.builds(LoadFailed, text, counter, text, counter, token)
         | st.builds(PushRequest, text, counter, text, counter, ids, text, st.integers(-(2**63), 2**63 - 1), token)
-        | st.builds(GetMeta, compat, st.integers(0, 9), text, counter, st.none() | meta)
+        | st.builds(GetMeta, compat, st.integers(0, 9), text, counter, st.none() | meta, st.none() | meta)
     )
     return messages.map(lambda m: msgspec.msgpack.encode(m))
 

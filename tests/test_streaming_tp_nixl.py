@@ -139,7 +139,7 @@ def test_push_plans_carry_the_views_of_d_reads(p_tp: int, d_tp: int, block_size:
         for p in ps:
             plans = p.handoff._push_plans  # type: ignore[union-attr]
             assert len(plans) == (d_tp // p_tp or 1)
-            for plan in plans.values():
+            for plan in (path.plan for path in plans.values()):
                 d_rank = next(d.rank for d in ds if d.transport.agent == plan.peer)
                 if p_tp > d_tp:  # P's whole block into its slice of D's
                     assert plan.local_view == BlockView() and plan.remote_view == BlockView(p.rank * slice_bytes,

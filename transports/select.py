@@ -1,13 +1,16 @@
 """Backend selection: which transport and NIXL backend for a pair of memory kinds and a locality; verify the plugin
 really loaded; at connect time move a small test payload, record its bandwidth, and warn below a floor so a silent
-slow path is never silent. :class:`SameNodeSelector` is the Consumer's path selector
-(:class:`kvlifecycle.path_selection.PathSelector`) for a same-node fast path.
+slow path is never silent. :class:`SameNodeSelector` is the path selector
+(:class:`kvlifecycle.path_selection.PathSelector`) for a same-node fast path: a Consumer's for its reads, a
+Producer's for its pushes. :func:`cuda_ipc_fast_path` builds that fast path for an engine adapter (vLLM, SGLang).
 
 Observability hooks in with :func:`add_listener` (``fn(selection, probe)``): the OTel event goes there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ from typing import Any
 from kvlifecycle.path_selection import DataPath
 from kvlifecycle.transport import (
     BackendUnavailableError,
+    KVLayout,
     Locality,
     MemoryKind,
     PeerMetadata,
@@ -170,11 +174,11 @@ def probe_and_report(
 
 
 class SameNodeSelector:
-    """The Consumer's path selector for a same-node fast path: at each handshake, CUDA IPC for a P rank that offers
-    it when both sides hold VRAM on one node and the connect-time self-test passes
+    """The path selector for a same-node fast path: at each handshake, CUDA IPC for a peer that offers it when both
+    sides hold VRAM on one node and the connect-time self-test passes
     (:func:`kvlifecycle.transports.cuda_ipc.select_same_node`, which logs the choice and tells the listeners); else
-    the Consumer's own transport (NIXL), which also carries pushes. Without a registered fast path it selects
-    nothing (the link's choice stays ``None``)."""
+    the side's own transport (NIXL). A Consumer asks it for its reads of each P rank, a Producer for its pushes into
+    each D. Without a registered fast path it selects nothing (the choice stays ``None``)."""
 
     def select(self, primary: Transport, fast: Transport | None, offer: PeerMetadata | None) -> DataPath:
         layout = getattr(fast, "layout", None)
@@ -186,3 +190,27 @@ class SameNodeSelector:
         chosen, peer, choice = select_same_node(layout, fast, offer, lambda: primary,  # type: ignore[arg-type]
                                                 fallback_name=primary.name)
         return DataPath(chosen, peer, choice)
+
+
+def cuda_ipc_fast_path(layout: KVLayout, agent: str, *, logger: logging.Logger, who: str) -> Transport | None:
+    """A CUDA IPC transport named ``agent``, registered over ``layout`` (the regions the engine's NIXL transport
+    registered), when the KV lives in VRAM; else ``None``. Any reason it cannot be built (no torch or CUDA, memory
+    that cannot be exported for IPC) is one warning on ``logger``, prefixed ``who``, and leaves NIXL alone: a
+    missing fast path must never stop the engine, nor go unnoticed."""
+    if layout.kind is not MemoryKind.VRAM:
+        return None
+    try:
+        # lazily (it needs torch and CUDA), through the package, which resolves the class on first use
+        cuda_ipc = importlib.import_module("kvlifecycle.transports.cuda_ipc")
+        fast: Transport = cuda_ipc.CudaIpcTransport(agent)
+    except (ImportError, RuntimeError, TransportError) as exc:
+        logger.warning("%s: no CUDA IPC fast path, NIXL only: %s", who, exc)
+        return None
+    try:
+        fast.register(layout)
+    except (RuntimeError, TransportError) as exc:  # e.g. memory that cannot be exported for IPC
+        logger.warning("%s: no CUDA IPC fast path, NIXL only: %s", who, exc)
+        with contextlib.suppress(RuntimeError, TransportError):  # the failure that matters is logged above
+            fast.close()
+        return None
+    return fast

@@ -174,6 +174,9 @@ class KVLifecycleKVManager(CommonKVManager):
         if args.state_types:
             raise NotImplementedError(f"kvlifecycle SGLang backend: state pools {args.state_types} not supported yet")
         device = get_device().device
+        # SGLang's aux rows (its metadata buffers) live in host memory while its KV pool is on the GPU, and one
+        # layout is of one memory kind: a VRAM KV pool waits for a layout of mixed kinds (``layouts`` takes VRAM,
+        # and the data plane then offers its CUDA IPC fast path)
         if device not in ("cpu",):
             raise NotImplementedError(f"kvlifecycle SGLang backend moves DRAM KV only so far (device={device!r})")
         # two region groups of one layout: KV pages, and aux rows (one per running request)

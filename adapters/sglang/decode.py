@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 import requests
 from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
+from kvlifecycle.transports.select import SameNodeSelector
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -101,8 +102,10 @@ class DecodeKVManager(KVLifecycleKVManager):
         compat = compat_of(args, server_args, self.kvl_tp_size, replicated=self.kvl_kv_replicated)
         self.kvl_unit_bytes = unit_bytes_of(args, self.kvl_tp_size)
         self._heads_known = bool(getattr(args, "total_kv_head_num", 0) or getattr(args, "kv_head_num", 0))
+        # the fast path's metadata goes to each prefill rank with the handshake (P's selector picks its writes')
         self.consumer = Consumer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
-                                 options=HandoffOptions(probe=False, unit_bytes=self.kvl_unit_bytes))
+                                 options=HandoffOptions(probe=False, unit_bytes=self.kvl_unit_bytes),
+                                 fast_transport=self.plane.fast_transport, path_selector=SameNodeSelector())
         self.streams = StreamConsumer(self.consumer, options=self.stream_options)
 
     def _close_handoff(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
+from kvlifecycle.transports.select import SameNodeSelector
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import AbortNotification
 from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -80,8 +81,10 @@ class PrefillKVManager(KVLifecycleKVManager):
         self.kvl_tp_size, tp_rank = attention_tp()
         compat = compat_of(args, server_args, self.kvl_tp_size, replicated=self.kvl_kv_replicated)
         unit = unit_bytes_of(args, self.kvl_tp_size)
+        # P picks each decode rank's write path at its handshake: CUDA IPC on one node with VRAM on both sides
         self.producer = Producer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
-                                 options=HandoffOptions(host=get_local_ip_auto(), probe=False, unit_bytes=unit))
+                                 options=HandoffOptions(host=get_local_ip_auto(), probe=False, unit_bytes=unit),
+                                 fast_transport=self.plane.fast_transport, path_selector=SameNodeSelector())
         self.streamer = StreamProducer(self.producer, layers=1, options=self.stream_options)
 
     def expected_reservations(self, key: str) -> int:

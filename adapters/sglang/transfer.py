@@ -8,17 +8,26 @@ of one :class:`~kvlifecycle.transport.KVLayout` (:func:`~kvlifecycle.layout.grou
 the second, in one block id space (:attr:`DataPlane.aux_start`). The handoff's stream posts through that transport
 (one post per chunk, the last with the aux row) exactly as vLLM's does; every NIXL call is the transport's, covered
 by the transport conformance suite, and the peers' metadata is the handshake's.
+
+KV in VRAM: the layout is VRAM on the engine's GPU, and a CUDA IPC transport over the same regions is offered
+beside NIXL (:func:`kvlifecycle.transports.select.cuda_ipc_fast_path`: any reason it cannot be built is one log
+line, and NIXL alone moves the bytes). The handoff's path selector picks it per peer at the handshake, for P's
+writes as for D's reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 
 from kvlifecycle.transports.nixl import NixlTransport
+from kvlifecycle.transports.select import cuda_ipc_fast_path
 
 from kvlifecycle.layout import group_start, grouped_layout, rows_layout
-from kvlifecycle.transport import KVLayout, MemoryKind, TransportError
+from kvlifecycle.transport import KVLayout, MemoryKind, Transport, TransportError
+
+log = logging.getLogger("kvlifecycle.adapters.sglang")
 
 
 class DataPlaneError(RuntimeError):
@@ -26,11 +35,14 @@ class DataPlaneError(RuntimeError):
 
 
 def layouts(kv_ptrs: Sequence[int], kv_lens: Sequence[int], kv_item_lens: Sequence[int], aux_ptrs: Sequence[int],
-            aux_lens: Sequence[int], aux_item_lens: Sequence[int]) -> KVLayout:
+            aux_lens: Sequence[int], aux_item_lens: Sequence[int], *, kind: MemoryKind = MemoryKind.DRAM,
+            device_id: int = 0) -> KVLayout:
     """An SGLang ``KVArgs``' KV pages (the first group) and aux rows (the second; none without aux buffers) as one
-    DRAM layout."""
-    kv = rows_layout(MemoryKind.DRAM, 0, kv_ptrs, kv_lens, kv_item_lens)
-    return grouped_layout(kv, rows_layout(MemoryKind.DRAM, 0, aux_ptrs, aux_lens, aux_item_lens)) if aux_ptrs else kv
+    layout of memory ``kind`` (VRAM: on GPU ``device_id``, ``KVArgs.gpu_id``; the aux rows must live there too,
+    one layout being of one kind)."""
+    device = device_id if kind is MemoryKind.VRAM else 0
+    kv = rows_layout(kind, device, kv_ptrs, kv_lens, kv_item_lens)
+    return grouped_layout(kv, rows_layout(kind, device, aux_ptrs, aux_lens, aux_item_lens)) if aux_ptrs else kv
 
 
 def _aux_start(layout: KVLayout) -> int | None:
@@ -38,7 +50,8 @@ def _aux_start(layout: KVLayout) -> int | None:
 
 
 class DataPlane:
-    """One SGLang KV manager's transport, registered over its KV pages and aux rows."""
+    """One SGLang KV manager's transport, registered over its KV pages and aux rows, and its same-node fast path
+    (``fast_transport``: CUDA IPC over the same regions when they are VRAM and it could be built, else None)."""
 
     backend_name = "nixl-ucx"
 
@@ -55,6 +68,8 @@ class DataPlane:
         except TransportError as exc:
             self.transport.close()
             raise DataPlaneError(f"NIXL refused to register the {layout.num_regions} regions: {exc}") from exc
+        self.fast_transport: Transport | None = cuda_ipc_fast_path(layout, f"{agent}-ipc", logger=log,
+                                                                   who="kvlifecycle SGLang backend")
 
     @property
     def aux_start(self) -> int | None:
@@ -68,3 +83,6 @@ class DataPlane:
     def close(self) -> None:
         with contextlib.suppress(TransportError):
             self.transport.close()
+        if self.fast_transport is not None:
+            with contextlib.suppress(TransportError):
+                self.fast_transport.close()

@@ -293,8 +293,10 @@ class WorkerSide:
             self.source = open_ledger("source", self.num_blocks, self._log_dir("source"), fsync=self.config.fsync,
                                       worker=f"p-{self.rank_name}",
                                       default_ttl_s=self.config.lease_ttl_s)
+            # P picks the path of its pushes (layer-wise streams) per D at its handshake, as D picks its reads'
             self.producer = Producer(self.source, self.transport, compat, tp_rank=self.tp_rank,
-                                     options=self.options, fast_transport=self.fast_transport)
+                                     options=self.options, fast_transport=self.fast_transport,
+                                     path_selector=SameNodeSelector())
             log.info("KVLifecycleConnector: producer side channel %s", self.producer.address)
         if self.is_consumer:
             self.target = open_ledger("target", self.num_blocks, self._log_dir("target"), fsync=self.config.fsync,
@@ -309,7 +311,7 @@ class WorkerSide:
                 # fused K and V of one head (2 x head_size elements); a K/V-outer region holds K or V alone
                 unit_bytes=(1 if caches.kv_outer else 2) * compat.head_size * first.element_size())
             # the Consumer picks the fast path per P at connect (SameNodeSelector: same node, VRAM on both sides,
-            # self-test passed) and logs the choice; NIXL stays the fallback and carries pushes
+            # self-test passed) and logs the choice; NIXL stays the fallback
             self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
                                      options=consumer_options, fast_transport=self.fast_transport,
                                      path_selector=SameNodeSelector())
@@ -327,23 +329,11 @@ class WorkerSide:
         """A CUDA IPC transport over the same regions when the KV lives in VRAM (``fast_path: "auto"``), else
         None. Any reason it cannot be built is logged and leaves NIXL alone: a missing fast path must never stop
         the connector, nor go unnoticed."""
-        if self.config.fast_path == "off" or layout.kind is not MemoryKind.VRAM:
+        if self.config.fast_path == "off":
             return None
-        try:
-            from kvlifecycle.transports.cuda_ipc import CudaIpcTransport  # lazily: it needs torch and CUDA
+        from kvlifecycle.transports.select import cuda_ipc_fast_path
 
-            fast = CudaIpcTransport(agent)
-        except (ImportError, RuntimeError, TransportError) as exc:
-            log.warning("KVLifecycleConnector: no CUDA IPC fast path, NIXL only: %s", exc)
-            return None
-        try:
-            fast.register(layout)
-        except (RuntimeError, TransportError) as exc:  # e.g. memory that cannot be exported for IPC
-            log.warning("KVLifecycleConnector: no CUDA IPC fast path, NIXL only: %s", exc)
-            with contextlib.suppress(RuntimeError, TransportError):  # the failure that matters is logged above
-                fast.close()
-            return None
-        return fast
+        return cuda_ipc_fast_path(layout, agent, logger=log, who="KVLifecycleConnector")
 
     def _log_dir(self, side: str) -> str | None:
         if not self.config.log_dir:

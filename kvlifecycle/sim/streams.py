@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import kvlifecycle.streaming.consumer as stream_consumer
 from kvlifecycle.control import StreamCancel, StreamRequest
+from kvlifecycle.path_selection import PushPath
 from kvlifecycle.sidechannel import Ack, SideChannelError
 from kvlifecycle.streaming import StreamConsumer, StreamOptions, StreamProducer
 from kvlifecycle.streaming.wire import StreamHeartbeat
@@ -48,11 +49,18 @@ class SimClient:
 
 
 class _Producer:
-    """What a StreamProducer asks of its Producer: the push plans of the D agents that handshook."""
+    """What a StreamProducer asks of its Producer: the push paths of the D agents that handshook (the core's one
+    transport)."""
 
     def __init__(self, core: Any) -> None:
         self.ledger, self.transport, self._push_plans = core.ledger, core.transport, core._push_plans
-        self._push_refusals: dict[tuple[str, int], str] = {}
+
+    def push_path(self, agent: str, epoch: int) -> PushPath | None:
+        plan = self._push_plans.get((agent, epoch))
+        return None if plan is None else PushPath(self.transport, plan.peer, plan)
+
+    def push_refusal(self, agent: str, epoch: int) -> str:
+        return "handshake with push metadata first"
 
 
 class SimStreamProducer(StreamProducer):

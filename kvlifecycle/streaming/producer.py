@@ -34,6 +34,11 @@ Several D ranks (D TP > P TP): each D rank's reservation of one request is its o
 agent), posting with its D's push plan (its head slice of P's blocks); the engine-facing calls act on every stream
 of the request, and :meth:`StreamProducer.reservations` says how many D ranks reserved.
 
+Paths: each stream posts, polls, releases, cancels and notifies on its D's push path
+(:class:`~kvlifecycle.path_selection.PushPath`, picked by the producer's path selector at D's handshake): CUDA IPC
+for a D on the same node with VRAM on both sides, else the producer's transport (NIXL). A device-ordered post
+(``post_after``) is asked of the stream's own transport.
+
 Liveness: D's :class:`~kvlifecycle.streaming.wire.StreamHeartbeat` names the streams D holds open; a stream whose D
 was not heard for ``peer_timeout_s`` (D died, or is cut off) stops exactly as D's cancel stops it (no new post, the
 writes in flight are cancelled as at the window's end, then the ``failed`` note), instead of posting on until its
@@ -50,12 +55,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 
 from kvlifecycle.claims import TOKEN_BYTES
 from kvlifecycle.control import StreamCancel, StreamQuery, StreamRequest
+from kvlifecycle.path_selection import PushPath
 from kvlifecycle.protocol.bounds import WriteWindow
 from kvlifecycle.sidechannel import Ack
 from kvlifecycle.streaming.wire import (
@@ -68,8 +74,8 @@ from kvlifecycle.streaming.wire import (
     layer_regions,
 )
 from kvlifecycle.transport import (
+    DeviceOrderedPost,
     Notification,
-    PreparedPlan,
     TransferHandle,
     TransportError,
     XferOp,
@@ -100,7 +106,7 @@ def _noop() -> None:
 
 
 _Key = tuple[str, str]  # (P's request, D agent): one stream per D rank of a request (D TP > P TP: several)
-_Held = tuple[StreamRequest, PreparedPlan, float]  # a reservation not begun: D's ask, its push plan, when it came
+_Held = tuple[StreamRequest, PushPath, float]  # a reservation not begun: D's ask, its push path, when it came
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +144,7 @@ class _Waiting:
 class _Stream:
     request: str
     ask: StreamRequest
-    plan: PreparedPlan
+    path: PushPath  # the transport every write of this stream goes through (and its plan, D's name on it)
     dst: np.ndarray  # D's block ids, token order
     sent: np.ndarray  # per layer: how many of the request's blocks were posted
     window: WriteWindow  # no layer posted at or after its deadline; the writes in flight then are cancelled
@@ -155,16 +161,21 @@ class StreamProducer:
     """Streams the layers of the requests whose D reservation arrived before their prefill began.
 
     Beside a :class:`~kvlifecycle.producer.Producer`: serves its stream messages on the producer's side channel and
-    writes through the producer's transport, to the D agents that handshook with push metadata."""
+    writes through each D's push path (the producer's transport, or its fast path), to the D agents that
+    handshook with push metadata."""
 
     def __init__(self, producer: Any, *, layers: int, options: StreamOptions | None = None) -> None:
         self._init_state(producer, layers=layers, options=options)
         # A transport that says when a transfer settles wakes this thread: no tight polling beside P's forward,
-        # which shares its cores with it
-        add_listener = getattr(self.transport, "add_completion_listener", None)
-        self._wakeful = add_listener is not None
-        if add_listener is not None:
-            add_listener(lambda _handle: self._jobs.put(_noop))
+        # which shares its cores with it. A fast path without listeners (CUDA IPC) completes, and sends its
+        # writes' notifications, only when polled: the tight rhythm then
+        fast = getattr(producer, "fast_transport", None)
+        transports = [self.transport] if fast is None else [self.transport, fast]
+        self._wakeful = all(hasattr(t, "add_completion_listener") for t in transports)
+        for transport in transports:
+            add_listener = getattr(transport, "add_completion_listener", None)
+            if add_listener is not None:
+                add_listener(lambda _handle: self._jobs.put(_noop))
         producer.server.add_handlers({StreamRequest: self._on_stream_request, StreamCancel: self._on_stream_cancel,
                                       StreamQuery: self._on_stream_query, StreamHeartbeat: self._on_heartbeat})
         self._thread = threading.Thread(target=self._serve, name=f"stream-{self.transport.agent}", daemon=True)
@@ -176,7 +187,9 @@ class StreamProducer:
         self.layers = layers
         self.options = options or StreamOptions()
         self._regions = layer_regions(layers, self.options.regions_per_layer)
-        self._device_ordered = orders_on_device(self.transport)  # then a layer's device event rides with its post
+        # a layer's device event rides with its post where the stream's transport orders on the device (False:
+        # every readiness is waited on the host, as for NIXL; a measurement's baseline)
+        self._order_on_device = True
         self._now: Callable[[], float] = time.monotonic  # the clock of every reservation, window and sweep
         self._reservations: dict[str, dict[str, _Held]] = {}  # request -> D agent -> its reservation, unbegun
         self._reservation_heard: dict[_Key, float] = {}  # when D last named its held reservation
@@ -202,12 +215,12 @@ class StreamProducer:
         now = self._now()
         with self._lock:
             started = 0
-            for agent, (ask, plan, at) in self._reservations.pop(request, {}).items():
+            for agent, (ask, path, at) in self._reservations.pop(request, {}).items():
                 heard = self._reservation_heard.pop((request, agent), now)
                 window = WriteWindow.received(at, ask.write_window_s)
                 if window.closed(now):  # its window ended meanwhile
                     continue
-                self._start(request, ask, plan, window).heard = heard
+                self._start(request, ask, path, window).heard = heard
                 started += 1
             if request not in self._plain:
                 self._waiting.setdefault(request, _Waiting(now, [None] * self.layers))
@@ -226,9 +239,9 @@ class StreamProducer:
             self._plain[request] = self._now()
             return False
 
-    def _start(self, request: str, ask: StreamRequest, plan: PreparedPlan, window: WriteWindow) -> _Stream:
+    def _start(self, request: str, ask: StreamRequest, path: PushPath, window: WriteWindow) -> _Stream:
         """(Under ``_lock``.) The stream of ``request`` into D's reservation ``ask``."""
-        stream = _Stream(request, ask, plan, np.asarray(ask.blocks, dtype=np.int32),
+        stream = _Stream(request, ask, path, np.asarray(ask.blocks, dtype=np.int32),
                          np.zeros(self.layers, dtype=np.int64), window, heard=self._now())
         self._add(stream)
         self.counts["streamed"] += 1
@@ -290,10 +303,10 @@ class StreamProducer:
         prefill has not begun ends too, D told at once (no byte was written): it does not wait for its timeout."""
         with self._lock:
             streams = self._of(request)
-            for agent, (ask, plan, at) in self._reservations.pop(request, {}).items():
+            for agent, (ask, path, at) in self._reservations.pop(request, {}).items():
                 # a stream stopped before its first layer: settling it sends D the failed note
                 self._reservation_heard.pop((request, agent), None)
-                stream = _Stream(request, ask, plan, np.asarray(ask.blocks, dtype=np.int32),
+                stream = _Stream(request, ask, path, np.asarray(ask.blocks, dtype=np.int32),
                                  np.zeros(self.layers, dtype=np.int64), WriteWindow.received(at, ask.write_window_s))
                 self._add(stream)
                 streams.append(stream)
@@ -374,12 +387,12 @@ class StreamProducer:
 
     # -- side channel (short) ----------------------------------------------------------------------------------
     def _on_stream_request(self, msg: StreamRequest, _peer: bytes) -> Ack:
-        plan = self.producer._push_plans.get((msg.agent, msg.epoch))
-        if plan is None:
-            why = self.producer._push_refusals.get((msg.agent, msg.epoch), "handshake with push metadata first")
-            return self._declined(f"push unavailable: {why}")
-        if msg.layers != self.layers or plan.num_regions != self.layers * self.options.regions_per_layer:
-            return self._declined(f"layers: D streams {msg.layers}, P has {self.layers} over {plan.num_regions} "
+        path: PushPath | None = self.producer.push_path(msg.agent, msg.epoch)
+        if path is None:
+            return self._declined(f"push unavailable: {self.producer.push_refusal(msg.agent, msg.epoch)}")
+        regions = path.plan.num_regions
+        if msg.layers != self.layers or regions != self.layers * self.options.regions_per_layer:
+            return self._declined(f"layers: D streams {msg.layers}, P has {self.layers} over {regions} "
                                   f"regions ({self.options.regions_per_layer} per layer)")
         if len(msg.token) != TOKEN_BYTES:
             return self._declined(f"token must be {TOKEN_BYTES} bytes")
@@ -402,11 +415,11 @@ class StreamProducer:
             if waiting is None:
                 if self._of(msg.request):  # the prefill ended, streaming into other D ranks
                     return self._declined("prefill ended before this reservation: the post-prefill path serves it")
-                self._reservations.setdefault(msg.request, {})[msg.agent] = (msg, plan, now)  # the window starts
+                self._reservations.setdefault(msg.request, {})[msg.agent] = (msg, path, now)  # the window starts
                 self._reservation_heard[key] = now
                 return Ack(True)
             # the prefill is under way: catch up on its layers, within the window that starts now
-            stream = self._start(msg.request, msg, plan, WriteWindow.received(now, msg.write_window_s))
+            stream = self._start(msg.request, msg, path, WriteWindow.received(now, msg.write_window_s))
             self.counts["joined_late"] += 1
             for layer, computed in enumerate(waiting.computed):
                 if computed is not None:  # queued under the lock: before any later post of the same layer
@@ -504,7 +517,9 @@ class StreamProducer:
         # a post before the layer's KV is written would carry stale bytes to D: order the copy after the layer's
         # event on the device where the transport can, else wait on the host, at most as long as D does (outside
         # the posting lock: a cancel never waits for a layer's compute)
-        after = ready.device_event if self._device_ordered and isinstance(ready, DeviceLayerReady) else None
+        ordered = (self._order_on_device and isinstance(ready, DeviceLayerReady)
+                   and orders_on_device(stream.path.transport))
+        after = ready.device_event if ordered else None  # type: ignore[union-attr]  # a DeviceLayerReady
         if ready is not None and after is None:
             wait_s = min(self.options.stream_timeout_s, stream.window.left(self._now()))
             try:
@@ -529,17 +544,17 @@ class StreamProducer:
         if hi > stream.dst.size:
             self._halt(stream, f"P holds {hi} blocks, D reserved {stream.dst.size}")
             return
-        ask = stream.ask
-        note = Notification(ask.transfer, ask.transfer, 0, self.transport.epoch, NOTE_LAYERS, ask.part,
+        ask, via, plan = stream.ask, stream.path.transport, stream.path.plan
+        note = Notification(ask.transfer, ask.transfer, 0, via.epoch, NOTE_LAYERS, ask.part,
                             encode_batch(ask.token, LayerBatch(layer, 1, lo, hi)), hlc=self.ledger.hlc.tick())
         try:
             if after is not None:
-                handle = self.transport.post_after(after, XferOp.WRITE, stream.plan, src[lo:hi], stream.dst[lo:hi],
-                                                   regions=self._regions[layer], notification=note,
-                                                   transfer=ask.transfer)
+                ordered = cast(DeviceOrderedPost, via)  # ``after`` is set only where the transport orders so
+                handle = ordered.post_after(after, XferOp.WRITE, plan, src[lo:hi], stream.dst[lo:hi],
+                                            regions=self._regions[layer], notification=note, transfer=ask.transfer)
             else:
-                handle = self.transport.post(XferOp.WRITE, stream.plan, src[lo:hi], stream.dst[lo:hi],
-                                             regions=self._regions[layer], notification=note, transfer=ask.transfer)
+                handle = via.post(XferOp.WRITE, plan, src[lo:hi], stream.dst[lo:hi], regions=self._regions[layer],
+                                  notification=note, transfer=ask.transfer)
         except (TransportError, ValueError) as exc:
             self._halt(stream, f"post of layer {layer} failed: {exc}")
             return
@@ -564,13 +579,13 @@ class StreamProducer:
         for stream in list(self._streams.values()):
             if stream.writes and stream.window.closed(self._now()):
                 self._close_window(stream)
-            still = []
+            still, via = [], stream.path.transport
             for write in stream.writes:
-                status = self.transport.poll(write.handle)
+                status = via.poll(write.handle)
                 if status is XferStatus.PENDING:
                     still.append(write)
                     continue
-                stats = self.transport.stats(write.handle)
+                stats = via.stats(write.handle)
                 if stats is not None:
                     self.ledger.observe_transfer(stream.ask.transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s,
                                                  nbytes=stats.bytes, descriptors=stats.desc_count,
@@ -578,8 +593,8 @@ class StreamProducer:
                 if status is XferStatus.FAILED:
                     self.counts["writes_failed"] += 1
                     self._stop_posting(stream, f"write of layer {write.layer} failed: "
-                                               f"{self.transport.error(write.handle)}")
-                self.transport.release(write.handle)
+                                               f"{via.error(write.handle)}")
+                via.release(write.handle)
             stream.writes = still
             self._settle(stream)
 
@@ -590,10 +605,10 @@ class StreamProducer:
         self._cancel_in_flight(stream, "window_cancelled")
 
     def _cancel_in_flight(self, stream: _Stream, counter: str) -> None:
-        still = []
+        still, via = [], stream.path.transport
         for write in stream.writes:
-            if self.transport.poll(write.handle) is XferStatus.PENDING:
-                self.transport.release(write.handle)
+            if via.poll(write.handle) is XferStatus.PENDING:
+                via.release(write.handle)
                 self.counts[counter] += 1
             else:
                 still.append(write)  # settled: the poll that follows records it
@@ -605,13 +620,13 @@ class StreamProducer:
             return
         if stream.stopping and not stream.told:
             stream.told = True
-            ask = stream.ask
-            note = Notification(ask.transfer, ask.transfer, 0, self.transport.epoch, NOTE_FAILED, ask.part,
+            ask, via = stream.ask, stream.path.transport
+            note = Notification(ask.transfer, ask.transfer, 0, via.epoch, NOTE_FAILED, ask.part,
                                 ask.token + stream.stopping.encode()[:512], hlc=self.ledger.hlc.tick())
-            try:
-                self.transport.send_notification(stream.plan.peer, note)
+            try:  # on the stream's path, after its writes' notes: D drains both of its transports
+                via.send_notification(stream.path.peer, note)
             except TransportError as exc:  # D's stream then times out
-                log.warning("could not tell %s that stream %s stopped: %s", stream.plan.peer, ask.transfer, exc)
+                log.warning("could not tell %s that stream %s stopped: %s", stream.path.peer, ask.transfer, exc)
         if stream.release_asked:
             with self._lock:
                 self._remove(stream)

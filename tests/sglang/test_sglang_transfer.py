@@ -114,3 +114,20 @@ def test_a_decode_of_another_kv_layout_is_refused_at_the_handshake_with_the_tran
         assert pair.sc.declines["8"].startswith("push unavailable")
     finally:
         pair.close()
+
+
+def test_a_dram_plane_offers_no_fast_path_and_a_vram_layout_is_on_the_engines_gpu() -> None:
+    from kvlifecycle.adapters.sglang.transfer import layouts
+
+    from kvlifecycle.transport import MemoryKind
+
+    rng = np.random.default_rng(3)
+    kv, aux = _buffers(None, rng)
+    plane = _plane(f"sg-fast-{time.monotonic_ns()}", kv, aux)
+    try:
+        assert plane.layout.kind is MemoryKind.DRAM and plane.fast_transport is None  # NIXL alone
+    finally:
+        plane.close()
+    vram = layouts([0x10000], [PAGES * ITEM], [ITEM], [0x90000], [AUX_ROWS * 64], [64], kind=MemoryKind.VRAM,
+                   device_id=3)
+    assert vram.kind is MemoryKind.VRAM and vram.device_id == 3 and len(vram.region_groups) == 2

@@ -27,7 +27,7 @@ from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.streaming import StreamConsumer, StreamOptions
-from kvlifecycle.transport import KVLayout, MemoryKind
+from kvlifecycle.transport import KVLayout, MemoryKind, orders_on_device
 
 HAVE_CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False (the CUDA IPC transport moves VRAM only)"
@@ -97,9 +97,9 @@ def test_every_layer_lands_with_its_final_bytes_though_posted_while_it_ran(strea
                                            layer_of={f"model.layers.{i}.self_attn.attn": i for i in range(LAYERS)},
                                            stream_timeout_s=WAIT_S, kv_device=device)
         sc = StreamConsumer(cons, options=StreamOptions(stream_timeout_s=WAIT_S))
-        assert layered.producer._device_ordered  # CUDA IPC orders on the device: the streamer hands it the event
+        assert orders_on_device(tp)  # CUDA IPC orders on the device: the streamer hands it the event
         if order == "host wait":
-            layered.producer._device_ordered = False  # as for NIXL: wait on the host, then a plain post
+            layered.producer._order_on_device = False  # as for NIXL: wait on the host, then a plain post
         fired_at_post: list[bool] = []  # per post_after: whether its layer's event had fired when it was made
         post_after = tp.post_after
 

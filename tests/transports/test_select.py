@@ -86,3 +86,19 @@ def test_the_consumers_path_selectors_keep_the_primary_unless_the_fast_path_qual
     finally:
         primary.close()
         fast.close()
+
+
+def test_the_fast_path_helper_builds_nothing_for_dram_and_one_warning_when_cuda_ipc_cannot_be_built(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The adapters' one helper (vLLM and SGLang): DRAM needs no fast path; VRAM it cannot map (no CUDA here, or
+    memory that cannot be exported) is one warning, and NIXL alone moves the bytes."""
+    from kvlifecycle.transport import KVLayout
+
+    logger = logging.getLogger("kvlifecycle.test.fast_path")
+    caplog.set_level(logging.WARNING, logger=logger.name)
+    dram = KVLayout(MemoryKind.DRAM, 0, 4, (0x1000,), (256,))
+    assert select.cuda_ipc_fast_path(dram, "a-ipc", logger=logger, who="engine") is None and not caplog.records
+    vram = KVLayout(MemoryKind.VRAM, 0, 4, (0x1000,), (256,))  # not a real allocation: never exportable
+    assert select.cuda_ipc_fast_path(vram, "a-ipc", logger=logger, who="engine") is None
+    assert [r.getMessage().split(":")[0:2] for r in caplog.records] == [["engine", " no CUDA IPC fast path, NIXL only"]]
