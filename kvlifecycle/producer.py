@@ -45,6 +45,7 @@ from kvlifecycle.transport import (
     TransportError,
     XferOp,
     XferStatus,
+    cancels_in_flight,
 )
 
 log = logging.getLogger("kvlifecycle.handoff")
@@ -449,7 +450,7 @@ class Producer:
             status = via.poll(push.handle)
             if status is XferStatus.PENDING:
                 why = self._must_stop(push.transfer, push.generation)
-                if not why:
+                if not why or not cancels_in_flight(via):  # a device copy runs to its end: D hears once it did
                     still.append(push)
                     continue
                 via.release(push.handle)  # cancels the write: it never outlives its lease

@@ -424,3 +424,11 @@ class DeviceOrderedPost(Protocol):
 def orders_on_device(transport: object) -> bool:
     """Whether ``transport`` can order a post after device work (:class:`DeviceOrderedPost`)."""
     return isinstance(transport, DeviceOrderedPost)
+
+
+def cancels_in_flight(transport: object) -> bool:
+    """Whether releasing a PENDING handle of ``transport`` stops its transfer (no byte moves after the release,
+    as NIXL cancels a released request). A transport whose copy, once launched, runs to its end whatever the
+    handle (CUDA IPC: a kernel on the device) says ``cancels_in_flight = False``: a caller that must know no byte
+    lands any more waits for such a transfer to end instead of releasing it."""
+    return bool(getattr(transport, "cancels_in_flight", True))

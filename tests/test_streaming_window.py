@@ -89,6 +89,30 @@ def test_d_times_out_a_held_write_only_after_p_cancelled_it(pd) -> None:
         sc.ledger.cancel("r")
 
 
+def test_a_write_its_transport_cannot_cancel_is_waited_for_not_released(pd) -> None:
+    """A CUDA IPC copy runs to its end once launched: releasing its handle at the window's end would let P settle
+    (and D free the blocks) while the copy still writes them. P keeps it, counts it, and settles once it ended."""
+    sp, sc, held, _ = pd
+    held.cancels_in_flight = False  # as CudaIpcTransport says
+    sp.ledger.allocate("r", [1, 2])
+    sc.ledger.reserve("r", [3, 4])
+    assert sc.request_stream("r", sp.producer.address, layers=LAYERS)
+    assert sp.begin("r")
+    sp.layer_done("r", 0, [1, 2])
+    assert until(lambda: len(held.pending) == 1)
+    assert until(lambda: sp.counts["waited_uncancellable"] == 1)  # the window ended with the copy running
+    assert held.cancelled == 0 and len(held.pending) == 1 and sp.counts["window_cancelled"] == 0
+    assert sp.status("r").in_flight == 1  # not settled: the engine may not free P's blocks either
+    assert held.let_go() == 1  # the copy ends
+    assert until(lambda: sp.status("r").in_flight == 0)
+    assert sp.counts["waited_uncancellable"] == 1  # counted once, however many sweeps saw it
+    sp.release("r", lambda: sp.ledger.cancel("r"))
+    assert until(lambda: sp.pending() == 0) and "r" not in sp.ledger.requests
+    assert until(lambda: sc.pending() == 0, timeout_s=3 * OPTIONS.stream_timeout_s)
+    if "r" in sc.ledger.requests:
+        sc.ledger.cancel("r")
+
+
 def test_a_prefill_begun_after_the_window_takes_the_post_prefill_path(pd) -> None:
     sp, sc, held, _ = pd
     sp.ledger.allocate("r", [1, 2])

@@ -80,6 +80,7 @@ from kvlifecycle.transport import (
     TransportError,
     XferOp,
     XferStatus,
+    cancels_in_flight,
     orders_on_device,
 )
 
@@ -130,6 +131,7 @@ class _Write:
     handle: TransferHandle
     layer: int
     blocks: int
+    cancel_asked: bool = False  # a stop asked to cancel it, and its transport cannot (it is waited for instead)
 
 
 @dataclass(slots=True)
@@ -202,7 +204,7 @@ class StreamProducer:
         self._by_request: dict[str, dict[str, _Stream]] = {}  # the same streams by request: layer_done's lookup
         self.counts = {"streamed": 0, "joined_late": 0, "fallback": 0, "declined": 0, "layers_posted": 0,
                        "writes_failed": 0, "cancelled_by_d": 0, "window_cancelled": 0, "peer_timed_out": 0,
-                       "peer_cancelled": 0, "heartbeats": 0}
+                       "peer_cancelled": 0, "heartbeats": 0, "waited_uncancellable": 0}
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -599,19 +601,26 @@ class StreamProducer:
             self._settle(stream)
 
     def _close_window(self, stream: _Stream) -> None:
-        """The window ended with writes in flight: cancel them (a released pending handle moves no further byte),
-        so every write of the stream settled before D's timeout may free the blocks."""
+        """The window ended with writes in flight: cancel them (a released pending handle moves no further byte;
+        a copy its transport cannot cancel is waited for, a device copy's milliseconds), so every write of the
+        stream settled before D's timeout may free the blocks."""
         stream.stopping = stream.stopping or f"write window of {stream.ask.write_window_s:g} s ended in flight"
         self._cancel_in_flight(stream, "window_cancelled")
 
     def _cancel_in_flight(self, stream: _Stream, counter: str) -> None:
         still, via = [], stream.path.transport
+        cancels = cancels_in_flight(via)
         for write in stream.writes:
-            if via.poll(write.handle) is XferStatus.PENDING:
+            if via.poll(write.handle) is not XferStatus.PENDING:
+                still.append(write)  # settled: the poll that follows records it
+            elif cancels:
                 via.release(write.handle)
                 self.counts[counter] += 1
-            else:
-                still.append(write)  # settled: the poll that follows records it
+            else:  # a copy that runs to its end (CUDA IPC): D hears of the stop only once it ended
+                if not write.cancel_asked:
+                    write.cancel_asked = True
+                    self.counts["waited_uncancellable"] += 1
+                still.append(write)
         stream.writes = still
 
     def _settle(self, stream: _Stream) -> None:

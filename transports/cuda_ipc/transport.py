@@ -71,6 +71,9 @@ class CudaIpcTransport:
     """The CUDA IPC transport. See the package docstring; implements :class:`kvlifecycle.transport.Transport`."""
 
     name = NAME
+    # a launched copy is a kernel on the device: releasing its handle cannot stop it (kvlifecycle.transport's
+    # cancels_in_flight), so whoever must know that no byte lands any more waits for it to end
+    cancels_in_flight = False
 
     def __init__(
         self,
