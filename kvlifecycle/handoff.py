@@ -183,6 +183,9 @@ class Consumer:
         self._stop = threading.Event()
         self._unclaimed = UnclaimedGrants(secret=options.secret, timeout_s=options.request_timeout_s)
         self._wakeful = False
+        # while any of these says so, the service loop polls at its busy rhythm whatever the transports' wake-ups
+        # (a stream's notes arriving on a fast path that wakes nobody)
+        self.poll_fast_while: list[Callable[[], bool]] = []
         add_listener = getattr(transport, "add_completion_listener", None)
         if add_listener is not None:  # the transport wakes us when a transfer settles: no tight polling needed
             add_listener(lambda _handle: self._jobs.put(_noop))
@@ -752,9 +755,7 @@ class Consumer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                busy = self._loads and not self._wakeful
-                poll = self.options.service_poll_s if busy else self.options.idle_poll_s
-                job = self._jobs.get(timeout=poll)
+                job = self._jobs.get(timeout=self.poll_interval())
                 job()
             except queue.Empty:
                 pass
@@ -765,6 +766,12 @@ class Consumer:
                 self.ledger.commit()
             except Exception:
                 log.exception("consumer service step failed")
+
+    def poll_interval(self) -> float:
+        """How long the service loop waits for a job before its next step: the busy rhythm while a transfer is in
+        flight that no transport wakes this loop for, else the idle one."""
+        busy = (self._loads and not self._wakeful) or any(f() for f in self.poll_fast_while)
+        return self.options.service_poll_s if busy else self.options.idle_poll_s
 
     def pending(self) -> int:
         with self._lock:

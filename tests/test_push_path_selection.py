@@ -218,3 +218,25 @@ def test_a_whole_request_push_after_the_prefill_writes_through_the_chosen_path_t
             assert np.array_equal(w.dst[layer][[10, 11]].numpy(), w.src[layer][[4, 5]].numpy())
     finally:
         close(w)
+
+
+@pytest.mark.parametrize("d_fast", [True, False])
+def test_d_polls_at_its_busy_rhythm_only_while_a_stream_may_notify_on_a_fast_path_that_wakes_nobody(
+    d_fast: bool,
+) -> None:
+    # a layer's note is on T_visible's path: found at the idle poll it would wait up to idle_poll_s (5 ms)
+    w = world(FastWhenOffered(), d_fast=d_fast)
+    try:
+        idle, busy = w.cons.options.idle_poll_s, w.cons.options.service_poll_s
+        assert w.cons.poll_interval() == idle
+        w.prod.ledger.allocate("r", [1, 2, 3])
+        w.cons.ledger.reserve("r", [7, 8, 9])
+        assert w.sc.request_stream("r", w.prod.address, layers=LAYERS)
+        assert w.cons.poll_interval() == (busy if d_fast else idle)
+        assert w.sp.begin("r")
+        for layer in range(LAYERS):
+            w.sp.layer_done("r", layer, [1, 2, 3])
+        assert until(lambda: w.sc.pending() == 0) and w.sc.counts["completed"] == 1
+        assert w.cons.poll_interval() == idle  # no stream open: back to the idle rhythm
+    finally:
+        close(w)

@@ -104,6 +104,13 @@ class StreamConsumer:
         add_listener = getattr(self.transport, "add_notification_listener", None)
         if add_listener is not None:
             add_listener(lambda: consumer._jobs.put(_noop))  # a job wakes the Consumer's service thread
+        fast = getattr(consumer, "fast_transport", None)
+        if fast is not None:  # P's writes may come over it (its push path): its notes too
+            add_fast = getattr(fast, "add_notification_listener", None)
+            if add_fast is not None:
+                add_fast(lambda: consumer._jobs.put(_noop))
+            else:  # one that wakes nobody (CUDA IPC): the Consumer polls at its busy rhythm while streams are open
+                consumer.poll_fast_while.append(lambda: bool(self._streams))
         self._expect_activity = getattr(self.transport, "expect_activity", None)
         self._thread = threading.Thread(target=self._serve, name=f"stream-{self.transport.agent}", daemon=True)
         self._thread.start()
