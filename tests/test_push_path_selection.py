@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvlifecycle.transports.loopback import LoopbackTransport
+from waiting import until
 
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo, GetMeta, decode_handshake
@@ -82,15 +83,6 @@ class FastWhenOffered:
         if fast is None or offer is None:
             return DataPath(primary)
         return DataPath(fast, fast.add_peer(offer), PathChoice("fast", "test: offered"))
-
-
-def until(fn: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if fn():
-            return True
-        time.sleep(0.002)
-    return False
 
 
 def world(selector: PathSelector | None, *, refuse_views: bool = False, d_fast: bool = True) -> Any:
