@@ -4,7 +4,7 @@
 # sglang==0.5.23 pins torch 2.14.1, which clashes with the main venv's torch 2.13 (CPU), so SGLang lives
 # in its own venv: <repo>/.venv-sglang. Idempotent: a venv that already imports the pinned versions is
 # left alone (a stamp file records what was installed). Paths are relative to this script, so it works
-# in any fresh clone, as root on CI. First install: about 6 min and 11 GB on a 2-core machine.
+# in any fresh clone, as root on CI. First install: about 1 min (through uv: scripts/installer.sh) and 11 GB.
 #
 # Usage: scripts/setup-sglang-env.sh [--force]
 #   KVL_SGLANG_VENV   override the venv path (default: <repo>/.venv-sglang)
@@ -60,14 +60,14 @@ if [[ ! -x "${VENV}/bin/python" ]]; then
     "${PY}" -m venv "${VENV}"
 fi
 rm -f "${STAMP}"
-PIP=("${VENV}/bin/python" -m pip --disable-pip-version-check)
 export PIP_NO_INPUT=1
-"${PIP[@]}" install --upgrade "pip>=24" "setuptools>=68" wheel
-log "installing sglang==${SGLANG_VERSION} (torch==${TORCH_VERSION}), nixl==${NIXL_VERSION}"
-"${PIP[@]}" install "torch==${TORCH_VERSION}" "sglang==${SGLANG_VERSION}" "nixl==${NIXL_VERSION}"
+source "${SCRIPT_DIR}/installer.sh"
+kvl_installer "${VENV}"
+log "installing sglang==${SGLANG_VERSION} (torch==${TORCH_VERSION}), nixl==${NIXL_VERSION} with ${INSTALL[0]##*/}"
+"${INSTALL[@]}" -q "torch==${TORCH_VERSION}" "sglang==${SGLANG_VERSION}" "nixl==${NIXL_VERSION}"
 log "installing kvlifecycle (editable) from ${REPO_ROOT}"
-# --no-deps on the second pass would skip our light deps; they are small, so let pip resolve them.
-"${PIP[@]}" install -e "${REPO_ROOT}[dev]"
+# Our light deps resolve beside SGLang's; torch stays where it is.
+"${INSTALL[@]}" -q -e "${REPO_ROOT}[dev]" "torch==${TORCH_VERSION}"
 echo "${WANT_STAMP}" > "${STAMP}"
 if ! venv_ok; then
     log "install finished but the venv check failed; run: ${VENV}/bin/python -c 'import sglang, nixl._api, kvlifecycle'"

