@@ -13,9 +13,9 @@
 # Extra arguments go to pytest. pytest's "no tests ran" (exit 5) is a failure here.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
-# The two engine environments are independent pip installs (mostly one core each, unpacking wheels): they build
-# side by side while the type check and etcd run, each into its own log, printed when it ends.
+# The two engine environments are independent installs (scripts/installer.sh: uv, most of it writing bytecode):
+# they build side by side, from the start, while the main environment, the type check and etcd are made; each
+# into its own log, printed when it ends.
 engine_jobs=()
 engine_logs=()
 if [[ "${KVL_SKIP_ENGINES:-0}" != "1" ]]; then
@@ -26,6 +26,7 @@ if [[ "${KVL_SKIP_ENGINES:-0}" != "1" ]]; then
         engine_jobs+=("$!")
     done
 fi
+bash scripts/setup.sh
 bash scripts/typecheck.sh
 bash scripts/setup-etcd.sh
 engine_failed=0

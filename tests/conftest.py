@@ -1,5 +1,10 @@
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from kvlifecycle import envvars
@@ -47,3 +52,20 @@ def source(clock: ManualClock) -> SourceLedger:
 @pytest.fixture
 def target(clock: ManualClock) -> TargetLedger:
     return TargetLedger(64, clock=clock, worker="d0")
+
+
+@pytest.fixture(scope="session")
+def vllm_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The single TP 1 vLLM instance (``vllm_harness.reference_server``) that every real-vLLM test compares its
+    outputs against, started at its first use and kept for the session: a vLLM start costs about 30 s of the two
+    cores, an idle instance nothing, and each cluster used to start its own."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "vllm"))
+    import vllm_harness as h
+
+    h.require_vllm()
+    server = h.reference_server(h.build_tiny_model(h.MODEL_CACHE), tmp_path_factory.mktemp("vllm-single"))
+    try:
+        h.start_all([server])
+        yield server
+    finally:
+        server.stop()

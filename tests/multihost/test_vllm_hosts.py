@@ -1,6 +1,6 @@
 """Real vLLM on two hosts: P (vllm serve with KVLifecycleConnector, pull mode) in one network namespace, D in
-another, ``kvlifecycle proxy`` and a single reference instance on a third; greedy outputs through the proxy equal
-the single instance's.
+another, ``kvlifecycle proxy`` on a third; greedy outputs through the proxy equal the single instance's (the
+session's reference instance, tests/conftest.py: on 127.0.0.1 outside the namespaces, on P's core).
 
 Each vLLM process runs inside its host (``ip netns exec``), listens on the host's own address, and moves KV with
 NIXL over UCX TCP on the host's veth (``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=kvl0``: no shared memory, no
@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import netns_harness as nh
 import pytest
@@ -34,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 12
 HTTP_PORT, SIDE_CHANNEL_PORT, PROXY_PORT = 8100, 5600, 8000  # fresh namespaces: every port is free
 SECRET = "vllm-hosts-secret"
-START_TIMEOUT_S = 480.0  # three vLLM servers starting at once on two loaded cores
+START_TIMEOUT_S = 480.0  # vLLM servers starting at once on two loaded cores
 
 
 @dataclass
@@ -59,7 +60,7 @@ class Served:
 class TwoHosts:
     prefill: Served
     decode: Served
-    single: Served
+    single: vh.VLLMServer  # the session's reference instance (tests/conftest.py), outside the namespaces
     proxy: Served
     front: nh.Host
     events: Path
@@ -115,7 +116,8 @@ def wait_ready(front: nh.Host, servers: list[Served], timeout_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_hosts(swept: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
+def two_hosts(swept: list[str], vllm_single: vh.VLLMServer,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
     vh.require_vllm()
     model = vh.build_tiny_model(vh.MODEL_CACHE)
     logs = tmp_path_factory.mktemp("vllm-hosts")
@@ -126,12 +128,12 @@ def two_hosts(swept: list[str], tmp_path_factory: pytest.TempPathFactory) -> Ite
         # same arithmetic and greedy outputs compare token for token (as in tests/vllm/test_vllm_pd.py)
         prefill = start_vllm("prefill", p_host, model, logs, 0, kvl_config("kv_producer", events, p_host.address))
         decode = start_vllm("decode", d_host, model, logs, 1, kvl_config("kv_consumer", events, d_host.address))
-        single = start_vllm("single", front, model, logs, 0)
+        single = vllm_single
         proxy_log = logs / "proxy.log"
         proxy = Served("proxy", front, front.popen(
             [sys.executable, "-m", "kvlifecycle", "proxy", "--host", front.address, "--port", str(PROXY_PORT),
              "--prefill", prefill.url, "--decode", decode.url], env=None, log=proxy_log), proxy_log)
-        servers = [prefill, decode, single, proxy]
+        servers = [prefill, decode, proxy]
         try:
             wait_ready(front, servers, START_TIMEOUT_S)
             yield TwoHosts(prefill, decode, single, proxy, front, events)
@@ -145,10 +147,11 @@ def two_hosts(swept: list[str], tmp_path_factory: pytest.TempPathFactory) -> Ite
             # the cluster's close then kills whatever still runs in the namespaces and removes them
 
 
-def reference(hosts: TwoHosts, prompt: str) -> str:
-    answer = http(hosts.front, "post", hosts.single.url, "/v1/completions", vh.completion_body(prompt, MAX_TOKENS))
-    assert answer["status"] == 200, answer
-    return answer["body"]["choices"][0]["text"]
+def reference(hosts: TwoHosts | Any, prompt: str) -> str:
+    """The single instance's greedy text (any ``hosts`` whose ``single`` is the session's reference server)."""
+    status, answer = vh.post_json(hosts.single.port, "/v1/completions", vh.completion_body(prompt, MAX_TOKENS))
+    assert status == 200, answer
+    return answer["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("num_tokens", [5, 64, 300])

@@ -2,11 +2,10 @@
 ``--data-parallel-size 2`` (TP 1; DP rank d's engine bound to core d) and one D of TP 1 behind ``kvlifecycle proxy``,
 against a single TP 1 instance.
 
-Each DP rank of P is its own engine with its own workers: its rank publishes its grants on side-channel port
-``base + d * TP + tp_rank`` (here ``base + d``), and P's answer names that port, so D reads from the DP rank that
-prefilled. The single instance answers every reference prompt first and stops before P and D start. Slow, a
-correctness test, not a benchmark; no timing assertions, every wait bounded.
-"""
+Each DP rank of P is its own engine with its own workers: its rank publishes its grants on side-channel port ``base +
+d * TP + tp_rank`` (here ``base + d``), and P's answer names that port, so D reads from the DP rank that prefilled.
+The single instance (the session's, tests/conftest.py) answers every reference prompt first and is idle while P and D
+run. Slow, a correctness test, not a benchmark; no timing assertions, every wait bounded."""
 
 from __future__ import annotations
 
@@ -50,15 +49,10 @@ def completion(port: int, text: str, **extra: object) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """The single TP 1 instance's greedy text per prompt length (stopped before P and D start)."""
-    logs = tmp_path_factory.mktemp("vllm-dp-single")
-    server = h.vllm_server("single", tiny_model, h.free_port(), logs, cores=[0])
-    try:
-        start_all([server])
-        return {n: completion(server.port, prompt(n))["choices"][0]["text"] for n in ALL_PROMPTS}
-    finally:
-        server.stop()
+def references(vllm_single: h.VLLMServer) -> dict[int, str]:
+    """The single TP 1 instance's greedy text per prompt length, asked before P and D start (the session's
+    instance, tests/conftest.py: idle from then on)."""
+    return {n: completion(vllm_single.port, prompt(n))["choices"][0]["text"] for n in ALL_PROMPTS}
 
 
 def kvl_config(role: str, events: Path, port: int) -> dict:

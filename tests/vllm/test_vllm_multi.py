@@ -73,11 +73,11 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+def cluster(tiny_model: Path, vllm_single: h.VLLMServer, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("vllm-multi")
     events = logs / "events"
     # one OpenMP thread per instance, so every instance does the same arithmetic and greedy outputs compare
-    single = h.vllm_server("single", tiny_model, h.free_port(), logs, cores=[0])
+    single = vllm_single  # the session's (tests/conftest.py)
     prefill = [h.vllm_server(f"prefill{i}", tiny_model, h.free_port(), logs, cores=[i],
                              kv_transfer_config=kvl_config("kv_producer", events / f"p{i}", h.free_port_pair()))
                for i in range(2)]
@@ -85,7 +85,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
                             kv_transfer_config=kvl_config("kv_consumer", events / f"d{i}", h.free_port()))
               for i in range(2)]
     proxy = h.proxy_process(h.free_port(), [p.url for p in prefill], [d.url for d in decode], logs)
-    servers = [single, *prefill, *decode, proxy]
+    servers = [*prefill, *decode, proxy]
     try:
         start_all(servers)
         yield Cluster(single, prefill, decode, proxy, events)

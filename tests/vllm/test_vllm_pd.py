@@ -48,13 +48,13 @@ def kvl_config(role: str, events: Path, port: int, policy: str = "fail") -> dict
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+def cluster(tiny_model: Path, vllm_single: h.VLLMServer, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("vllm-pd")
     events = logs / "events"
     side = h.free_port_pair()
     # P and the single instance share core 0, the Ds core 1: one OpenMP thread each, so every instance does
     # the same arithmetic and greedy outputs can be compared token for token.
-    single = h.vllm_server("single", tiny_model, h.free_port(), logs, cores=[0])
+    single = vllm_single  # the session's (tests/conftest.py)
     prefill = h.vllm_server("prefill", tiny_model, h.free_port(), logs, cores=[0],
                             kv_transfer_config=kvl_config("kv_producer", events, side))
     decode = h.vllm_server("decode", tiny_model, h.free_port(), logs, cores=[1],
@@ -65,7 +65,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
                                           block_size=64,
                                           kv_transfer_config=kvl_config("kv_consumer", events, side, "recompute"))
     proxy = h.proxy_process(h.free_port(), [prefill.url], [decode.url], logs)
-    servers = [single, prefill, decode, decode_bs64, decode_bs64_recompute, proxy]
+    servers = [prefill, decode, decode_bs64, decode_bs64_recompute, proxy]
     try:
         start_all(servers)
         yield Cluster(single, prefill, decode, decode_bs64, decode_bs64_recompute, proxy, events)

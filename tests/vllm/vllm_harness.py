@@ -366,6 +366,13 @@ def start_all(servers: Iterable[ManagedProcess], timeout_s: float = 420.0, warm_
                 server.warm_up(max(deadline - time.monotonic(), 60.0))
 
 
+def reference_server(model_dir: Path, log_dir: Path) -> VLLMServer:
+    """The single TP 1 instance greedy outputs are compared against: no connector, on core 0 (P's core in every
+    cluster, one OpenMP thread each, so both do the same arithmetic), with the arguments of every served instance.
+    The tests share one for the whole session (the ``vllm_single`` fixture)."""
+    return vllm_server("single", model_dir, free_port(), log_dir, cores=[0])
+
+
 def metric_values(port: int, name: str) -> list[float]:
     """The values of every sample of ``name`` (any labels) in a server's Prometheus ``/metrics``."""
     status, raw = http_get(port, "/metrics")
