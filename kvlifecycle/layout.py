@@ -77,8 +77,18 @@ def block_descs(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.ndarray:
         addr = (np.asarray(layout.base_addrs, dtype=np.uint64)[region] + _view_offsets(layout, view)[region]
                 + block * np.asarray(layout.block_bytes, dtype=np.uint64)[region])
         length = sub_len[region]
-    device = np.full(addr.shape, layout.device_id, dtype=np.uint64)
+    if layout.kinds_per_group:
+        device = region_devices(layout)[region]
+    else:
+        device = np.full(addr.shape, layout.device_id, dtype=np.uint64)
     return np.stack([addr, length, device], axis=1)
+
+
+def region_devices(layout: KVLayout) -> np.ndarray:
+    """Each region's device id: its group's (host-memory groups of a VRAM layout are device 0, as NIXL names host
+    memory)."""
+    return np.asarray([layout.group_device(g) for g, group in enumerate(layout.region_groups)
+                       for _ in range(group.regions)], dtype=np.uint64)
 
 
 def block_descs_strided(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.ndarray | None:
@@ -93,7 +103,7 @@ def block_descs_strided(layout: KVLayout, view: BlockView = WHOLE_BLOCK) -> np.n
     out = np.empty((rows, 5), dtype=np.uint64)
     out[:, 0] = np.asarray(layout.base_addrs, dtype=np.uint64) + _view_offsets(layout, view)
     out[:, 1] = sub_len
-    out[:, 2] = layout.device_id
+    out[:, 2] = region_devices(layout)
     out[:, 3] = np.asarray(layout.block_bytes, dtype=np.uint64)
     out[:, 4] = np.asarray(layout.region_blocks, dtype=np.uint64)
     return out
@@ -198,14 +208,21 @@ def rows_layout(kind: MemoryKind | str, device_id: int, ptrs: Sequence[int], dat
 def grouped_layout(*parts: KVLayout) -> KVLayout:
     """One layout of several region groups, one per part, in order (e.g. :func:`rows_layout` of SGLang's KV pages
     then of its aux rows): part ``g``'s block ``b`` is block ``sum(n_0..n_{g-1}) + b`` of the result. Parts are
-    single groups of one memory kind and device."""
+    single groups. Parts of one memory kind make a layout of that kind; parts of several (SGLang on a GPU: VRAM
+    pages, host-memory aux rows) make a layout of the first part's kind and device whose groups name their kinds,
+    all VRAM parts on that one device."""
     if not parts:
         raise ValueError("a grouped layout needs at least one part")
-    if any(p.groups for p in parts) or len({(p.kind, p.device_id) for p in parts}) != 1:
-        raise ValueError("grouped_layout takes single-group layouts of one memory kind and device")
-    return KVLayout(parts[0].kind, parts[0].device_id, sum(p.num_blocks for p in parts),
+    if any(p.groups for p in parts):
+        raise ValueError("grouped_layout takes single-group layouts")
+    mixed = len({p.kind for p in parts}) > 1
+    if len({p.device_id for p in parts if p.kind is MemoryKind.VRAM or not mixed}) > 1:
+        raise ValueError("grouped_layout takes parts on one device: got devices "
+                         f"{sorted({p.device_id for p in parts})}")
+    device = next((p.device_id for p in parts if p.kind is MemoryKind.VRAM), parts[0].device_id)
+    return KVLayout(parts[0].kind, device, sum(p.num_blocks for p in parts),
                     tuple(a for p in parts for a in p.base_addrs), tuple(b for p in parts for b in p.block_bytes),
-                    tuple(RegionGroup(p.num_regions, p.num_blocks) for p in parts))
+                    tuple(RegionGroup(p.num_regions, p.num_blocks, p.kind if mixed else None) for p in parts))
 
 
 def group_start(layout: KVLayout, group: int) -> int:

@@ -77,17 +77,27 @@ class BlockView:
 WHOLE_BLOCK = BlockView()
 
 
+def _optional_kind(value: Any) -> MemoryKind | None:
+    return None if value is None else MemoryKind(value)
+
+
 @attrs.frozen
 class RegionGroup:
     """``regions`` consecutive regions of a :class:`KVLayout` that hold ``num_blocks`` blocks each (SGLang: the KV
-    pages, and the aux rows, whose count follows the running requests instead)."""
+    pages, and the aux rows, whose count follows the running requests instead).
+
+    ``kind``: the group's own memory kind, where it differs from the layout's (SGLang on a GPU: KV pages in VRAM,
+    aux rows in host memory); None: the layout's. A layout whose groups name a kind is posted one group at a time
+    by transports that keep one memory kind per descriptor list (NIXL)."""
 
     regions: int = attrs.field(converter=v.plain_int, validator=v.integer(1))
     num_blocks: int = attrs.field(converter=v.plain_int, validator=v.integer(1))
+    kind: MemoryKind | None = attrs.field(default=None, converter=_optional_kind)
 
 
 def _region_groups(values: Any) -> Any:
-    """Converter: ``(regions, num_blocks)`` pairs (the wire's form) become :class:`RegionGroup` values."""
+    """Converter: ``(regions, num_blocks)`` pairs or ``(regions, num_blocks, kind)`` triples (the wire's form)
+    become :class:`RegionGroup` values."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         return values
     return tuple(g if isinstance(g, RegionGroup) else RegionGroup(*g) for g in values)
@@ -153,6 +163,20 @@ class KVLayout:
     def bytes_per_block_all_regions(self) -> int:
         return sum(self.block_bytes)
 
+    @property
+    def group_kinds(self) -> tuple[MemoryKind, ...]:
+        """Each group's memory kind: its own, else the layout's."""
+        return tuple(g.kind or self.kind for g in self.region_groups)
+
+    @property
+    def kinds_per_group(self) -> bool:
+        """Whether any group names its own memory kind (then a NIXL post moves one group per transfer)."""
+        return any(g.kind is not None for g in self.groups)
+
+    def group_device(self, group: int) -> int:
+        """The device id of ``group``'s descriptors: the layout's GPU for VRAM, 0 for host memory."""
+        return self.device_id if self.group_kinds[group] is MemoryKind.VRAM else 0
+
 
 class LayoutWire(msgspec.Struct, frozen=True):
     """:class:`KVLayout` on the wire."""
@@ -164,15 +188,23 @@ class LayoutWire(msgspec.Struct, frozen=True):
     block_bytes: list[int]
     # (regions, num_blocks) per region group; empty: one group. Defaulted, so an older peer's layout still decodes.
     groups: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    # each group's own memory kind ("" for the layout's), one per group, or empty: every group of the layout's kind.
+    # Defaulted and sent only where a group names one, so layouts of one kind encode as before.
+    group_kinds: list[str] = msgspec.field(default_factory=list)
 
     @classmethod
     def of(cls, layout: KVLayout) -> LayoutWire:
+        kinds = [g.kind.value if g.kind is not None else "" for g in layout.groups] if layout.kinds_per_group else []
         return cls(layout.kind.value, layout.device_id, layout.num_blocks, list(layout.base_addrs),
-                   list(layout.block_bytes), [(g.regions, g.num_blocks) for g in layout.groups])
+                   list(layout.block_bytes), [(g.regions, g.num_blocks) for g in layout.groups], kinds)
 
     def to_layout(self) -> KVLayout:
+        if self.group_kinds and len(self.group_kinds) != len(self.groups):
+            raise ValueError(f"group_kinds names {len(self.group_kinds)} kinds for {len(self.groups)} groups")
+        kinds = self.group_kinds or [""] * len(self.groups)
         return KVLayout(MemoryKind(self.kind), self.device_id, self.num_blocks, tuple(self.base_addrs),
-                        tuple(self.block_bytes), tuple(self.groups))
+                        tuple(self.block_bytes),
+                        tuple(RegionGroup(r, n, k or None) for (r, n), k in zip(self.groups, kinds, strict=True)))
 
 
 class PeerMetadata(msgspec.Struct, frozen=True):

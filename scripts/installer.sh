@@ -9,9 +9,9 @@
 # every index, find-links, constraint, certificate and timeout that `pip config list` shows (files and PIP_*
 # variables) becomes the matching UV_* variable, unless that is set already. uv considers every index as pip does
 # (unsafe-best-match) and writes bytecode as pip does (the first `vllm serve` of a test does not compile it).
-# KVL_INSTALLER=pip, or a uv that cannot be installed, falls back to pip itself.
+# A uv that cannot be installed falls back to pip itself.
 
-KVL_UV_VERSION="0.13.8"
+uv_version="0.13.8"
 
 _kvl_pip_config_to_uv() {
     local python="$1" key value
@@ -34,10 +34,9 @@ kvl_installer() {
     local python="$venv/bin/python"
     INSTALL=("$python" -m pip install --disable-pip-version-check)
     UNINSTALL=("$python" -m pip uninstall --disable-pip-version-check -y)
-    [[ "${KVL_INSTALLER:-uv}" == "pip" ]] && return 0
-    if [[ ! -x "$venv/bin/uv" ]] || [[ "$("$venv/bin/uv" --version 2>/dev/null)" != "uv $KVL_UV_VERSION"* ]]; then
-        "$python" -m pip install --disable-pip-version-check -q "uv==$KVL_UV_VERSION" 2>/dev/null \
-            || { echo "installer: uv==$KVL_UV_VERSION could not be installed; pip installs instead" >&2; return 0; }
+    if [[ ! -x "$venv/bin/uv" ]] || [[ "$("$venv/bin/uv" --version 2>/dev/null)" != "uv $uv_version"* ]]; then
+        "$python" -m pip install --disable-pip-version-check -q "uv==$uv_version" 2>/dev/null \
+            || { echo "installer: uv==$uv_version could not be installed; pip installs instead" >&2; return 0; }
     fi
     _kvl_pip_config_to_uv "$python"
     export UV_INDEX_STRATEGY="${UV_INDEX_STRATEGY:-unsafe-best-match}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import attrs
 import numpy as np
 import pytest
 
@@ -21,7 +22,7 @@ from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.invariants import check_source, check_target
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.machines import TargetState
-from kvlifecycle.transport import KVLayout, RemoteMismatchError, XferOp, XferStatus
+from kvlifecycle.transport import KVLayout, MemoryKind, RemoteMismatchError, XferOp, XferStatus
 
 pytestmark = pytest.mark.nixl
 
@@ -32,10 +33,19 @@ COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=2, num_kv_heads=2
 _names = itertools.count()
 
 
-class Side:
-    """One worker's pages and aux rows in DRAM, and their grouped layout."""
+def kinds_named(layout: KVLayout) -> KVLayout:
+    """The same layout, its groups naming their memory kind (DRAM): NIXL then posts it as a layout of several
+    kinds is posted (SGLang on a GPU: VRAM pages, host-memory aux rows), one descriptor list and one transfer per
+    group, the notification once all are DONE (transports/nixl_kinds.py). On this CPU machine both are DRAM."""
+    groups = tuple(attrs.evolve(g, kind=MemoryKind.DRAM) for g in layout.region_groups)
+    return attrs.evolve(layout, groups=groups)
 
-    def __init__(self, seed: int | None) -> None:
+
+class Side:
+    """One worker's pages and aux rows in DRAM, and their grouped layout (``kinds``: its groups name their
+    memory kind)."""
+
+    def __init__(self, seed: int | None, kinds: bool = False) -> None:
         rng = np.random.default_rng(seed)
         fill = (lambda n: rng.integers(0, 256, n, dtype=np.uint8)) if seed is not None else \
             (lambda n: np.zeros(n, dtype=np.uint8))
@@ -46,6 +56,8 @@ class Side:
                           [PAGE_BYTES] * KV_REGIONS),
             L.rows_layout("DRAM", 0, [a.ctypes.data for a in self.aux], [a.nbytes for a in self.aux],
                           [ROW_BYTES] * AUX_REGIONS))
+        if kinds:
+            self.layout = kinds_named(self.layout)
 
     def snapshot(self) -> list[np.ndarray]:
         return [a.copy() for a in self.kv + self.aux]
@@ -78,9 +90,10 @@ def aux_block(layout: KVLayout, row: int) -> int:
     return L.group_start(layout, 1) + row
 
 
+@pytest.mark.parametrize("kinds", [False, True], ids=["one-list", "list-per-group"])
 @pytest.mark.parametrize("strided", [True, False], ids=["strided", "per-block"])
-def test_one_post_moves_pages_and_an_aux_row(strided: bool) -> None:
-    src, dst = Side(1), Side(None)
+def test_one_post_moves_pages_and_an_aux_row(strided: bool, kinds: bool) -> None:
+    src, dst = Side(1, kinds), Side(None, kinds)
     n = next(_names)
     a = NixlTransport(f"groups-a{n}", strided_descriptors=strided, probe_bytes=0)
     b = NixlTransport(f"groups-b{n}", strided_descriptors=strided, probe_bytes=0)
@@ -91,9 +104,14 @@ def test_one_post_moves_pages_and_an_aux_row(strided: bool) -> None:
         before = dst.snapshot()
         local = [3, 9, 0, aux_block(dst.layout, 4)]
         remote = [7, 1, 11, aux_block(src.layout, 2)]
+        made = []
+        make = b._nixl.make_prepped_xfer
+        b._nixl.make_prepped_xfer = lambda *args: made.append(len(args[2])) or make(*args)
         handle = b.post(XferOp.READ, plan, local, remote)
         assert wait(lambda: b.poll(handle) is not XferStatus.PENDING)
         assert b.poll(handle) is XferStatus.DONE, b.error(handle)
+        # one NIXL transfer over both groups, or one per group (pages, then the aux row) when they name kinds
+        assert made == ([3 * KV_REGIONS, AUX_REGIONS] if kinds else [3 * KV_REGIONS + AUX_REGIONS])
         stats = b.stats(handle)
         assert stats is not None and stats.desc_count == 3 * KV_REGIONS + AUX_REGIONS
         assert stats.bytes == 3 * KV_REGIONS * PAGE_BYTES + AUX_REGIONS * ROW_BYTES
@@ -120,9 +138,9 @@ def test_a_transport_that_cannot_post_groups_refuses_them_at_prepare() -> None:
         a.close()
 
 
-@pytest.fixture
-def pd():
-    src, dst = Side(2), Side(None)
+@pytest.fixture(params=[False, True], ids=["one-list", "list-per-group"])
+def pd(request: pytest.FixtureRequest):
+    src, dst = Side(2, request.param), Side(None, request.param)
     n = next(_names)
     tp, td = NixlTransport(f"groups-p{n}", probe_bytes=0), NixlTransport(f"groups-d{n}", probe_bytes=0)
     tp.register(src.layout)

@@ -97,3 +97,41 @@ def test_the_wire_form_carries_groups_and_an_older_layout_still_decodes() -> Non
                                     "block_bytes": [64]})  # a peer from before region groups
     layout = msgspec.msgpack.decode(older, type=LayoutWire).to_layout()
     assert layout.groups == () and layout.region_groups == (RegionGroup(1, 4),)
+
+
+# -- groups of different memory kinds (SGLang on a GPU: VRAM pages, host-memory aux rows) -------------------------
+
+def mixed(device: int = 3) -> KVLayout:
+    kv = L.rows_layout("VRAM", device, [1 << 30, 2 << 30], [PAGES * PAGE_BYTES] * 2, [PAGE_BYTES] * 2)
+    aux = L.rows_layout("DRAM", 0, [5 << 20], [ROWS * ROW_BYTES], [ROW_BYTES])
+    return L.grouped_layout(kv, aux)
+
+
+def test_parts_of_different_kinds_make_a_layout_whose_groups_name_them() -> None:
+    layout = mixed()
+    assert (layout.kind, layout.device_id) == (MemoryKind.VRAM, 3)
+    assert layout.group_kinds == (MemoryKind.VRAM, MemoryKind.DRAM) and layout.kinds_per_group
+    assert not LAYOUT.kinds_per_group and LAYOUT.group_kinds == (MemoryKind.DRAM, MemoryKind.DRAM)
+    # NIXL's device column: the GPU for VRAM descriptors, 0 for host memory
+    assert L.block_descs(layout)[:, 2].tolist() == [3] * (2 * PAGES) + [0] * ROWS
+    strided = L.block_descs_strided(layout)
+    assert strided is not None and strided[:, 2].tolist() == [3, 3, 0]
+
+
+def test_vram_parts_on_two_devices_do_not_make_one_layout() -> None:
+    a = L.rows_layout("VRAM", 0, [1 << 30], [PAGE_BYTES * PAGES], [PAGE_BYTES])
+    b = L.rows_layout("VRAM", 1, [2 << 30], [PAGE_BYTES * PAGES], [PAGE_BYTES])
+    with pytest.raises(ValueError, match="one device"):
+        L.grouped_layout(a, b)
+
+
+def test_group_kinds_travel_on_the_wire_and_a_one_kind_layout_encodes_as_before() -> None:
+    layout = mixed()
+    wire = LayoutWire.of(layout)
+    assert wire.group_kinds == ["VRAM", "DRAM"]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=LayoutWire).to_layout() == layout
+    assert LayoutWire.of(LAYOUT).group_kinds == []  # what an older peer sent and reads: nothing new
+    with pytest.raises(ValueError, match="names 1 kinds for 2 groups"):
+        msgspec.structs.replace(wire, group_kinds=["VRAM"]).to_layout()
+    with pytest.raises(ValueError):
+        msgspec.structs.replace(wire, group_kinds=["VRAM", "HBM"]).to_layout()

@@ -38,6 +38,7 @@ from kvlifecycle.transport import (
     KVLayout,
     LayoutWire,
     MalformedNotificationError,
+    MemoryKind,
     Notification,
     PeerEpochError,
     PeerMetadata,
@@ -58,6 +59,7 @@ from kvlifecycle.untrusted import RateLimitedLog
 
 from ._common import HandleQueries, HandleTable, XferRecord, check_pairing, new_epoch, plan_descs
 from .nixl_agent import make_agent
+from .nixl_kinds import DescLists, group_rows, prepare_lists, split_post
 
 log = logging.getLogger("kvlifecycle.transports.nixl")
 
@@ -86,7 +88,7 @@ class _Peer:
     name: str
     epoch: int
     layout: KVLayout
-    remote_dlists: dict[BlockView, Any]
+    remote_dlists: dict[BlockView, DescLists]
     probe_addr: int = 0
     probe_bytes: int = 0
     probe_dlist: Any = None
@@ -95,8 +97,8 @@ class _Peer:
 @dataclass(slots=True)
 class _Plan:
     plan: PreparedPlan
-    local: Any
-    remote: Any
+    local: DescLists
+    remote: DescLists
     desc_bytes: np.ndarray  # bytes per descriptor, per region
 
 
@@ -137,9 +139,9 @@ class NixlTransport(HandleQueries):
         self._scratch_reg: Any = None
         self._scratch_dlist: Any = None
         self.layout: KVLayout | None = None
-        self._reg_descs: Any = None
+        self._reg_descs: list[Any] = []  # one registration per memory kind of the layout
         self._metadata_blob: bytes | None = None  # fixed once registered: exported without the service thread
-        self._local_dlists: dict[BlockView, Any] = {}
+        self._local_dlists: dict[BlockView, DescLists] = {}
         self._strided_ok = strided_descriptors  # compressed (Nx5) descriptor lists, where NIXL takes them
         self._peers: dict[str, _Peer] = {}
         self._plans: dict[int, _Plan] = {}
@@ -227,15 +229,14 @@ class NixlTransport(HandleQueries):
 
     def _progress(self) -> None:
         for rec in list(self._inflight.values()):
+            self._inflight.pop(rec.handle.id, None)  # _settle puts it back while a part is in flight
             try:
-                state = self._nixl.check_xfer_state(rec.native)
+                parts = rec.native if isinstance(rec.native, list) else [rec.native]
+                states = [self._nixl.check_xfer_state(part) for part in parts]
             except Exception as exc:
                 self._finish(rec, map_nixl_error(exc, "check_xfer_state"))
                 continue
-            if state == "DONE":
-                self._finish(rec, None)
-            elif state != "PROC":
-                self._finish(rec, TransferFailedError(f"NIXL reported {state} for transfer {rec.handle.transfer!r}"))
+            self._settle(rec, states, f"NIXL reported a failure for transfer {rec.handle.transfer!r}")
 
     def _finish(self, rec: XferRecord, error: TransportError | None) -> None:
         rec.t_done = time.perf_counter()
@@ -256,14 +257,15 @@ class NixlTransport(HandleQueries):
 
     def _telemetry(self, rec: XferRecord) -> XferStats:
         backend = self.backends[0]
+        parts = rec.native if isinstance(rec.native, list) else [rec.native]
         try:
-            backend = self._nixl.query_xfer_backend(rec.native)
+            backend = self._nixl.query_xfer_backend(parts[0])
         except Exception:
             self.telemetry_failures += 1
         try:
-            tel = self._nixl.get_xfer_telemetry(rec.native)
-            return XferStats(tel.postDuration / 1e6, tel.xferDuration / 1e6, int(tel.totalBytes),
-                             int(tel.descCount), backend, True)
+            tels = [self._nixl.get_xfer_telemetry(part) for part in parts]
+            return XferStats(sum(t.postDuration for t in tels) / 1e6, max(t.xferDuration for t in tels) / 1e6,
+                             sum(int(t.totalBytes) for t in tels), sum(int(t.descCount) for t in tels), backend, True)
         except Exception:  # nixl #2266: telemetry off or unavailable must never fail the transfer
             self.telemetry_failures += 1
             return XferStats(rec.t_post_end - rec.t_post_start, rec.t_done - rec.t_post_start, rec.nbytes,
@@ -272,10 +274,11 @@ class NixlTransport(HandleQueries):
     def _release_native(self, rec: XferRecord) -> None:
         if rec.native is None:
             return
-        try:
-            self._nixl.release_xfer_handle(rec.native)
-        except Exception as exc:
-            log.warning("releasing NIXL handle of %r failed: %s", rec.handle.transfer, exc)
+        for part in rec.native if isinstance(rec.native, list) else [rec.native]:
+            try:
+                self._nixl.release_xfer_handle(part)
+            except Exception as exc:
+                log.warning("releasing NIXL handle of %r failed: %s", rec.handle.transfer, exc)
         rec.native = None
 
     def _drain_notifs(self) -> None:
@@ -312,10 +315,20 @@ class NixlTransport(HandleQueries):
         def do() -> None:
             if self.layout is not None:
                 raise RegistrationError("regions are already registered")
-            regs = [(a, n, layout.device_id, "") for a, n in zip(layout.base_addrs, layout.region_bytes, strict=True)]
+            regions = list(zip(layout.base_addrs, layout.region_bytes, L.region_devices(layout).tolist(), strict=True))
+            by_kind: dict[str, list[tuple[int, int, int, str]]] = {}
+            for r0, r1, _d0, _d1, kind in group_rows(layout):  # NIXL registers one memory kind per call
+                by_kind.setdefault(kind.value, []).extend((a, n, int(d), "") for a, n, d in regions[r0:r1])
             try:
-                self._reg_descs = self._nixl.register_memory(regs, layout.kind.value)
+                for kind_name, regs in by_kind.items():
+                    self._reg_descs.append(self._nixl.register_memory(regs, kind_name))
             except Exception as exc:
+                for reg in self._reg_descs:
+                    try:
+                        self._nixl.deregister_memory(reg)
+                    except Exception as dereg:
+                        log.warning("deregister_memory after a failed registration: %s", dereg)
+                self._reg_descs = []
                 raise RegistrationError(f"register_memory failed: {map_nixl_error(exc, 'register')}") from exc
             self.layout = layout
             self._local_dlist(WHOLE_BLOCK)
@@ -351,7 +364,7 @@ class NixlTransport(HandleQueries):
     def registered_regions(self) -> int:
         return 0 if self.layout is None else self.layout.num_regions
 
-    def _local_dlist(self, view: BlockView) -> Any:
+    def _local_dlist(self, view: BlockView) -> DescLists:
         dl = self._local_dlists.get(view)
         if dl is None:
             assert self.layout is not None
@@ -359,20 +372,31 @@ class NixlTransport(HandleQueries):
             self._local_dlists[view] = dl
         return dl
 
-    def _prep_dlist(self, agent: str, layout: KVLayout, view: BlockView, what: str) -> Any:
-        """Prepare the (region x block) descriptor list: one strided row per region where this NIXL takes Nx5
-        arrays, else one row per (region, block). Descriptor ids are the same either way."""
-        strided = L.block_descs_strided(layout, view) if self._strided_ok else None
-        if strided is not None:
+    def _prep_dlist(self, agent: str, layout: KVLayout, view: BlockView, what: str) -> DescLists:
+        """Prepare the (region x block) descriptor lists (one, or one per group of a layout of several memory
+        kinds: nixl_kinds.py): one strided row per region where this NIXL takes Nx5 arrays, else one row per
+        (region, block). Descriptor ids are the same either way."""
+
+        def prep(strided: np.ndarray | None, descs: np.ndarray, kind: MemoryKind) -> Any:
+            if strided is not None and self._strided_ok:
+                try:
+                    return self._nixl.prep_xfer_dlist(agent, strided, kind.value)
+                except Exception as exc:  # this NIXL cannot take strided lists: use the long form from now on
+                    log.info("strided descriptor lists unavailable (%s): using one descriptor per block", exc)
+                    self._strided_ok = False
             try:
-                return self._nixl.prep_xfer_dlist(agent, strided, layout.kind.value)
-            except Exception as exc:  # this NIXL cannot take strided lists: use the long form from now on
-                log.info("strided descriptor lists unavailable (%s): using one descriptor per block", exc)
-                self._strided_ok = False
-        try:
-            return self._nixl.prep_xfer_dlist(agent, L.block_descs(layout, view), layout.kind.value)
-        except Exception as exc:
-            raise map_nixl_error(exc, what) from exc
+                return self._nixl.prep_xfer_dlist(agent, descs, kind.value)
+            except Exception as exc:
+                raise map_nixl_error(exc, what) from exc
+
+        return prepare_lists(layout, view, prep, self._strided_ok)
+
+    def _release_dlists(self, lists: DescLists, what: str) -> None:
+        for dl in lists.handles:
+            try:
+                self._nixl.release_dlist_handle(dl)
+            except Exception as exc:
+                log.warning("release_dlist_handle (%s): %s", what, exc)
 
     def local_metadata(self) -> PeerMetadata:
         """This agent's metadata, taken once at registration (nothing registered later changes it): a side-channel
@@ -508,9 +532,11 @@ class NixlTransport(HandleQueries):
         with self._lock:
             for key in [k for k, p in self._plans.items() if p.plan.peer == peer.name]:
                 del self._plans[key]
-        for dl in [*peer.remote_dlists.values(), *([peer.probe_dlist] if peer.probe_dlist is not None else [])]:
+        for lists in peer.remote_dlists.values():
+            self._release_dlists(lists, peer.name)
+        if peer.probe_dlist is not None:
             try:
-                self._nixl.release_dlist_handle(dl)
+                self._nixl.release_dlist_handle(peer.probe_dlist)
             except Exception as exc:
                 log.warning("release_dlist_handle for %s: %s", peer.name, exc)
         try:
@@ -580,21 +606,42 @@ class NixlTransport(HandleQueries):
             self._finish(rec, PeerEpochError(f"{rec.handle.peer}: epoch changed before the post"))
             return
         rec.t_post_start = time.perf_counter()
+        op = rec.handle.op.value
         try:
-            rec.native = self._nixl.make_prepped_xfer(rec.handle.op.value, prepared.local, local_ids,
-                                                      prepared.remote, remote_ids, notif)
-            state = self._nixl.transfer(rec.native)
+            if len(prepared.local.handles) == 1 and len(prepared.remote.handles) == 1:
+                rec.native = self._nixl.make_prepped_xfer(op, prepared.local.handles[0], local_ids,
+                                                          prepared.remote.handles[0], remote_ids, notif)
+                states = [self._nixl.transfer(rec.native)]
+            else:  # memory kinds per group: one transfer per pair of lists, the notification once all are DONE
+                parts: list[Any] = []
+                rec.native, rec.extra["notify_after"] = parts, notif
+                for local, lids, remote, rids in split_post(prepared.local, prepared.remote, local_ids, remote_ids):
+                    parts.append(self._nixl.make_prepped_xfer(op, local, lids, remote, rids, b""))
+                states = [self._nixl.transfer(part) for part in parts]
         except Exception as exc:
             rec.t_post_end = time.perf_counter()
-            self._finish(rec, map_nixl_error(exc, f"posting {rec.handle.op.value} {rec.handle.transfer!r}"))
+            self._finish(rec, map_nixl_error(exc, f"posting {op} {rec.handle.transfer!r}"))
             return
         rec.t_post_end = time.perf_counter()
-        if state == "DONE":
+        self._settle(rec, states, f"NIXL refused to post {rec.handle.transfer!r}")
+
+    def _settle(self, rec: XferRecord, states: list[str], failure: str) -> None:
+        """Finish ``rec`` once every part is DONE (a split post's notification goes out first), fail it at the
+        first part that is neither DONE nor PROC, else keep it in flight."""
+        bad = [state for state in states if state not in ("DONE", "PROC")]
+        if bad:
+            self._finish(rec, TransferFailedError(f"{failure}: {bad[0]}"))
+        elif all(state == "DONE" for state in states):
+            notif = rec.extra.pop("notify_after", b"")
+            if notif:
+                try:
+                    self._nixl.send_notif(rec.handle.peer, notif)
+                except Exception as exc:
+                    self._finish(rec, map_nixl_error(exc, f"notifying {rec.handle.peer} of {rec.handle.transfer!r}"))
+                    return
             self._finish(rec, None)
-        elif state == "PROC":
-            self._inflight[rec.handle.id] = rec
         else:
-            self._finish(rec, TransferFailedError(f"NIXL refused to post {rec.handle.transfer!r}: {state}"))
+            self._inflight[rec.handle.id] = rec
 
     def release(self, handle: TransferHandle) -> None:
         with self._lock:
@@ -637,11 +684,8 @@ class NixlTransport(HandleQueries):
                 self._drop_peer(peer, "transport closed")
             for rec in list(self._inflight.values()):
                 self._finish(rec, TransportError("transport closed"))
-            for dl in self._local_dlists.values():
-                try:
-                    self._nixl.release_dlist_handle(dl)
-                except Exception as exc:
-                    log.warning("release local dlist: %s", exc)
+            for lists in self._local_dlists.values():
+                self._release_dlists(lists, "local")
             self._local_dlists.clear()
             for what, release, handle in (("scratch dlist", self._nixl.release_dlist_handle, self._scratch_dlist),
                                           ("scratch", self._nixl.deregister_memory, self._scratch_reg)):
@@ -651,12 +695,12 @@ class NixlTransport(HandleQueries):
                     except Exception as exc:
                         log.warning("release %s: %s", what, exc)
             self._scratch = self._scratch_reg = self._scratch_dlist = None
-            if self._reg_descs is not None:
+            for reg in self._reg_descs:
                 try:
-                    self._nixl.deregister_memory(self._reg_descs)
+                    self._nixl.deregister_memory(reg)
                 except Exception as exc:
                     log.warning("deregister_memory: %s", exc)
-                self._reg_descs = None
+            self._reg_descs = []
             self.layout = None
 
         try:

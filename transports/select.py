@@ -199,6 +199,11 @@ def cuda_ipc_fast_path(layout: KVLayout, agent: str, *, logger: logging.Logger, 
     missing fast path must never stop the engine, nor go unnoticed."""
     if layout.kind is not MemoryKind.VRAM:
         return None
+    host_groups = [g for g, kind in enumerate(layout.group_kinds) if kind is not MemoryKind.VRAM]
+    if host_groups:  # SGLang's aux rows: CUDA IPC cannot map host memory, and one post moves every group
+        logger.warning("%s: no CUDA IPC fast path, NIXL only: region group %d is in host memory (CUDA IPC moves "
+                       "VRAM only)", who, host_groups[0])
+        return None
     try:
         # lazily (it needs torch and CUDA), through the package, which resolves the class on first use
         cuda_ipc = importlib.import_module("kvlifecycle.transports.cuda_ipc")

@@ -54,6 +54,7 @@ from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.ledger import SourceLedger, TargetLedger, open_ledger
 from kvlifecycle.protocol.bounds import min_stream_timeout
 from kvlifecycle.streaming import StreamOptions
+from kvlifecycle.transport import MemoryKind
 from kvlifecycle.untrusted import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -174,14 +175,15 @@ class KVLifecycleKVManager(CommonKVManager):
         if args.state_types:
             raise NotImplementedError(f"kvlifecycle SGLang backend: state pools {args.state_types} not supported yet")
         device = get_device().device
-        # SGLang's aux rows (its metadata buffers) live in host memory while its KV pool is on the GPU, and one
-        # layout is of one memory kind: a VRAM KV pool waits for a layout of mixed kinds (``layouts`` takes VRAM,
-        # and the data plane then offers its CUDA IPC fast path)
-        if device not in ("cpu",):
-            raise NotImplementedError(f"kvlifecycle SGLang backend moves DRAM KV only so far (device={device!r})")
-        # two region groups of one layout: KV pages, and aux rows (one per running request)
+        if device not in ("cpu", "cuda"):
+            raise NotImplementedError(f"kvlifecycle SGLang backend moves KV in host memory or on CUDA GPUs, not on "
+                                      f"device {device!r}")
+        # two region groups of one layout: KV pages, and aux rows (one per running request). On a GPU the pages are
+        # VRAM and the aux rows (SGLang's metadata buffers) host memory, as SGLang's own NIXL backend registers them
+        kind = MemoryKind.VRAM if device == "cuda" else MemoryKind.DRAM
         self.kv_layout = layouts(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens,
-                                 args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+                                 args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, kind=kind,
+                                 device_id=int(args.gpu_id) if device == "cuda" else 0, aux_kind=MemoryKind.DRAM)
         self.plane = DataPlane(self.kvl_agent, self.kvl_epoch, self.kv_layout)
         self.num_pages = self.plane.num_pages
         # one log per incarnation: a restarted prefill keeps its agent name, under a new epoch

@@ -9,10 +9,12 @@ the second, in one block id space (:attr:`DataPlane.aux_start`). The handoff's s
 (one post per chunk, the last with the aux row) exactly as vLLM's does; every NIXL call is the transport's, covered
 by the transport conformance suite, and the peers' metadata is the handshake's.
 
-KV in VRAM: the layout is VRAM on the engine's GPU, and a CUDA IPC transport over the same regions is offered
-beside NIXL (:func:`kvlifecycle.transports.select.cuda_ipc_fast_path`: any reason it cannot be built is one log
-line, and NIXL alone moves the bytes). The handoff's path selector picks it per peer at the handshake, for P's
-writes as for D's reads.
+KV in VRAM: the pages are VRAM on the engine's GPU and the aux rows where SGLang put them (host memory, unless its
+metadata buffers are on the GPU); NIXL registers each kind and moves the groups of one post in one transfer each.
+Where every group is VRAM, a CUDA IPC transport over the same regions is offered beside NIXL
+(:func:`kvlifecycle.transports.select.cuda_ipc_fast_path`: any reason it cannot be built, a host-memory group
+among them, is one log line, and NIXL alone moves the bytes). The handoff's path selector picks it per peer at the
+handshake, for P's writes as for D's reads.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ class DataPlaneError(RuntimeError):
 
 def layouts(kv_ptrs: Sequence[int], kv_lens: Sequence[int], kv_item_lens: Sequence[int], aux_ptrs: Sequence[int],
             aux_lens: Sequence[int], aux_item_lens: Sequence[int], *, kind: MemoryKind = MemoryKind.DRAM,
-            device_id: int = 0) -> KVLayout:
+            device_id: int = 0, aux_kind: MemoryKind | None = None) -> KVLayout:
     """An SGLang ``KVArgs``' KV pages (the first group) and aux rows (the second; none without aux buffers) as one
-    layout of memory ``kind`` (VRAM: on GPU ``device_id``, ``KVArgs.gpu_id``; the aux rows must live there too,
-    one layout being of one kind)."""
-    device = device_id if kind is MemoryKind.VRAM else 0
-    kv = rows_layout(kind, device, kv_ptrs, kv_lens, kv_item_lens)
-    return grouped_layout(kv, rows_layout(kind, device, aux_ptrs, aux_lens, aux_item_lens)) if aux_ptrs else kv
+    layout: pages of memory ``kind`` (VRAM: on GPU ``device_id``, ``KVArgs.gpu_id``), aux rows of ``aux_kind``
+    (default ``kind``). SGLang on a GPU keeps its aux rows in host memory: the groups then name their kinds and
+    NIXL moves each group in its own transfer of one post (transports/nixl_kinds.py)."""
+    aux_kind = kind if aux_kind is None else aux_kind
+    kv = rows_layout(kind, device_id if kind is MemoryKind.VRAM else 0, kv_ptrs, kv_lens, kv_item_lens)
+    if not aux_ptrs:
+        return kv
+    aux = rows_layout(aux_kind, device_id if aux_kind is MemoryKind.VRAM else 0, aux_ptrs, aux_lens, aux_item_lens)
+    return grouped_layout(kv, aux)
 
 
 def _aux_start(layout: KVLayout) -> int | None:

@@ -102,3 +102,16 @@ def test_the_fast_path_helper_builds_nothing_for_dram_and_one_warning_when_cuda_
     vram = KVLayout(MemoryKind.VRAM, 0, 4, (0x1000,), (256,))  # not a real allocation: never exportable
     assert select.cuda_ipc_fast_path(vram, "a-ipc", logger=logger, who="engine") is None
     assert [r.getMessage().split(":")[0:2] for r in caplog.records] == [["engine", " no CUDA IPC fast path, NIXL only"]]
+
+
+def test_no_cuda_ipc_fast_path_for_a_layout_with_a_host_memory_group(caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang on a GPU: VRAM pages, host-memory aux rows. CUDA IPC cannot map the rows, so no fast path is built
+    (before any CUDA call) and one warning names the group; NIXL moves the layout."""
+    from kvlifecycle import layout as L
+
+    pages = L.rows_layout("VRAM", 0, [1 << 30, 2 << 30], [4096 * 8] * 2, [4096] * 2)
+    rows = L.rows_layout("DRAM", 0, [1 << 20], [64 * 4], [64])
+    log = logging.getLogger("test.select")
+    with caplog.at_level(logging.WARNING, logger="test.select"):
+        assert select.cuda_ipc_fast_path(L.grouped_layout(pages, rows), "a-ipc", logger=log, who="engine") is None
+    assert "engine: no CUDA IPC fast path, NIXL only: region group 1 is in host memory" in caplog.text

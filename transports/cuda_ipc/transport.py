@@ -157,6 +157,10 @@ class CudaIpcTransport:
                 raise RegistrationError("regions are already registered")
             if layout.kind is not MemoryKind.VRAM:
                 raise RegistrationError(f"the CUDA IPC transport moves VRAM only, got {layout.kind.value}")
+            host_groups = [g for g, kind in enumerate(layout.group_kinds) if kind is not MemoryKind.VRAM]
+            if host_groups:
+                raise RegistrationError(f"the CUDA IPC transport moves VRAM only: region group {host_groups[0]} "
+                                        "is in host memory")
             device = torch.device("cuda", layout.device_id)
             with torch.cuda.device(device):
                 self._stream = torch.cuda.Stream(device)
