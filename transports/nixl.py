@@ -229,7 +229,6 @@ class NixlTransport(HandleQueries):
 
     def _progress(self) -> None:
         for rec in list(self._inflight.values()):
-            self._inflight.pop(rec.handle.id, None)  # _settle puts it back while a part is in flight
             try:
                 parts = rec.native if isinstance(rec.native, list) else [rec.native]
                 states = [self._nixl.check_xfer_state(part) for part in parts]
@@ -323,12 +322,7 @@ class NixlTransport(HandleQueries):
                 for kind_name, regs in by_kind.items():
                     self._reg_descs.append(self._nixl.register_memory(regs, kind_name))
             except Exception as exc:
-                for reg in self._reg_descs:
-                    try:
-                        self._nixl.deregister_memory(reg)
-                    except Exception as dereg:
-                        log.warning("deregister_memory after a failed registration: %s", dereg)
-                self._reg_descs = []
+                self._deregister_all()
                 raise RegistrationError(f"register_memory failed: {map_nixl_error(exc, 'register')}") from exc
             self.layout = layout
             self._local_dlist(WHOLE_BLOCK)
@@ -337,6 +331,14 @@ class NixlTransport(HandleQueries):
             self._metadata_blob = bytes(self._nixl.get_agent_metadata())
 
         self._call(do, "register")
+
+    def _deregister_all(self) -> None:
+        for reg in self._reg_descs:
+            try:
+                self._nixl.deregister_memory(reg)
+            except Exception as exc:
+                log.warning("deregister_memory: %s", exc)
+        self._reg_descs = []
 
     def _register_scratch(self, layout: KVLayout) -> None:
         if layout.kind.value == "VRAM":
@@ -695,12 +697,7 @@ class NixlTransport(HandleQueries):
                     except Exception as exc:
                         log.warning("release %s: %s", what, exc)
             self._scratch = self._scratch_reg = self._scratch_dlist = None
-            for reg in self._reg_descs:
-                try:
-                    self._nixl.deregister_memory(reg)
-                except Exception as exc:
-                    log.warning("deregister_memory: %s", exc)
-            self._reg_descs = []
+            self._deregister_all()
             self.layout = None
 
         try:
