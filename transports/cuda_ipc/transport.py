@@ -1,5 +1,9 @@
 """The CUDA IPC transport: regions exported once, peers mapped once, a transfer is one batched block-copy kernel
-(see the package docstring for why it is shaped this way)."""
+(see the package docstring for why it is shaped this way).
+
+One concept, longer than most: the transport class itself (registration, peers, plans, posts, completions,
+notifications, teardown), which shares one lock and one set of tables. The parts that stand alone already live
+beside it in the package: driver binding, id ring, wire format, options, post strategies, peers and plans."""
 
 from __future__ import annotations
 
