@@ -1,8 +1,8 @@
 """``kvlifecycle proxy --etcd`` against a real etcd: it routes over the P and D instances registered there, follows
 them as they come, drain and go, and keeps the last known set (saying so) while etcd is down.
 
-The P and D servers are small HTTP doubles on 127.0.0.1 (the real-vLLM run across two hosts is in
-test_vllm_hosts.py); the registrations are the membership package's own, under real etcd leases.
+The P and D servers are small HTTP doubles on 127.0.0.1 (the real-vLLM run across hosts is in
+test_vllm_etcd.py); the registrations are the membership package's own, under real etcd leases.
 Every wait is bounded.
 """
 

@@ -7,9 +7,14 @@ lists both instances with their api and agent epoch; ``kvlifecycle drain`` scale
 its leases on P through etcd, long before their TTL; a P killed with SIGKILL leaves the routes once its etcd
 lease runs out, and D invalidates it.
 
-Same hosts and settings as test_vllm_hosts.py (NIXL over UCX TCP on the veth, HMAC on, one OpenMP thread per
-instance). Needs root, etcd (scripts/setup-etcd.sh), the vLLM venv and the tiny model; under KVL_REQUIRE_ALL=1 it
-fails instead of skipping. Every wait is bounded.
+A second proxy on the front host is given P and D on its command line (no etcd): through it too, greedy outputs
+equal the single instance's, and D, given one prompt with the params of another, answers the other's
+continuation, which it can only know from the KV it read from P's host.
+
+The hosts' settings are vllm_hosts.py's (NIXL over UCX TCP on the veth, HMAC on, one OpenMP thread per instance;
+the single instance is the session's, tests/conftest.py, on 127.0.0.1 outside the namespaces, on P's core). Needs
+root, etcd (scripts/setup-etcd.sh), the vLLM venv and the tiny model; under KVL_REQUIRE_ALL=1 it fails instead
+of skipping. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ import etcd_harness as eh
 import netns_harness as nh
 import pytest
 from test_hosts import shape
-from test_vllm_hosts import (
+from vllm_hosts import (
     HERE,
     HTTP_PORT,
     MAX_TOKENS,
     PROXY_PORT,
     SIDE_CHANNEL_PORT,
     START_TIMEOUT_S,
+    STATIC_PROXY_PORT,
     Served,
     http,
     kvl_config,
@@ -73,6 +79,7 @@ class EtcdHosts:
     model: Path
     logs: Path
     lent: dict[str, str]
+    static_proxy: Served | None = None  # given P and D on its command line
     started: list[Served] = field(default_factory=list)  # servers the tests started; stopped at the end too
 
 
@@ -116,7 +123,8 @@ def wait_until_ready(front: nh.Host, servers: list[Served], timeout_s: float) ->
     """Each vLLM server answers /health; the proxy's /health is 200 once it routes a P and a D it can reach."""
     deadline = time.monotonic() + timeout_s
     for server in servers:
-        url = f"{front.address}:{PROXY_PORT}" if server.name == "proxy" else server.url
+        proxy_port = {"proxy": PROXY_PORT, "static-proxy": STATIC_PROXY_PORT}.get(server.name)
+        url = server.url if proxy_port is None else f"{front.address}:{proxy_port}"
         while http(front, "get", url, "/health", timeout_s=5).get("status") != 200:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"{server.name} exited while starting:\n{server.tail()}")
@@ -149,7 +157,11 @@ def etcd_hosts(swept: list[str], vllm_single: vh.VLLMServer,
              "--etcd", etcd.endpoint, "--etcd-cluster", CLUSTER], env=None, log=proxy_log), proxy_log)
         hosts = EtcdHosts(proxy, proxy, vllm_single, proxy, front, etcd, events, cluster, model, logs, lent)
         hosts.prefill, hosts.decode = start_prefill(hosts, "p0", p_host), start_decode(hosts, "decode", d_host)
-        servers = [hosts.prefill, hosts.decode, proxy]
+        static_log = logs / "static-proxy.log"
+        hosts.static_proxy = Served("static-proxy", front, front.popen(
+            [sys.executable, "-m", "kvlifecycle", "proxy", "--host", front.address, "--port", str(STATIC_PROXY_PORT),
+             "--prefill", hosts.prefill.url, "--decode", hosts.decode.url], env=None, log=static_log), static_log)
+        servers = [hosts.prefill, hosts.decode, proxy, hosts.static_proxy]
         try:
             started = time.monotonic()
             wait_until_ready(front, servers, START_TIMEOUT_S)
@@ -179,18 +191,21 @@ def proxy_health(hosts: EtcdHosts) -> dict:
     return answer
 
 
-@pytest.mark.parametrize("num_tokens", [5, 300])
-def test_output_through_the_etcd_proxy_across_hosts_equals_a_single_instance(etcd_hosts: EtcdHosts,
-                                                                              num_tokens: int) -> None:
+@pytest.mark.parametrize(("proxy_port", "num_tokens"), [(PROXY_PORT, 5), (PROXY_PORT, 300), (STATIC_PROXY_PORT, 64)],
+                         ids=["etcd-5", "etcd-300", "static-64"])
+def test_output_through_a_proxy_across_hosts_equals_a_single_instance(etcd_hosts: EtcdHosts, proxy_port: int,
+                                                                      num_tokens: int) -> None:
+    """Through the proxy that reads etcd, and through the one given P and D on its command line."""
     prompt = vh.prompt_of_length(num_tokens, offset=700 + num_tokens)
     text = reference(etcd_hosts, prompt)
-    got = http(etcd_hosts.front, "stream", f"{etcd_hosts.front.address}:{PROXY_PORT}", "/v1/completions",
+    got = http(etcd_hosts.front, "stream", f"{etcd_hosts.front.address}:{proxy_port}", "/v1/completions",
                vh.completion_body(prompt, MAX_TOKENS, stream=True))
     assert got["status"] == 200, got
     assert got["text"] == text
     assert len(text.split()) == MAX_TOKENS
-    health = proxy_health(etcd_hosts)["body"]  # routed from etcd alone: the proxy was given no server
-    assert health == {"prefill": {etcd_hosts.prefill.url: True}, "decode": {etcd_hosts.decode.url: True}}
+    if proxy_port == PROXY_PORT:
+        health = proxy_health(etcd_hosts)["body"]  # routed from etcd alone: the proxy was given no server
+        assert health == {"prefill": {etcd_hosts.prefill.url: True}, "decode": {etcd_hosts.decode.url: True}}
 
 
 def test_doctor_lists_both_instances_with_their_api_and_agent_epoch(etcd_hosts: EtcdHosts) -> None:
@@ -204,6 +219,27 @@ def test_doctor_lists_both_instances_with_their_api_and_agent_epoch(etcd_hosts: 
     assert (p0["state"], d0["state"]) == ("serving", "serving")
     assert 0 < p0["ttl_left_s"] <= LEASE_TTL_S
     assert report["findings"] == []
+
+
+def test_decode_on_its_host_really_uses_the_kv_from_the_prefill_host(etcd_hosts: EtcdHosts) -> None:
+    """D gets prompt B with the params of prompt A (same length, same last token): it answers A's continuation,
+    which it can only know from the KV it read from P's host."""
+    n = 96
+    prompt_a = vh.prompt_of_length(n, offset=5)
+    words_b = vh.prompt_of_length(n, offset=2222).split()
+    words_b[-1] = prompt_a.split()[-1]
+    prompt_b = " ".join(words_b)
+    ref_a, ref_b = reference(etcd_hosts, prompt_a), reference(etcd_hosts, prompt_b)
+    assert ref_a != ref_b
+    prefill = http(etcd_hosts.front, "post", etcd_hosts.prefill.url, "/v1/completions",
+                   vh.completion_body(prompt_a, 1, kv_transfer_params={"do_remote_decode": True}))
+    assert prefill["status"] == 200, prefill
+    params = prefill["body"]["kv_transfer_params"]
+    assert params["remote_host"] == etcd_hosts.prefill.host.address, params
+    answer = http(etcd_hosts.front, "post", etcd_hosts.decode.url, "/v1/completions",
+                  vh.completion_body(prompt_b, MAX_TOKENS, kv_transfer_params=params))
+    assert answer["status"] == 200, answer
+    assert answer["body"]["choices"][0]["text"] == ref_a
 
 
 def test_both_hosts_event_logs_replay_clean(etcd_hosts: EtcdHosts) -> None:

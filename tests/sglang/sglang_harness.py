@@ -1,7 +1,9 @@
 """Run the SGLang driver (``kvlifecycle.tools.sglang_driver``) in the SGLang venv from the main venv's pytest.
 
 Every process gets its own session (so a stuck one is killed with its children), loopback-only UCX and SGLang
-addresses, and a hard deadline. Nothing here asserts timings.
+addresses, and a hard deadline. Nothing here asserts timings. The driver's processes are forks of one fork server
+per test session (``zygote.py``), which imported SGLang once: a process costs a fork, not SGLang's 20-second
+import.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,10 +68,96 @@ def base_env(log_dir: Path | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
+class ZygoteChild:
+    """A driver process forked by the session's fork server (``zygote.py``), waited on as a ``Popen`` is: its
+    exit code arrives on the connection that asked for it."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self.conn, self.pid = conn, pid
+        self.returncode: int | None = None
+        self._buffer = b""
+
+    def _read_exit(self, timeout: float | None) -> int | None:
+        self.conn.settimeout(timeout)
+        try:
+            while b"\n" not in self._buffer:
+                chunk = self.conn.recv(64)
+                if not chunk:  # the fork server is gone: so is the child's status
+                    self.returncode = -signal.SIGKILL
+                    return self.returncode
+                self._buffer += chunk
+        except (TimeoutError, BlockingIOError):
+            return None
+        self.returncode = int(self._buffer.split()[1])
+        self.conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode if self.returncode is not None else self._read_exit(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        code = self._read_exit(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(DRIVER, timeout or 0.0)
+        return code
+
+
+class Zygote:
+    """The session's fork server in the SGLang venv (``zygote.py``): SGLang's modules are imported once, and every
+    driver process is a fork of it, started with its own session, environment and log."""
+
+    _instance: Zygote | None = None
+
+    def __init__(self) -> None:
+        import atexit
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="kvl-sglang-zygote-"))
+        self.path = str(self.dir / "sock")
+        self.log = self.dir / "zygote.log"
+        with open(self.log, "wb") as fh:
+            self.popen = subprocess.Popen([str(SGLANG_PY), str(Path(__file__).with_name("zygote.py")), self.path],
+                                          cwd=str(ROOT), env=base_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        atexit.register(self.close)
+        deadline = time.monotonic() + 300.0
+        while not os.path.exists(self.path):
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the SGLang fork server did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    @classmethod
+    def get(cls) -> Zygote:
+        if cls._instance is None or cls._instance.popen.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
+
+    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> ZygoteChild:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(30.0)
+        conn.connect(self.path)
+        conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": str(ROOT), "log": str(log)}).encode() + b"\n")
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = conn.recv(1)
+            if not chunk:
+                raise RuntimeError(f"the SGLang fork server closed the request:\n{self.log.read_text()[-3000:]}")
+            line += chunk
+        return ZygoteChild(conn, int(line.split()[1]))
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=30)
+
+
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ZygoteChild
     out: Path
     log: Path
 
@@ -105,13 +194,11 @@ def kill(proc: Proc) -> None:
 
 
 def spawn(name: str, work: Path, args: list[str], env: dict[str, str]) -> Proc:
+    """``python -m kvlifecycle.tools.sglang_driver ARGS`` in the SGLang venv: a fork of the session's fork server
+    (the same interpreter, SGLang's modules already imported), in its own session."""
     out = work / f"{name}.json"
     log = work / f"{name}.log"
-    cmd = [str(SGLANG_PY), "-m", DRIVER, *args, "--out", str(out)]
-    with open(log, "wb") as fh:
-        popen = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    return Proc(name, popen, out, log)
+    return Proc(name, Zygote.get().fork([*args, "--out", str(out)], env, log), out, log)
 
 
 @dataclass

@@ -13,6 +13,7 @@ JOBS = 2  # the CI machine's cores (tests/sim/test_sim_parallel.py: the same sum
 
 
 @pytest.mark.slow
+@pytest.mark.background  # scripts/test.sh: beside the rest, on idle cores
 def test_ten_thousand_seeds_clean_with_full_coverage(tmp_path) -> None:
     summary = run_many(range(CI_SEEDS), SimConfig(), out=tmp_path, jobs=JOBS)
     assert summary.seeds == CI_SEEDS
