@@ -134,11 +134,14 @@ class Zygote:
             cls._instance = cls()
         return cls._instance
 
-    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> ZygoteChild:
+    def fork(self, argv: list[str], env: dict[str, str], log: Path, script: Path | None = None) -> ZygoteChild:
+        """The driver with ``argv`` (or ``script``, as ``python SCRIPT``) in a fork, its output in ``log``."""
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(30.0)
         conn.connect(self.path)
-        conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": str(ROOT), "log": str(log)}).encode() + b"\n")
+        request = {"argv": argv, "env": env, "cwd": str(ROOT), "log": str(log),
+                   "script": None if script is None else str(script)}
+        conn.sendall(json.dumps(request).encode() + b"\n")
         line = b""
         while not line.endswith(b"\n"):
             chunk = conn.recv(1)
@@ -253,14 +256,18 @@ def run_restart(work: Path, *, timeout: float = 300.0, env_extra: dict[str, str]
 
 
 def run_probe(script: Path, env_extra: dict[str, str], timeout: float = 240.0) -> dict:
-    """Run a probe script in the SGLang venv; it prints one JSON line last."""
+    """Run a probe script in the SGLang venv (a fork of the fork server); it prints one JSON line last."""
     require_sglang()
-    env = base_env(None, **env_extra)
-    proc = subprocess.run([str(SGLANG_PY), str(script)], cwd=str(ROOT), env=env, capture_output=True, text=True,
-                          timeout=timeout, start_new_session=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise AssertionError(f"probe failed rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    import tempfile
+
+    log = Path(tempfile.mkdtemp(prefix="kvl-sglang-probe-")) / "probe.log"
+    child = Zygote.get().fork([], base_env(None, **env_extra), log, script=script)
+    proc = Proc(script.stem, child, log, log)
+    returncode = proc.wait(timeout)
+    output = log.read_text(errors="replace")
+    lines = [ln for ln in output.splitlines() if ln.startswith("{")]
+    if returncode != 0 or not lines:
+        raise AssertionError(f"probe failed rc={returncode}\n{output[-6000:]}")
     return json.loads(lines[-1])
 
 

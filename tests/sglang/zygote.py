@@ -3,11 +3,12 @@ disaggregation modules once (about 21 CPU-seconds each time, three quarters of a
 forks one child per driver process the harness asks for.
 
 Runs in the SGLang venv: ``python zygote.py SOCKET``. One request per connection, one JSON line: ``argv`` (the
-driver's arguments), ``env``, ``cwd``, ``log``. The answer is ``pid N``, then ``exit CODE`` when that child ended.
-A child starts its own session, takes the request's environment, working directory and log as stdout and stderr,
-and runs ``kvlifecycle.tools.sglang_driver.main`` as ``python -m`` would; kvlifecycle itself is imported in the
-child only, after its environment is set (its variables are read there). Single-threaded (a fork copies no other
-thread's locks); it exits when the process that started it is gone.
+driver's arguments), ``env``, ``cwd``, ``log``, and ``script`` to run a script (as ``python SCRIPT``) instead. The
+answer is ``pid N``, then ``exit CODE`` when that child ended. A child starts its own session, takes the request's
+environment, working directory and log as stdout and stderr, and runs ``kvlifecycle.tools.sglang_driver.main`` as
+``python -m`` would; kvlifecycle itself is imported in the child only, after its environment is set (its variables
+are read there). Single-threaded (a fork copies no other thread's locks); it exits when the process that started
+it is gone.
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ def run_child(request: dict) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[0] = request["cwd"]  # as ``python -m`` from that directory puts it first
-    sys.argv = [DRIVER, *request["argv"]]
+    script = request.get("script")
+    # as ``python -m`` from that directory, or ``python SCRIPT``, puts it first
+    sys.path[0] = request["cwd"] if script is None else os.path.dirname(os.path.abspath(script))
+    sys.argv = [DRIVER if script is None else script, *request["argv"]]
     try:
+        if script is not None:
+            import runpy
+
+            runpy.run_path(script, run_name="__main__")
+            return 0
         import importlib
 
         return int(importlib.import_module(DRIVER).main(request["argv"]) or 0)
