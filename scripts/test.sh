@@ -12,9 +12,9 @@
 # a type error fails the run before any test.
 # Extra arguments go to pytest (one run, as given). Without any, the tests marked `background` (deterministic
 # CPU work with no wall-clock bound: the 10,000-seed simulation) run in a second pytest at the lowest CPU priority
-# beside the rest, on the cycles the real engines leave idle (their servers start, wait on leases, step 1 ms
-# apart), and their summary is printed at the end. Nothing the rest waits for is slowed: an idle core is all they
-# get. pytest's "no tests ran" (exit 5) is a failure here, in either run.
+# beside the rest, on the cycles the real engines leave idle (waiting on leases, on each other, between steps), and
+# their summary is printed at the end. An idle core is all they get: multi-process NIXL tests beside such a load
+# measured no slower than alone. pytest's "no tests ran" (exit 5) is a failure here, in either run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # The two engine environments are independent installs (scripts/installer.sh: uv, most of it writing bytecode):
@@ -56,8 +56,8 @@ if [[ $# -gt 0 ]]; then
     exit $status
 fi
 background_log=$(mktemp)
-# no per-test timeout of 600 s here: at the lowest priority the run may wait long for a core, and it has no bound
-# of its own to miss (the simulation's time is simulated)
+# a per-test timeout of 2400 s, not 600: at the lowest priority the run may wait long for a core, and it has no
+# bound of its own to miss (the simulation's time is simulated)
 nice -n 19 .venv/bin/python -m pytest -ra --durations=10 -p no:cacheprovider --timeout 2400 -m background \
     >"$background_log" 2>&1 &
 background_job=$!
