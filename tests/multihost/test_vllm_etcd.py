@@ -79,7 +79,6 @@ class EtcdHosts:
     model: Path
     logs: Path
     lent: dict[str, str]
-    static_proxy: Served | None = None  # given P and D on its command line
     started: list[Served] = field(default_factory=list)  # servers the tests started; stopped at the end too
 
 
@@ -158,10 +157,10 @@ def etcd_hosts(swept: list[str], vllm_single: vh.VLLMServer,
         hosts = EtcdHosts(proxy, proxy, vllm_single, proxy, front, etcd, events, cluster, model, logs, lent)
         hosts.prefill, hosts.decode = start_prefill(hosts, "p0", p_host), start_decode(hosts, "decode", d_host)
         static_log = logs / "static-proxy.log"
-        hosts.static_proxy = Served("static-proxy", front, front.popen(
+        static_proxy = Served("static-proxy", front, front.popen(  # given P and D on its command line
             [sys.executable, "-m", "kvlifecycle", "proxy", "--host", front.address, "--port", str(STATIC_PROXY_PORT),
              "--prefill", hosts.prefill.url, "--decode", hosts.decode.url], env=None, log=static_log), static_log)
-        servers = [hosts.prefill, hosts.decode, proxy, hosts.static_proxy]
+        servers = [hosts.prefill, hosts.decode, proxy, static_proxy]
         try:
             started = time.monotonic()
             wait_until_ready(front, servers, START_TIMEOUT_S)

@@ -9,8 +9,10 @@ import.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -114,7 +116,8 @@ class Zygote:
         import atexit
         import tempfile
 
-        self.dir = Path(tempfile.mkdtemp(prefix="kvl-sglang-zygote-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="kvl-sglang-zygote-"))  # its socket, its log, the probes' logs
+        self.probes = itertools.count()
         self.path = str(self.dir / "sock")
         self.log = self.dir / "zygote.log"
         with open(self.log, "wb") as fh:
@@ -155,6 +158,7 @@ class Zygote:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass
@@ -258,10 +262,9 @@ def run_restart(work: Path, *, timeout: float = 300.0, env_extra: dict[str, str]
 def run_probe(script: Path, env_extra: dict[str, str], timeout: float = 240.0) -> dict:
     """Run a probe script in the SGLang venv (a fork of the fork server); it prints one JSON line last."""
     require_sglang()
-    import tempfile
-
-    log = Path(tempfile.mkdtemp(prefix="kvl-sglang-probe-")) / "probe.log"
-    child = Zygote.get().fork([], base_env(None, **env_extra), log, script=script)
+    zygote = Zygote.get()
+    log = zygote.dir / f"{script.stem}-{next(zygote.probes)}.log"
+    child = zygote.fork([], base_env(None, **env_extra), log, script=script)
     proc = Proc(script.stem, child, log, log)
     returncode = proc.wait(timeout)
     output = log.read_text(errors="replace")
