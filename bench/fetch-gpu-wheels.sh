@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p .whl
-for pkg in nixl==1.5.1 nixl-cu13==1.5.1 msgspec==0.22.0 pyzmq==27.3.0 transitions==0.9.3 structlog==26.1.0 \
+for pkg in nixl==1.5.1 nixl-cu13==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 transitions==0.9.3 structlog==26.1.0 \
            opentelemetry-api==1.45.2; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \

@@ -401,3 +401,32 @@ def check_views_match(local: KVLayout, local_view: BlockView, remote: KVLayout, 
         r = int(np.argmax(a != b))
         raise UnsupportedMappingError(
             f"descriptor sizes differ in region {r}: local {int(a[r])} bytes, remote {int(b[r])} bytes")
+
+
+def groups_layout(layout: KVLayout, groups: Sequence[int]) -> KVLayout:
+    """The layout of region groups ``groups`` of ``layout`` alone (ascending, each once), in their order: their
+    regions, their block counts, their kind(s). A transport that moves some groups of a layout (CUDA IPC over the
+    VRAM groups of SGLang's pages and host aux rows) registers this; its block ids are the groups' ids in
+    ``layout`` minus what the groups left out before them."""
+    all_groups = layout.region_groups
+    chosen = list(groups)
+    if not chosen or chosen != sorted(set(chosen)) or chosen[0] < 0 or chosen[-1] >= len(all_groups):
+        raise ValueError(f"groups must be ascending distinct indices in [0, {len(all_groups)}), got {chosen}")
+    kinds = [layout.group_kinds[g] for g in chosen]
+    mixed = len(set(kinds)) > 1
+    first_region = np.concatenate([[0], np.cumsum([g.regions for g in all_groups])]).astype(int)
+    regions = [r for g in chosen for r in range(first_region[g], first_region[g + 1])]
+    picked = [all_groups[g] for g in chosen]
+    vram = [g for g in chosen if layout.group_kinds[g] is MemoryKind.VRAM]
+    return KVLayout(kinds[0], layout.device_id if vram else 0, sum(g.num_blocks for g in picked),
+                    tuple(layout.base_addrs[r] for r in regions), tuple(layout.block_bytes[r] for r in regions),
+                    tuple(RegionGroup(g.regions, g.num_blocks, kind if mixed else None)
+                          for g, kind in zip(picked, kinds, strict=True)) if len(picked) > 1 else ())
+
+
+def groups_by_kind(layout: KVLayout) -> dict[MemoryKind, tuple[int, ...]]:
+    """``layout``'s region groups by memory kind, in the order the kinds first appear."""
+    out: dict[MemoryKind, list[int]] = {}
+    for g, kind in enumerate(layout.group_kinds):
+        out.setdefault(kind, []).append(g)
+    return {kind: tuple(gs) for kind, gs in out.items()}

@@ -329,9 +329,10 @@ class Producer:
         return answer
 
     def _expect_activity(self, seconds: float) -> None:
-        expect = getattr(self.transport, "expect_activity", None)
-        if expect is not None:
-            expect(seconds)
+        for transport in (self.transport, self.fast_transport):  # a split fast path holds a NIXL agent too
+            expect = getattr(transport, "expect_activity", None)
+            if expect is not None:
+                expect(seconds)
 
     def _on_load_failed(self, msg: LoadFailed, _peer: bytes) -> Ack:
         # Without a token only a lease nobody claimed can be handed back (an engine that never started the load);

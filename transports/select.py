@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvlifecycle.path_selection import DataPath
+from kvlifecycle import layout as L
+from kvlifecycle.path_selection import DataPath, PathChoice
 from kvlifecycle.transport import (
     BackendUnavailableError,
     KVLayout,
@@ -185,6 +186,10 @@ class SameNodeSelector:
         if fast is None or layout is None:
             return DataPath(primary)
         from .cuda_ipc.selection import select_same_node
+        from .split import SplitTransport
+
+        if isinstance(fast, SplitTransport):  # CUDA IPC over the VRAM groups, NIXL over the host ones
+            return _select_split(primary, fast, offer)
 
         # fast is the CUDA IPC transport (the only one with a layout attribute); imported lazily, so not named here
         chosen, peer, choice = select_same_node(layout, fast, offer, lambda: primary,  # type: ignore[arg-type]
@@ -192,22 +197,66 @@ class SameNodeSelector:
         return DataPath(chosen, peer, choice)
 
 
+def _select_split(primary: Transport, fast: Any, offer: PeerMetadata | None) -> DataPath:
+    """The split fast path (:func:`cuda_ipc_fast_path` over VRAM pages and host rows) for a peer whose offer is
+    split the same way, when its VRAM part passes CUDA IPC's checks and, adding the peer, its self-test; else
+    ``primary``. Logged and reported as CUDA IPC's own choice is."""
+    from .cuda_ipc.selection import cuda_ipc_possible
+    from .cuda_ipc.wire import NAME as CUDA_IPC
+    from .cuda_ipc.wire import PROBE_BYTES
+    from .split import part_offers
+
+    backend = f"{CUDA_IPC}+{'+'.join(p.name for p in fast.parts[1:])}"
+    try:
+        ok, reason = cuda_ipc_possible(fast.parts[0].layout, part_offers(offer).parts[0]) if offer is not None \
+            else (False, "the peer offers no fast-path metadata")
+    except (TransportError, IndexError) as exc:
+        ok, reason = False, str(exc) or "the peer's split metadata has no parts"
+    if ok:
+        assert offer is not None
+        try:
+            peer = fast.add_peer(offer)
+        except TransportError as exc:
+            reason = f"connect-time self-test failed: {exc}"
+        else:
+            info = fast.parts[0].peer_info(fast.peer_part(peer, 0))
+            kernel = fast.parts[0].kernel_backend
+            report = Selection(backend, kernel, MemoryKind.VRAM, MemoryKind.VRAM, Locality.SAME_NODE,
+                               f"{reason}; VRAM groups through CUDA IPC, host groups through NIXL; self-test passed")
+            probe = ProbeResult(peer, PROBE_BYTES, max(info["self_test_us"], 1e-3) / 1e6, f"{CUDA_IPC}/{kernel}")
+            log.info("transport selected: %s for %s (%s; measured %s)", backend, peer, reason, info)
+            on_selected(report, probe)
+            return DataPath(fast, peer, PathChoice(backend, reason, info, report, probe))
+    log.info("transport selected: %s (%s not used: %s)", primary.name, backend, reason)
+    return DataPath(primary, "", PathChoice(primary.name, reason, {}))
+
+
 def cuda_ipc_fast_path(layout: KVLayout, agent: str, *, logger: logging.Logger, who: str) -> Transport | None:
     """A CUDA IPC transport named ``agent``, registered over ``layout`` (the regions the engine's NIXL transport
-    registered), when the KV lives in VRAM; else ``None``. Any reason it cannot be built (no torch or CUDA, memory
-    that cannot be exported for IPC) is one warning on ``logger``, prefixed ``who``, and leaves NIXL alone: a
-    missing fast path must never stop the engine, nor go unnoticed."""
+    registered), when the KV lives in VRAM; else ``None``. A layout with host-memory groups beside its VRAM ones
+    (SGLang's aux rows) gets a :class:`~kvlifecycle.transports.split.SplitTransport`: CUDA IPC over the VRAM
+    groups, a NIXL agent of its own (``agent-host``) over the others. Any reason it cannot be built (no torch or
+    CUDA, memory that cannot be exported for IPC) is one warning on ``logger``, prefixed ``who``, and leaves NIXL
+    alone: a missing fast path must never stop the engine, nor go unnoticed."""
     if layout.kind is not MemoryKind.VRAM:
         return None
-    host_groups = [g for g, kind in enumerate(layout.group_kinds) if kind is not MemoryKind.VRAM]
-    if host_groups:  # SGLang's aux rows: CUDA IPC cannot map host memory, and one post moves every group
-        logger.warning("%s: no CUDA IPC fast path, NIXL only: region group %d is in host memory (CUDA IPC moves "
-                       "VRAM only)", who, host_groups[0])
-        return None
+    by_kind = L.groups_by_kind(layout)
     try:
         # lazily (it needs torch and CUDA), through the package, which resolves the class on first use
         cuda_ipc = importlib.import_module("kvlifecycle.transports.cuda_ipc")
         fast: Transport = cuda_ipc.CudaIpcTransport(agent)
+        if len(by_kind) > 1:  # SGLang's aux rows: CUDA IPC cannot map host memory; one post moves every group
+            from .nixl import NixlTransport
+            from .split import SplitTransport
+
+            vram = by_kind.pop(MemoryKind.VRAM)
+            host = tuple(sorted(g for gs in by_kind.values() for g in gs))
+            try:
+                fast = SplitTransport(agent, [(fast, vram), (NixlTransport(f"{agent}-host", probe_bytes=0), host)],
+                                      epoch=fast.epoch)
+            except BaseException:
+                fast.close()
+                raise
     except (ImportError, RuntimeError, TransportError) as exc:
         logger.warning("%s: no CUDA IPC fast path, NIXL only: %s", who, exc)
         return None

@@ -11,10 +11,11 @@ by the transport conformance suite, and the peers' metadata is the handshake's.
 
 KV in VRAM: the pages are VRAM on the engine's GPU and the aux rows where SGLang put them (host memory, unless its
 metadata buffers are on the GPU); NIXL registers each kind and moves the groups of one post in one transfer each.
-Where every group is VRAM, a CUDA IPC transport over the same regions is offered beside NIXL
-(:func:`kvlifecycle.transports.select.cuda_ipc_fast_path`: any reason it cannot be built, a host-memory group
-among them, is one log line, and NIXL alone moves the bytes). The handoff's path selector picks it per peer at the
-handshake, for P's writes as for D's reads.
+A same-node fast path over the same regions is offered beside NIXL
+(:func:`kvlifecycle.transports.select.cuda_ipc_fast_path`): CUDA IPC where every group is VRAM, else a split
+transport, CUDA IPC over the pages and a NIXL agent of its own over the host rows (any reason it cannot be built is
+one log line, and NIXL alone moves the bytes). The handoff's path selector picks it per peer at the handshake, for
+P's writes as for D's reads.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _aux_start(layout: KVLayout) -> int | None:
 
 class DataPlane:
     """One SGLang KV manager's transport, registered over its KV pages and aux rows, and its same-node fast path
-    (``fast_transport``: CUDA IPC over the same regions when they are VRAM and it could be built, else None)."""
+    (``fast_transport``: CUDA IPC over the same regions when the pages are VRAM and it could be built, split with a
+    NIXL agent over the aux rows when they are in host memory; else None)."""
 
     backend_name = "nixl-ucx"
 

@@ -1,8 +1,11 @@
 """SGLang's data plane on a GPU, worker-side (SGLang itself does not run here): KV pages in VRAM, aux rows in host
 memory, one layout whose groups name their kinds (``adapters/sglang/transfer.layouts``). NIXL registers each kind,
 and one post over pages and an aux row moves each group in its own transfer; the bytes land on both kinds, and a
-push's notification reaches D only once both parts are DONE. CUDA IPC is not offered: it cannot map the host
-rows (one log line says so).
+push's notification reaches D only once both parts are DONE.
+
+The same-node fast path is a split transport: CUDA IPC over the VRAM pages, a NIXL agent of its own over the host
+rows (``transports/split.py``). The selector picks it for a peer split the same way (CUDA IPC's self-test passed),
+and a post, and a whole handoff, pull and push, move the pages through CUDA IPC and the rows through NIXL.
 
 Skipped without CUDA (``pytest -rs`` prints why). Every wait is bounded.
 """
@@ -73,11 +76,20 @@ def pair(caplog: pytest.LogCaptureFixture):
         p.close()
 
 
-def test_the_layout_names_vram_pages_and_host_rows_and_cuda_ipc_is_not_offered(pair) -> None:
+def test_the_fast_path_is_cuda_ipc_over_the_pages_and_nixl_over_the_rows(pair) -> None:
+    from kvlifecycle.transports.cuda_ipc import CudaIpcTransport
+    from kvlifecycle.transports.nixl import NixlTransport
+    from kvlifecycle.transports.split import SplitTransport
+
     p, _d, logged = pair
     assert p.layout.group_kinds == (MemoryKind.VRAM, MemoryKind.DRAM)
-    assert p.plane.fast_transport is None
-    assert "region group 1 is in host memory" in logged
+    fast = p.plane.fast_transport
+    assert isinstance(fast, SplitTransport), logged
+    (ipc, pages), (host, rows) = zip(fast.parts, fast.groups, strict=True)
+    assert isinstance(ipc, CudaIpcTransport) and pages == (0,)
+    assert isinstance(host, NixlTransport) and rows == (1,)
+    assert ipc.registered_regions() == KV_REGIONS and host.registered_regions() == AUX_REGIONS
+    assert "no CUDA IPC fast path" not in logged
 
 
 @pytest.mark.parametrize("op", [XferOp.READ, XferOp.WRITE], ids=["pull", "push"])
@@ -113,3 +125,100 @@ def test_one_post_moves_vram_pages_and_a_host_aux_row(pair, op: XferOp) -> None:
         got = [n for _, n in peer.plane.transport.notifications() if n.transfer == "t1"]
         time.sleep(0.002)
     assert [n.kind for n in got] == ["done"]
+
+
+def _check_moved(p: Worker, d: Worker, before_kv, before_aux, p_pages, d_pages, p_row: int, d_row: int) -> None:
+    torch.cuda.synchronize()
+    for r in range(KV_REGIONS):  # the pages, in VRAM, and nothing else
+        assert torch.equal(d.kv[r][d_pages], p.kv[r][p_pages])
+        others = [i for i in range(PAGES) if i not in d_pages]
+        assert torch.equal(d.kv[r][others], before_kv[r][others])
+    for r in range(AUX_REGIONS):  # the aux row, in host memory, and nothing else
+        assert np.array_equal(d.aux[r][d_row], p.aux[r][p_row])
+        others = [i for i in range(ROWS) if i != d_row]
+        assert np.array_equal(d.aux[r][others], before_aux[r][others])
+
+
+@pytest.mark.parametrize("op", [XferOp.READ, XferOp.WRITE], ids=["pull", "push"])
+def test_the_selector_picks_the_split_path_and_one_post_moves_both_kinds(pair, op: XferOp) -> None:
+    from kvlifecycle.transports.select import SameNodeSelector
+
+    p, d, _ = pair
+    me, peer = (d, p) if op is XferOp.READ else (p, d)
+    peer.plane.fast_transport.add_peer(me.plane.fast_transport.local_metadata())  # the handshake's other half
+    path = SameNodeSelector().select(me.plane.transport, me.plane.fast_transport,
+                                     peer.plane.fast_transport.local_metadata())
+    assert path.transport is me.plane.fast_transport and path.choice is not None
+    assert path.choice.backend == "cuda_ipc+nixl", path.choice.reason
+    assert path.choice.probe is not None and path.choice.probe.backend.startswith("cuda_ipc/")
+    p_pages, d_pages, p_row, d_row = [3, 9, 0], [11, 2, 15], 4, 1
+    mine, theirs = (([*d_pages, d.aux_block(d_row)], [*p_pages, p.aux_block(p_row)]) if op is XferOp.READ else
+                    ([*p_pages, p.aux_block(p_row)], [*d_pages, d.aux_block(d_row)]))
+    before_kv, before_aux = [t.clone() for t in d.kv], [a.copy() for a in d.aux]
+    fast = path.transport
+    note = Notification("r", "t2", 1, kind="done")
+    handle = fast.post(op, fast.prepare(path.peer), mine, theirs, notification=note, transfer="t2")
+    assert wait_settled(fast, handle) is XferStatus.DONE, fast.error(handle)
+    stats = fast.stats(handle)
+    assert stats is not None and stats.bytes == 3 * KV_REGIONS * PAGE_BYTES + AUX_REGIONS * ROW_BYTES
+    backends = stats.backend.split("+")  # each kind on its own part
+    assert "UCX" in backends and any(b.startswith("cuda_ipc/") for b in backends), stats.backend
+    fast.release(handle)
+    _check_moved(p, d, before_kv, before_aux, p_pages, d_pages, p_row, d_row)
+    deadline = time.monotonic() + WAIT_S
+    got: list = []
+    while not got and time.monotonic() < deadline:
+        got = [(sender, n) for sender, n in peer.plane.fast_transport.notifications() if n.transfer == "t2"]
+        time.sleep(0.002)
+    assert got == [(me.plane.fast_transport.agent, note)]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_handoff_moves_pages_through_cuda_ipc_and_the_row_through_nixl(pair, mode: str) -> None:
+    from kvlifecycle.transports.select import SameNodeSelector
+
+    from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
+    from kvlifecycle.handshake import CompatInfo
+    from kvlifecycle.invariants import check_source, check_target
+    from kvlifecycle.ledger import SourceLedger, TargetLedger
+    from kvlifecycle.machines import TargetState
+
+    p, d, _ = pair
+    compat = CompatInfo(model_id="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=16, block_size=4,
+                        kv_layout="NHD")
+    primary_posts: list[str] = []
+    for t in (p.plane.transport, d.plane.transport):
+        post = t.post
+        t.post = lambda *a, _post=post, **kw: primary_posts.append(kw.get("transfer", "")) or _post(*a, **kw)
+    sl = SourceLedger(p.layout.num_blocks, worker="p", default_ttl_s=30.0)
+    tl = TargetLedger(d.layout.num_blocks, worker="d")
+    prod = Producer(sl, p.plane.transport, compat, fast_transport=p.plane.fast_transport,
+                    path_selector=SameNodeSelector())
+    cons = Consumer(tl, d.plane.transport, compat, options=HandoffOptions(heartbeat_every_s=0.05, probe=False),
+                    fast_transport=d.plane.fast_transport, path_selector=SameNodeSelector())
+    try:
+        link = cons.connect(prod.address)
+        assert link.choice is not None and link.choice.backend == "cuda_ipc+nixl", link.choice
+        p_pages, d_pages, p_row, d_row = [2, 4, 6], [10, 0, 5], 1, 3
+        sl.allocate(mode, [*p_pages, p.aux_block(p_row)])
+        sl.prefill_done(mode)
+        grant = prod.grant(mode)
+        tl.reserve(mode, [*d_pages, d.aux_block(d_row)])
+        before_kv, before_aux = [t.clone() for t in d.kv], [a.copy() for a in d.aux]
+        if mode == "pull":
+            cons.pull(mode, grant, address=prod.address)
+        else:
+            cons.request_push(mode, grant, address=prod.address)
+        assert cons.wait_idle(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while grant.transfer in sl.leases and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert [r.reason for r in sl.take_released()] == ["completed"]
+        assert tl.requests[mode].state == TargetState.READY_FOR_ATTENTION
+        _check_moved(p, d, before_kv, before_aux, p_pages, d_pages, p_row, d_row)
+        assert primary_posts == []  # every byte went through the split fast path
+        tl.finish(mode)
+    finally:
+        cons.close()
+        prod.close()
+    assert check_source(sl) == [] and check_target(tl) == []
