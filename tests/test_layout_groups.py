@@ -135,3 +135,23 @@ def test_group_kinds_travel_on_the_wire_and_a_one_kind_layout_encodes_as_before(
         msgspec.structs.replace(wire, group_kinds=["VRAM"]).to_layout()
     with pytest.raises(ValueError):
         msgspec.structs.replace(wire, group_kinds=["VRAM", "HBM"]).to_layout()
+
+
+def test_groups_layout_is_those_groups_alone_and_their_descriptors_are_the_wholes() -> None:
+    """What each part of a split transport registers: its groups' regions and blocks, its kind; its descriptors are
+    exactly the whole layout's descriptors of those groups, in order."""
+    mixed = L.grouped_layout(
+        L.rows_layout("VRAM", 3, [1 << 30, 2 << 30], [PAGES * PAGE_BYTES] * 2, [PAGE_BYTES] * 2),
+        L.rows_layout("DRAM", 0, [5 << 20], [ROWS * ROW_BYTES], [ROW_BYTES]),
+        L.rows_layout("DRAM", 0, [6 << 20], [ROWS * ROW_BYTES], [ROW_BYTES]))
+    pages, rows = L.groups_layout(mixed, [0]), L.groups_layout(mixed, [1, 2])
+    assert pages == KVLayout(MemoryKind.VRAM, 3, PAGES, (1 << 30, 2 << 30), (PAGE_BYTES, PAGE_BYTES))
+    assert rows.kind is MemoryKind.DRAM and rows.device_id == 0 and not rows.kinds_per_group
+    assert rows.region_groups == (RegionGroup(1, ROWS), RegionGroup(1, ROWS)) and rows.num_blocks == 2 * ROWS
+    whole = L.block_descs(mixed)
+    assert np.array_equal(np.concatenate([L.block_descs(pages), L.block_descs(rows)]), whole)
+    assert L.groups_layout(mixed, [0, 1, 2]) == mixed
+    assert L.groups_by_kind(mixed) == {MemoryKind.VRAM: (0,), MemoryKind.DRAM: (1, 2)}
+    for bad in ([], [1, 0], [0, 0], [3], [-1]):
+        with pytest.raises(ValueError, match="ascending distinct"):
+            L.groups_layout(mixed, bad)

@@ -92,6 +92,18 @@ def test_the_fast_path_is_cuda_ipc_over_the_pages_and_nixl_over_the_rows(pair) -
     assert "no CUDA IPC fast path" not in logged
 
 
+def _check_moved(p: Worker, d: Worker, before_kv, before_aux, p_pages, d_pages, p_row: int, d_row: int) -> None:
+    torch.cuda.synchronize()
+    for r in range(KV_REGIONS):  # the pages, in VRAM, and nothing else
+        assert torch.equal(d.kv[r][d_pages], p.kv[r][p_pages])
+        others = [i for i in range(PAGES) if i not in d_pages]
+        assert torch.equal(d.kv[r][others], before_kv[r][others])
+    for r in range(AUX_REGIONS):  # the aux row, in host memory, and nothing else
+        assert np.array_equal(d.aux[r][d_row], p.aux[r][p_row])
+        others = [i for i in range(ROWS) if i != d_row]
+        assert np.array_equal(d.aux[r][others], before_aux[r][others])
+
+
 @pytest.mark.parametrize("op", [XferOp.READ, XferOp.WRITE], ids=["pull", "push"])
 def test_one_post_moves_vram_pages_and_a_host_aux_row(pair, op: XferOp) -> None:
     p, d, _ = pair
@@ -109,15 +121,7 @@ def test_one_post_moves_vram_pages_and_a_host_aux_row(pair, op: XferOp) -> None:
     stats = me.plane.transport.stats(handle)
     assert stats is not None and stats.bytes == 3 * KV_REGIONS * PAGE_BYTES + AUX_REGIONS * ROW_BYTES
     me.plane.transport.release(handle)
-    torch.cuda.synchronize()
-    for r in range(KV_REGIONS):  # the pages, in VRAM, and nothing else
-        assert torch.equal(d.kv[r][d_pages], p.kv[r][p_pages])
-        others = [i for i in range(PAGES) if i not in d_pages]
-        assert torch.equal(d.kv[r][others], before_kv[r][others])
-    for r in range(AUX_REGIONS):  # the aux row, in host memory, and nothing else
-        assert np.array_equal(d.aux[r][d_row], p.aux[r][p_row])
-        others = [i for i in range(ROWS) if i != d_row]
-        assert np.array_equal(d.aux[r][others], before_aux[r][others])
+    _check_moved(p, d, before_kv, before_aux, p_pages, d_pages, p_row, d_row)
     # the peer hears of it (sent once both parts were DONE)
     deadline = time.monotonic() + WAIT_S
     got: list = []
@@ -125,18 +129,6 @@ def test_one_post_moves_vram_pages_and_a_host_aux_row(pair, op: XferOp) -> None:
         got = [n for _, n in peer.plane.transport.notifications() if n.transfer == "t1"]
         time.sleep(0.002)
     assert [n.kind for n in got] == ["done"]
-
-
-def _check_moved(p: Worker, d: Worker, before_kv, before_aux, p_pages, d_pages, p_row: int, d_row: int) -> None:
-    torch.cuda.synchronize()
-    for r in range(KV_REGIONS):  # the pages, in VRAM, and nothing else
-        assert torch.equal(d.kv[r][d_pages], p.kv[r][p_pages])
-        others = [i for i in range(PAGES) if i not in d_pages]
-        assert torch.equal(d.kv[r][others], before_kv[r][others])
-    for r in range(AUX_REGIONS):  # the aux row, in host memory, and nothing else
-        assert np.array_equal(d.aux[r][d_row], p.aux[r][p_row])
-        others = [i for i in range(ROWS) if i != d_row]
-        assert np.array_equal(d.aux[r][others], before_aux[r][others])
 
 
 @pytest.mark.parametrize("op", [XferOp.READ, XferOp.WRITE], ids=["pull", "push"])
