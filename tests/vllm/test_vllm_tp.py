@@ -32,12 +32,12 @@ pytestmark = [
 LEASE_TTL_S = 45.0
 MAX_TOKENS = 12
 # Residual stall (issue 16): D's claims to both P ranks go unanswered for more than their 30 s bound, at once, and
-# the request fails; P answers them later. First seen on a cluster's first request (UCX wire-up); since then also on
-# its second and third, after the first passed (clean-clone CI of 2026-12-03). In a re-run, a sampler of /proc that
-# sleeps 1 s went unscheduled for 41 s across such a window, while every vLLM process together used about 2 CPU-s;
-# in another, a sampler reading only /proc/*/stat woke up to 6.7 s late with both cores busy with the four TP ranks
-# and no steal time. Not reproduced without vLLM. P TP 2 opens twice the links, so its two shapes stay non-strict
-# xfails (an XPASS is reported as such).
+# the request fails; P answers them later. Seen on a cluster's first request and on later ones, mostly at P TP 2 ->
+# D TP 2 (3 of its 7 tests in the clean-clone CI of 2026-12-03 18:03). A real-time (SCHED_FIFO) sampler of /proc
+# across such a window was never late: both cores were busy with D's ranks, engine core and API server, while P's
+# processes used no CPU at all; P's engine core logged that it had waited 60 s for its workers. So P's workers are
+# blocked, not starved, their step and their side channel together; by what is not known yet. Not reproduced
+# without vLLM. The two P TP 2 shapes stay non-strict xfails (an XPASS is reported as such).
 P_TP2_STALL = pytest.mark.xfail(strict=False, reason="issue 16: both P ranks silent past D's 30 s claim bound")
 SHAPES = [pytest.param((2, 2), marks=P_TP2_STALL), pytest.param((2, 1), marks=P_TP2_STALL), (1, 2)]  # (P TP, D TP)
 # float32 TP 1 and TP 2 sum the attention and MLP partial products in different orders: a greedy difference is
