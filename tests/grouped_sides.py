@@ -3,10 +3,12 @@ a worker's buffers, their grouped layout, and the check that exactly the paired 
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
+from waiting import until
 
 from kvlifecycle import layout as L
 from kvlifecycle.handshake import CompatInfo
@@ -62,13 +64,9 @@ def assert_moved(src: Side, dst: Side, before: list[np.ndarray], pages: tuple[li
         assert np.array_equal(dst.aux[r][others], before[KV_REGIONS + r][others])
 
 
-def wait(fn, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if fn():
-            return True
-        time.sleep(0.002)
-    return False
+def wait(fn: Callable[[], Any], timeout_s: float = 20.0) -> bool:
+    """:func:`waiting.until` with the longer bound these multi-agent posts take on two loaded cores."""
+    return until(fn, timeout_s)
 
 
 def aux_block(layout: KVLayout, row: int) -> int:

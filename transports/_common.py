@@ -95,13 +95,14 @@ class HandleQueries:
             return self._handles.get(handle).stats
 
 
-def plan_descs(
+def check_post(
     plan: PreparedPlan,
     local_blocks: np.ndarray | Sequence[int],
     remote_blocks: np.ndarray | Sequence[int],
     regions: np.ndarray | Sequence[int] | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Vectorised (local desc ids, remote desc ids, regions) for one post; validates shapes and bounds."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """One post's (local block ids, remote block ids, regions or None for all), checked against ``plan``: bounds,
+    equal lengths, regions a 1-D subset. :class:`RemoteMismatchError` otherwise."""
     try:
         local = L.check_block_ids(local_blocks, plan.local_blocks, "local")
         remote = L.check_block_ids(remote_blocks, plan.remote_blocks, "remote")
@@ -110,11 +111,22 @@ def plan_descs(
     if local.size != remote.size:
         raise RemoteMismatchError(f"{local.size} local blocks vs {remote.size} remote blocks")
     if regions is None:
-        regs = np.arange(plan.num_regions, dtype=np.int64)
-    else:
-        regs = np.asarray(regions, dtype=np.int64)
-        if regs.ndim != 1 or (regs.size and (regs.min() < 0 or regs.max() >= plan.num_regions)):
-            raise RemoteMismatchError(f"regions must be a 1-D subset of [0, {plan.num_regions})")
+        return local, remote, None
+    regs = np.asarray(regions, dtype=np.int64)
+    if regs.ndim != 1 or (regs.size and (regs.min() < 0 or regs.max() >= plan.num_regions)):
+        raise RemoteMismatchError(f"regions must be a 1-D subset of [0, {plan.num_regions})")
+    return local, remote, regs
+
+
+def plan_descs(
+    plan: PreparedPlan,
+    local_blocks: np.ndarray | Sequence[int],
+    remote_blocks: np.ndarray | Sequence[int],
+    regions: np.ndarray | Sequence[int] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorised (local desc ids, remote desc ids, regions) for one post; validates shapes and bounds."""
+    local, remote, given = check_post(plan, local_blocks, remote_blocks, regions)
+    regs = np.arange(plan.num_regions, dtype=np.int64) if given is None else given
     if len(plan.local_groups) > 1:  # region groups of their own block counts: each block moves in its group's regions
         try:
             return (*L.group_desc_ids(plan.local_groups, plan.remote_groups, local, remote, regs), regs)

@@ -56,7 +56,7 @@ from kvlifecycle.transport import (
     cancels_in_flight,
 )
 
-from ._common import HandleQueries, HandleTable, XferRecord, check_pairing, new_epoch
+from ._common import HandleQueries, HandleTable, XferRecord, check_pairing, check_post, new_epoch
 
 NAME = "split"
 
@@ -333,24 +333,12 @@ class SplitTransport(HandleQueries):
                 ) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]]:
         """Each part's share of one post: (part, its local ids, its remote ids, its regions or None for all)."""
         assert self._shift is not None
-        try:
-            local = L.check_block_ids(local_blocks, plan.local_blocks, "local")
-            remote = L.check_block_ids(remote_blocks, plan.remote_blocks, "remote")
-        except ValueError as exc:
-            raise RemoteMismatchError(str(exc)) from exc
-        if local.size != remote.size:
-            raise RemoteMismatchError(f"{local.size} local blocks vs {remote.size} remote blocks")
+        local, remote, regs = check_post(plan, local_blocks, remote_blocks, regions)
         local_group, remote_group = self._shift.group_of(local), peer.shift.group_of(remote)
         if not np.array_equal(local_group, remote_group):
             i = int(np.argmax(local_group != remote_group))
             raise RemoteMismatchError(f"block {int(local[i])} (group {int(local_group[i])}) cannot pair with "
                                       f"block {int(remote[i])} (group {int(remote_group[i])})")
-        if regions is None:
-            regs = None
-        else:
-            regs = np.asarray(regions, dtype=np.int64)
-            if regs.ndim != 1 or (regs.size and (regs.min() < 0 or regs.max() >= plan.num_regions)):
-                raise RemoteMismatchError(f"regions must be a 1-D subset of [0, {plan.num_regions})")
         part_of = self._shift.part_of_group[local_group]
         shares = []
         for i in range(len(self.parts)):
