@@ -133,6 +133,27 @@ class PeerLink:
     choice: PathChoice | None = None  # why ``data`` was chosen and what its self-test measured
 
 
+class _StepTimer:
+    """Where a multi-step wait went: each :meth:`lap` names the step that just ended; :meth:`report` logs the
+    whole, at WARNING once it passed ``slow_s`` (a slow handshake names its slow step, not just its total)."""
+
+    __slots__ = ("laps", "last", "start")
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, step: str) -> None:
+        now = time.monotonic()
+        self.laps.append((step, now - self.last))
+        self.last = now
+
+    def report(self, what: str, *, slow_s: float) -> None:
+        total = self.last - self.start
+        steps = ", ".join(f"{step} {seconds:.3f} s" for step, seconds in self.laps)
+        log.log(logging.WARNING if total >= slow_s else logging.INFO, "%s took %.3f s: %s", what, total, steps)
+
+
 @dataclass(slots=True)
 class _Load(LoadLaunch):  # its launch, progress and duties are the protocol core's, shared with the simulator
     request: str
@@ -199,6 +220,7 @@ class Consumer:
         """Handshake with the P rank at ``address`` (compat check, epochs, metadata both ways, prepared plans).
 
         Raises :class:`CompatMismatchError` (field by field) or :class:`SideChannelRefused`."""
+        steps = _StepTimer()
         with self._lock:
             old = self.links.get(address)
             client = (
@@ -214,6 +236,7 @@ class Consumer:
             reply: MetaReply = client.request(
                 GetMeta(self.compat, self.tp_rank, self.transport.agent, self.transport.epoch, me, fast_me)
             )
+            steps.lap("get_meta")
         except SideChannelRefused as exc:
             if old is None:
                 client.close()
@@ -234,6 +257,7 @@ class Consumer:
             self._peer_restarted(reply.meta.agent, reply.meta.epoch)
         self.ledger.peer_restarted(reply.meta.agent, reply.meta.epoch)  # records new epochs; fails stale loads
         agent = self.transport.add_peer(reply.meta)  # a new epoch: old agent removed first (vLLM #49238)
+        steps.lap("add_peer")
         reads = [r for r in plan.reads if r.p_rank == reply.tp_rank]
         if not reads:
             raise CompatMismatchError(
@@ -245,11 +269,15 @@ class Consumer:
             local_view=scale_view(read.local_view, unit) if unit else read.local_view,
             remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view,
         )
+        steps.lap("prepare")
         link = PeerLink(address, agent, reply.meta.epoch, plan, prepared, client)
         self._select_data_path(link, reply, read, unit)
+        steps.lap("select")
         with self._lock:
             self.links[address] = link
         probe = self._probe(link) if self.options.probe else None
+        steps.lap("probe")
+        steps.report(f"handshake with {address} ({agent})", slow_s=self.options.request_timeout_s / 6)
         if self.options.on_connect is not None:
             self.options.on_connect(link, probe)
         return link

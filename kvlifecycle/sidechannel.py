@@ -1,22 +1,33 @@
-"""The side channel: pyzmq ROUTER (server) / DEALER (client), msgspec messages, never pickle.
+"""The side channel: request/reply over plain TCP (one server thread with a selector, blocking clients), msgspec
+messages, never pickle.
 
-A frame (wire version 2, see :data:`kvlifecycle.transport.WIRE_VERSION`) is a fixed binary header (``b"KV"``,
-wire version ``u16``, flags ``u8``, request id ``u64``, big-endian), a msgpack body (a tagged msgspec struct from
-the set the server was built with) and, under a shared secret, an HMAC-SHA256 trailer over header and body. With a
-secret the trailer is checked before a single byte is parsed; the body's size and nesting depth are checked
+On the wire each frame is preceded by its length (``u32``, big-endian). A frame (wire version 2, see
+:data:`kvlifecycle.transport.WIRE_VERSION`) is a fixed binary header (``b"KV"``, wire version ``u16``, flags ``u8``,
+request id ``u64``, big-endian), a msgpack body (a tagged msgspec struct from the set the server was built with)
+and, under a shared secret, an HMAC-SHA256 trailer over header and body. With a secret the trailer is checked
+before a single byte is parsed; the body's size and nesting depth are checked
 (:func:`kvlifecycle.untrusted.check_msgpack`) before it is decoded. A message that is oversized, malformed, too
 deep, of an unknown kind or unauthenticated is answered with an :class:`ErrorReply` saying so, counted
 (``refused``, and each listener added with :meth:`SideChannelServer.add_refusal_listener`), logged at a bounded rate
-and dropped; nothing a peer sends can raise out of the serving loop, which keeps serving every other peer. A REQ
-socket's empty delimiter frame is kept in the reply. Binds 127.0.0.1 unless told otherwise; every receive is
-bounded by a timeout.
+and dropped; nothing a peer sends can raise out of the serving loop, which keeps serving every other peer. A length
+past the hard cap (4x the frame cap) is answered ``oversized`` and that connection closed, since the stream cannot
+be resynchronised. Binds 127.0.0.1 unless told otherwise; every receive is bounded by a timeout.
+
+Why not zmq: the side channel ran on pyzmq ROUTER/DEALER sockets until a P TP 2 rank under vLLM on two busy cores
+was seen holding a request that its kernel had delivered to zmq (the connection's receive queue empty, the bytes
+read) for 30 s, with the serving thread idle in ``poll`` the whole time, until the client's timeout closed the
+connection (docs/vllm.md). Here the serving thread reads the kernel socket itself: no I/O thread, pipe or mailbox
+stands between a request's bytes and its handler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
+import selectors
+import socket
 import struct
 import threading
 import time
@@ -24,7 +35,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import msgspec
-import zmq
 
 from kvlifecycle.transport import WIRE_VERSION
 from kvlifecycle.untrusted import DEFAULT_MAX_DEPTH, RateLimitedLog, UntrustedInputError, check_msgpack
@@ -36,6 +46,9 @@ DEFAULT_TIMEOUT_S = 5.0
 
 MAGIC = b"KV"
 HEADER = struct.Struct(">2sHBQ")  # magic, wire version, flags, request id
+LENGTH = struct.Struct(">I")  # before every frame on the stream
+MAX_CONNECTIONS = 1024  # a server's open connections; past it a new one is closed at once
+MAX_UNSENT_BYTES = 16 << 20  # replies a peer does not read; past it its connection is closed
 FLAG_MAC = 0x01  # an HMAC-SHA256 trailer follows the body
 MAC_BYTES = 32
 
@@ -146,8 +159,39 @@ def _decode_body(decoder: msgspec.msgpack.Decoder[msgspec.Struct], body: bytes) 
 Handler = Callable[[Any, bytes], msgspec.Struct]
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``tcp://host:port`` (``tcp://[v6]:port`` too); ValueError in words otherwise."""
+    rest = address.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or rest == address:
+        raise ValueError(f"side-channel address {address!r} is not tcp://HOST:PORT")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def hard_cap(max_bytes: int) -> int:
+    """The largest frame length a side accepts off the stream at all (below it, an oversized frame is answered)."""
+    return max_bytes * 4 + 4096
+
+
+class _Connection:
+    """One accepted peer: what it sent that is not a whole frame yet, and the replies it has not taken yet."""
+
+    __slots__ = ("closing", "inbox", "outbox", "peer", "sock")
+
+    def __init__(self, sock: socket.socket, peer: bytes) -> None:
+        self.sock, self.peer = sock, peer
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.closing = False  # close once the outbox is sent (the stream cannot be resynchronised)
+
+
 class SideChannelServer:
-    """A ROUTER socket served by one thread. ``handlers`` maps a message type to ``fn(message, peer_id) -> reply``.
+    """A listening TCP socket served by one thread. ``handlers`` maps a message type to ``fn(message, peer_id) ->
+    reply``; ``peer_id`` names the connection (``b"host:port"`` of the peer).
 
     Handlers run on the server thread: keep them short (enqueue work elsewhere). A handler that raises
     :class:`SideChannelRefused` refuses with its code; any other exception is an ``internal`` refusal. Refused
@@ -174,27 +218,24 @@ class SideChannelServer:
         self.poll_ms = poll_ms
         self.refused: dict[str, int] = {}
         self.served = 0
+        self.dropped_connections = 0  # closed by this side: over the hard cap, unread replies, too many peers
         self._refusal_listeners: list[Callable[[str], None]] = []
         self._log_refusal = RateLimitedLog(log)
         self._log_error = RateLimitedLog(log, level=logging.ERROR)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # hard guard: zmq drops (only) the offending connection above this; below it we answer with a clear error
-        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes * 4 + 4096)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.host, self.port = host, int(port)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, int(port)), family=family, backlog=128)  # SO_REUSEADDR
+        self._listener.setblocking(False)
+        self.host, self.port = host, int(self._listener.getsockname()[1])
+        self._connections: dict[int, _Connection] = {}
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return format_address(self.host, self.port)
 
     def add_handlers(self, handlers: dict[type, Handler]) -> None:
         """Serve more message types (a layer-wise streamer beside a producer); a type served already is refused."""
@@ -250,58 +291,145 @@ class SideChannelServer:
             body = _encoder.encode(self._refuse("internal", f"reply does not encode: {exc}"))
         return encode_frame(body, rid & 0xFFFF_FFFF_FFFF_FFFF, self.secret)
 
-    def _serve_one(self, frames: list[bytes]) -> None:
-        """One received message, start to reply. ROUTER frames: [peer, payload] from a DEALER, [peer, b"", payload]
-        from a REQ socket (whose delimiter the reply must carry back, or the REQ socket drops it)."""
-        if len(frames) == 2:
-            route, payload = frames[:1], frames[1]
-        elif len(frames) == 3 and frames[1] == b"":
-            route, payload = frames[:2], frames[2]
-        else:
-            refusal = self._refuse("malformed", f"{len(frames)} frames: a message is one payload frame")
-            if frames:
-                self._send(frames[:1], encode_frame(_encoder.encode(refusal), 0, self.secret))
-            return
-        rid, reply = self.handle_frame(payload, route[0])
-        self._send(route, self._reply_frame(rid, reply))
-
-    def _send(self, route: list[bytes], out: bytes) -> None:
-        try:
-            self._sock.send_multipart([*route, out], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            self._log_refusal("side channel reply dropped: %s", exc)
-
+    # -- the serving thread -----------------------------------------------------------------------------------------
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not poller.poll(self.poll_ms):
-                    continue
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except Exception as exc:  # the socket itself failed: keep serving, never spin on the log
-                self._log_error("side channel recv failed: %s", exc)
+                ready = self._selector.select(self.poll_ms / 1000)
+            except Exception as exc:  # the selector itself failed: keep serving, never spin on the log
+                self._log_error("side channel select failed: %s", exc)
                 self._stop.wait(self.poll_ms / 1000)
                 continue
+            for key, events in ready:
+                conn = key.data
+                try:
+                    if conn is None:
+                        self._accept()
+                        continue
+                    if events & selectors.EVENT_READ:
+                        self._receive(conn)
+                    if events & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
+                        self._flush(conn)
+                except Exception as exc:  # nothing a peer sends may end this loop: drop that peer, serve the rest
+                    self._log_error("side channel dropped a connection it could not serve", exc_info=True)
+                    self._refuse("internal", f"{type(exc).__name__}: {exc}")
+                    if conn is not None:
+                        self._close(conn)
+        for conn in list(self._connections.values()):
+            self._close(conn)
+        self._selector.close()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
             try:
-                self._serve_one(frames)
-            except Exception as exc:  # nothing a peer sends may end this loop: count, log (bounded) and go on
-                self._log_error("side channel dropped a message it could not serve", exc_info=True)
-                self._refuse("internal", f"{type(exc).__name__}: {exc}")
-        self._sock.close(0)
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of file descriptors: what is open keeps being served
+                self._log_error("side channel accept failed: %s", exc)
+                return
+            if len(self._connections) >= MAX_CONNECTIONS:
+                self.dropped_connections += 1
+                self._log_refusal("side channel at %d connections: closed a new one from %s", MAX_CONNECTIONS, addr)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(sock, f"{addr[0]}:{addr[1]}".encode())
+            self._connections[sock.fileno()] = conn
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _receive(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:  # the peer closed; what it sent whole was answered already
+            self._close(conn)
+            return
+        if conn.closing:
+            return  # past the hard cap: nothing more is read from this stream
+        conn.inbox += data
+        cap = hard_cap(self.max_bytes)
+        while len(conn.inbox) >= LENGTH.size:
+            (size,) = LENGTH.unpack_from(conn.inbox)
+            if size > cap:
+                self.dropped_connections += 1
+                refusal = self._refuse("oversized", f"a frame of {size} bytes > hard cap {cap}: connection closed")
+                conn.outbox += _framed(encode_frame(_encoder.encode(refusal), 0, self.secret))
+                conn.inbox.clear()
+                conn.closing = True
+                break
+            if len(conn.inbox) < LENGTH.size + size:
+                break
+            payload = bytes(conn.inbox[LENGTH.size : LENGTH.size + size])
+            del conn.inbox[: LENGTH.size + size]
+            rid, reply = self.handle_frame(payload, conn.peer)
+            conn.outbox += _framed(self._reply_frame(rid, reply))
+        self._flush(conn)
+
+    def _flush(self, conn: _Connection) -> None:
+        if conn.outbox:
+            try:
+                sent = conn.sock.send(conn.outbox)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._close(conn)
+                return
+            del conn.outbox[:sent]
+        if len(conn.outbox) > MAX_UNSENT_BYTES:
+            self.dropped_connections += 1
+            self._log_refusal("side channel closed %s: %d reply bytes unread", conn.peer.decode(), len(conn.outbox))
+            self._close(conn)
+        elif conn.outbox:
+            self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        elif conn.closing:
+            self._close(conn)
+        else:
+            with contextlib.suppress(KeyError, ValueError):
+                if self._selector.get_key(conn.sock).events != selectors.EVENT_READ:
+                    self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _close(self, conn: _Connection) -> None:
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        self._connections.pop(fd, None)
+        conn.sock.close()
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
 
 
-class SideChannelClient:
-    """A DEALER socket to one server. Thread-safe (one request at a time); every wait bounded by ``timeout_s``.
+def _framed(frame: bytes) -> bytes:
+    return LENGTH.pack(len(frame)) + frame
 
-    Replies are opened like requests (HMAC first under a secret, then header and depth): whatever comes back, a
-    request returns a reply or raises a :class:`SideChannelError`, never anything else."""
+
+class _ConnectionLost(Exception):
+    """The server closed or reset the connection; ``answered`` says whether any reply byte arrived on it first."""
+
+    def __init__(self, why: str, answered: bool) -> None:
+        super().__init__(why)
+        self.answered = answered
+
+
+class SideChannelClient:
+    """A TCP connection to one server. Thread-safe (one request at a time); every wait bounded by ``timeout_s``.
+
+    A server that is not listening yet is connected to again (with backoff) until the request's bound: one that
+    starts within it is answered, as a restarted P is. A connection the server closed since the last request is
+    made again once and the request sent again: it cannot have been served there. A timeout closes the connection,
+    so a late reply never reaches a later request. Replies are opened like requests (HMAC first under a secret,
+    then header and depth): whatever comes back, a request returns a reply or raises a :class:`SideChannelError`,
+    never anything else."""
 
     def __init__(
         self,
@@ -314,6 +442,7 @@ class SideChannelClient:
         max_depth: int = DEFAULT_MAX_DEPTH,
     ) -> None:
         self.address = address
+        self.host, self.port = parse_address(address)
         self.secret = secret
         self.timeout_s = float(timeout_s)
         self.max_bytes = int(max_bytes)
@@ -321,19 +450,11 @@ class SideChannelClient:
         self.bad_replies = 0  # replies dropped because they could not be opened or were not for this request
         self._decoder: msgspec.msgpack.Decoder[msgspec.Struct] = msgspec.msgpack.Decoder(
             _union({ErrorReply, Ack, *reply_types}))
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._lock = threading.Lock()
         self._rid = 0
-        self._sock: zmq.Socket[bytes] | None = None
-        self._open()
-
-    def _open(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes * 4 + 4096)
-        self._sock.connect(self.address)
+        self._sock: socket.socket | None = None
+        self._inbox = bytearray()
+        self._closed = False
 
     def request(self, message: msgspec.Struct, timeout_s: float | None = None) -> Any:
         body = _encoder.encode(message)
@@ -348,29 +469,83 @@ class SideChannelClient:
             return self._exchange(frame, None, timeout_s)
 
     def _exchange(self, frame: bytes, rid: int | None, timeout_s: float | None) -> Any:
-        if self._sock is None:
+        if self._closed:
             raise SideChannelError(f"client of {self.address} is closed")
         if len(frame) > self.max_bytes:
             raise SideChannelError(f"message of {len(frame)} bytes exceeds cap {self.max_bytes}")
-        self._sock.send(frame)
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self._sock.poll(left_ms, zmq.POLLIN):
-                self._open()  # drop whatever reply may still arrive late
-                raise SideChannelTimeout(f"no reply from {self.address} in {wait_s}s")
-            parts = self._sock.recv_multipart()
+        for attempt in (1, 2):
+            reused = self._sock is not None
+            sock = self._sock if self._sock is not None else self._connect(deadline, wait_s)
             try:
-                reply_rid, body = open_frame(parts[-1] if len(parts) == 1 else b"", self.secret,
-                                             max_bytes=self.max_bytes * 4 + 4096, max_depth=self.max_depth)
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.sendall(_framed(frame))
+                return self._reply(sock, rid, deadline, wait_s)
+            except _ConnectionLost as exc:
+                self._drop()
+                if attempt == 1 and reused and not exc.answered:  # closed since the last request: never served
+                    continue
+                raise SideChannelError(f"{self.address} closed the connection: {exc}") from None
+            except TimeoutError:
+                self._drop()  # a reply that still comes is never read
+                raise SideChannelTimeout(f"no reply from {self.address} in {wait_s}s") from None
+            except OSError as exc:  # reset while sending
+                self._drop()
+                if attempt == 1 and reused:
+                    continue
+                raise SideChannelError(f"{self.address}: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _connect(self, deadline: float, wait_s: float) -> socket.socket:
+        backoff = 0.02
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SideChannelTimeout(f"no reply from {self.address} in {wait_s}s (not listening)")
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=left)
+            except TimeoutError:
+                continue  # the loop's bound says so
+            except OSError:  # refused (not listening yet), unreachable: again until the bound
+                time.sleep(min(backoff, max(deadline - time.monotonic(), 0.0)))
+                backoff = min(backoff * 2, 0.5)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+            self._inbox.clear()
+            return sock
+
+    def _reply(self, sock: socket.socket, rid: int | None, deadline: float, wait_s: float) -> Any:
+        answered = False
+        while True:
+            payload = self._next_frame()
+            if payload is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+                try:
+                    data = sock.recv(1 << 16)
+                except TimeoutError:
+                    raise
+                except OSError as exc:
+                    raise _ConnectionLost(str(exc), answered) from None
+                if not data:
+                    raise _ConnectionLost("end of stream", answered)
+                answered = True
+                self._inbox += data
+                continue
+            try:
+                reply_rid, body = open_frame(payload, self.secret, max_bytes=hard_cap(self.max_bytes),
+                                             max_depth=self.max_depth)
             except FrameError as exc:
                 if exc.code == "unauthenticated":
                     raise SideChannelRefused("unauthenticated", f"reply from {self.address} failed HMAC") from exc
                 raise SideChannelError(f"malformed reply from {self.address}: {exc}") from exc
             if rid is not None and reply_rid != rid and reply_rid != 0:
                 self.bad_replies += 1
-                continue  # a late reply to an earlier, timed-out request
+                continue  # a reply to another request of this connection
             try:
                 reply = _decode_body(self._decoder, body)
             except FrameError as exc:
@@ -379,11 +554,30 @@ class SideChannelClient:
                 raise SideChannelRefused(reply.code, reply.message, reply.detail)
             return reply
 
+    def _next_frame(self) -> bytes | None:
+        """The next whole frame received, or None; a length past the hard cap is a malformed reply."""
+        if len(self._inbox) < LENGTH.size:
+            return None
+        (size,) = LENGTH.unpack_from(self._inbox)
+        if size > hard_cap(self.max_bytes):
+            self._drop()
+            raise SideChannelError(f"malformed reply from {self.address}: a frame of {size} bytes")
+        if len(self._inbox) < LENGTH.size + size:
+            return None
+        payload = bytes(self._inbox[LENGTH.size : LENGTH.size + size])
+        del self._inbox[: LENGTH.size + size]
+        return payload
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._inbox.clear()
+
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                self._sock.close(0)
-                self._sock = None
+            self._closed = True
+            self._drop()
 
 
 def encode_envelope(message: msgspec.Struct, *, rid: int = 1, secret: bytes | None = None) -> bytes:

@@ -35,7 +35,7 @@ from kvlifecycle.untrusted import check_msgpack
 
 # The P/D wire's version: side-channel frames, their control messages and the notifications' meaning; a strict
 # field of the compatibility hash. What each version changed and when to bump it: docs/wire.md.
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 class MemoryKind(str, enum.Enum):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 import msgspec
 import pytest
-import zmq
 
+from kvlifecycle import sidechannel
 from kvlifecycle.sidechannel import (
+    LENGTH,
     MAC_BYTES,
     Ack,
     ErrorReply,
@@ -21,6 +23,7 @@ from kvlifecycle.sidechannel import (
     SideChannelTimeout,
     encode_envelope,
     encode_frame,
+    hard_cap,
     open_frame,
 )
 from kvlifecycle.transport import WIRE_VERSION
@@ -130,16 +133,59 @@ def test_hmac_required_when_configured(secret_server: SideChannelServer) -> None
 
 
 def test_client_wait_is_bounded() -> None:
-    ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.ROUTER)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    """A server that accepts and never answers: the request ends at its bound."""
+    silent = socket.create_server(("127.0.0.1", 0))
     try:
-        c = SideChannelClient(f"tcp://127.0.0.1:{port}", [EchoReply], timeout_s=0.2)
+        c = SideChannelClient(f"tcp://127.0.0.1:{silent.getsockname()[1]}", [EchoReply], timeout_s=0.2)
         with pytest.raises(SideChannelTimeout):
             c.request(Echo("anyone?"))
         c.close()
     finally:
-        silent.close(0)
+        silent.close()
+
+
+def test_nobody_listening_is_a_timeout_at_the_bound() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # free once closed
+    c = SideChannelClient(f"tcp://127.0.0.1:{port}", [EchoReply], timeout_s=0.3)
+    with pytest.raises(SideChannelTimeout) as info:
+        c.request(Echo("x"))
+    assert "not listening" in str(info.value)
+
+
+def test_a_server_that_starts_within_the_bound_answers() -> None:
+    """A restarted P rank comes back on its port: a request sent while it was down is answered once it listens."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    c = SideChannelClient(f"tcp://127.0.0.1:{port}", [EchoReply], timeout_s=10.0)
+    started: list[SideChannelServer] = []
+    later = threading.Timer(0.3, lambda: started.append(
+        SideChannelServer({Echo: lambda m, _p: EchoReply(m.text)}, port=port)))
+    later.start()
+    try:
+        assert c.request(Echo("late")) == EchoReply("late")
+    finally:
+        later.join()
+        c.close()
+        for srv in started:
+            srv.close()
+
+
+def test_a_server_restarted_between_requests_is_asked_again() -> None:
+    """The connection of the first request died with its server: the next request reconnects and is answered."""
+    first = SideChannelServer({Echo: lambda m, _p: EchoReply("first")})
+    port = first.port
+    c = SideChannelClient(first.address, [EchoReply], timeout_s=10.0)
+    try:
+        assert c.request(Echo("x")) == EchoReply("first")
+        first.close()
+        second = SideChannelServer({Echo: lambda m, _p: EchoReply("second")}, port=port)
+        try:
+            assert c.request(Echo("x")) == EchoReply("second")
+        finally:
+            second.close()
+    finally:
+        c.close()
 
 
 def deep(levels: int) -> bytes:
@@ -185,32 +231,68 @@ def test_a_reply_that_does_not_encode_is_an_internal_refusal() -> None:
         srv.close()
 
 
-def test_a_req_socket_gets_its_reply(server: SideChannelServer) -> None:
-    """REQ prefixes an empty delimiter frame and drops a reply without it."""
-    req = zmq.Context.instance().socket(zmq.REQ)
-    req.setsockopt(zmq.LINGER, 0)
-    req.connect(server.address)
-    try:
-        req.send(encode_envelope(Echo("req"), rid=42))
-        assert req.poll(5000, zmq.POLLIN)
-        rid, body = open_frame(req.recv(), None, max_bytes=1 << 20, max_depth=32)
-        assert rid == 42 and msgspec.msgpack.decode(body, type=EchoReply) == EchoReply("REQ")
-    finally:
-        req.close(0)
+def raw_connection(srv: SideChannelServer) -> socket.socket:
+    sock = socket.create_connection((srv.host, srv.port), timeout=5.0)
+    sock.settimeout(5.0)
+    return sock
 
 
-def test_extra_frames_are_refused_with_a_reply(server: SideChannelServer) -> None:
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(server.address)
-    try:
-        dealer.send_multipart([b"one", b"two", encode_envelope(Echo("x"))])
-        assert dealer.poll(5000, zmq.POLLIN)
-        _, body = open_frame(dealer.recv(), None, max_bytes=1 << 20, max_depth=32)
-        assert msgspec.msgpack.decode(body, type=ErrorReply).code == "malformed"
-    finally:
-        dealer.close(0)
+def read_frames(sock: socket.socket, count: int) -> list[bytes]:
+    """``count`` length-prefixed frames off a raw connection (bounded by its timeout)."""
+    data, frames = b"", []
+    while len(frames) < count:
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"connection closed after {len(frames)} frame(s)"
+        data += chunk
+        while len(data) >= LENGTH.size and len(data) >= LENGTH.size + LENGTH.unpack_from(data)[0]:
+            size = LENGTH.unpack_from(data)[0]
+            frames.append(data[LENGTH.size : LENGTH.size + size])
+            data = data[LENGTH.size + size :]
+    return frames
+
+
+def test_frames_in_one_write_and_a_frame_byte_by_byte_are_all_answered(server: SideChannelServer) -> None:
+    """The stream's framing, not its segments, delimits messages."""
+    frames = [encode_envelope(Echo(f"m{i}"), rid=10 + i) for i in range(3)]
+    with raw_connection(server) as sock:
+        sock.sendall(b"".join(LENGTH.pack(len(f)) + f for f in frames[:2]))
+        for byte in LENGTH.pack(len(frames[2])) + frames[2]:
+            sock.sendall(bytes([byte]))
+        replies = [open_frame(f, None, max_bytes=1 << 20, max_depth=32) for f in read_frames(sock, 3)]
+    assert [rid for rid, _ in replies] == [10, 11, 12]
+    assert [msgspec.msgpack.decode(body, type=EchoReply).text for _, body in replies] == ["M0", "M1", "M2"]
+
+
+def test_a_length_past_the_hard_cap_closes_that_connection_alone(server: SideChannelServer) -> None:
+    """The stream cannot be resynchronised after such a length: refused in words, then closed; others served."""
+    other = client(server)
+    assert other.request(Echo("before")) == EchoReply("BEFORE")
+    with raw_connection(server) as sock:
+        sock.sendall(LENGTH.pack(hard_cap(server.max_bytes) + 1) + b"xyz")
+        [refusal] = read_frames(sock, 1)
+        _, body = open_frame(refusal, None, max_bytes=1 << 20, max_depth=32)
+        assert msgspec.msgpack.decode(body, type=ErrorReply).code == "oversized"
+        assert sock.recv(1) == b""  # closed by the server
+    assert server.refused["oversized"] == 1 and server.dropped_connections == 1
+    assert other.request(Echo("after")) == EchoReply("AFTER")
+
+
+def test_a_half_sent_frame_and_a_vanished_peer_leave_the_server_serving(server: SideChannelServer) -> None:
+    for partial in (b"\x00", LENGTH.pack(100) + b"only part of it"):
+        with raw_connection(server) as sock:
+            sock.sendall(partial)
     assert client(server).request(Echo("fine")) == EchoReply("FINE")
+
+
+def test_connections_past_the_limit_are_closed_and_the_rest_served(monkeypatch: pytest.MonkeyPatch,
+                                                                    server: SideChannelServer) -> None:
+    monkeypatch.setattr(sidechannel, "MAX_CONNECTIONS", 2)
+    first, second = client(server), client(server)
+    assert first.request(Echo("a")) == EchoReply("A") and second.request(Echo("b")) == EchoReply("B")
+    with raw_connection(server) as third:
+        assert third.recv(1) == b""  # closed at once
+    assert server.dropped_connections == 1
+    assert first.request(Echo("c")) == EchoReply("C")
 
 
 def test_ten_thousand_junk_frames_are_counted_not_logged_one_by_one(
@@ -229,15 +311,15 @@ def test_ten_thousand_junk_frames_are_counted_not_logged_one_by_one(
 
 def test_client_survives_a_hostile_server() -> None:
     """Whatever a server answers, a request returns a reply or raises a SideChannelError."""
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    c = SideChannelClient(f"tcp://127.0.0.1:{port}", [EchoReply], timeout_s=5.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5.0)
+    c = SideChannelClient(f"tcp://127.0.0.1:{listener.getsockname()[1]}", [EchoReply], timeout_s=5.0)
     # framed answers carry request id 0, which a client takes as meant for whatever it asked (a refusal of a frame
     # whose id could not be read); an answer for another id is a late reply, skipped until the timeout
-    answers = [deep(20_000), encode_frame(deep(20_000), 0), encode_frame(b"\xc1", 0), b"",
-               encode_frame(msgspec.msgpack.encode({"type": "EchoReply", "text": 5}), 0)]
+    framed = [deep(20_000), encode_frame(deep(20_000), 0), encode_frame(b"\xc1", 0), b"",
+              encode_frame(msgspec.msgpack.encode({"type": "EchoReply", "text": 5}), 0)]
+    answers = [LENGTH.pack(len(f)) + f for f in framed]
+    answers += [LENGTH.pack(2**32 - 1) + b"x", b"\x00\x00"]  # a length past any cap; a stream that ends mid-length
     try:
         for answer in answers:
             done: list[BaseException] = []
@@ -250,12 +332,14 @@ def test_client_survives_a_hostile_server() -> None:
 
             t = threading.Thread(target=ask)
             t.start()
-            assert router.poll(5000, zmq.POLLIN)
-            peer, _ = router.recv_multipart()
-            router.send_multipart([peer, answer])
-            t.join(10)
+            peer, _ = listener.accept()
+            with peer:
+                peer.settimeout(5.0)
+                peer.recv(1 << 16)
+                peer.sendall(answer)
+            t.join(10)  # the peer closed: a stream that ended mid-frame is judged, not waited out
             assert len(done) == 1 and isinstance(done[0], SideChannelError), done
             assert not isinstance(done[0], SideChannelTimeout), done  # answered, and the answer judged
     finally:
         c.close()
-        router.close(0)
+        listener.close()

@@ -66,8 +66,19 @@ log = logging.getLogger("kvlifecycle.transports.nixl")
 DEFAULT_BACKENDS: tuple[str, ...] = ("UCX",)
 
 
+SLOW_CALL_S = 1.0  # a call to the service thread this slow is logged, with where its time went
+
+
 def _noop() -> None:
     """A command that only wakes the service thread."""
+
+
+def _call_phase(queued: float, started: list[float]) -> str:
+    """Where a service-thread call's time went: waiting behind other commands, or in NIXL itself."""
+    now = time.monotonic()
+    if not started:
+        return f"still queued after {now - queued:.3f} s: the service thread was busy"
+    return f"queued {started[0] - queued:.3f} s, in NIXL {now - started[0]:.3f} s"
 
 
 def map_nixl_error(exc: BaseException, what: str) -> TransportError:
@@ -170,11 +181,23 @@ class NixlTransport(HandleQueries):
         if threading.current_thread() is self._thread:
             return fn()
         fut: Future[Any] = Future()
-        self._commands.put((fn, fut))
+        queued = time.monotonic()
+        started: list[float] = []
+
+        def timed() -> Any:
+            started.append(time.monotonic())
+            return fn()
+
+        self._commands.put((timed, fut))
         try:
-            return fut.result(timeout=self.call_timeout_s)
+            result = fut.result(timeout=self.call_timeout_s)
         except FutureTimeout as exc:
-            raise TransportError(f"{what}: no answer from the NIXL service thread in {self.call_timeout_s}s") from exc
+            raise TransportError(f"{what}: no answer from the NIXL service thread in {self.call_timeout_s}s "
+                                 f"({_call_phase(queued, started)})") from exc
+        spent = time.monotonic() - queued
+        if spent >= SLOW_CALL_S:
+            log.warning("NIXL %s took %.3f s (%s)", what, spent, _call_phase(queued, started))
+        return result
 
     def _submit(self, fn: Callable[[], Any]) -> None:
         self._commands.put((fn, None))

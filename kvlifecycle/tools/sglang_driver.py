@@ -447,25 +447,28 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
         if args.scenario == "suite":
             # malformed frames on the prefill rank's side channel, and a foreign one on its SGLang rank socket:
             # refused and counted, nothing else lost
-            import zmq
+            import zmq  # SGLang's rank socket speaks zmq
 
-            from kvlifecycle.sidechannel import encode_frame
+            from kvlifecycle.sidechannel import SideChannelClient, SideChannelRefused, encode_frame
 
             info = (receivers[warm].bootstrap_infos or [{}])[0]
+            side_channel = SideChannelClient(str(info.get("kvl_side")), [], timeout_s=30.0)
+            refusals = []
+            for frame in (b"\xc1 not a side-channel frame", encode_frame(b"\x92\xa3hb", 1)):  # no header; no message
+                try:
+                    side_channel.request_raw(frame)
+                except SideChannelRefused as exc:
+                    refusals.append(exc.code)
+            side_channel.close()
             ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-            side_sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-            side_sock.setsockopt(zmq.LINGER, 1000)
-            side_sock.connect(str(info.get("kvl_side")))
-            side_sock.send(b"\xc1 not a side-channel frame")
-            side_sock.send(encode_frame(b"\x92\xa3hb", 1))  # a header, then a body of no message
             rank_sock: zmq.Socket[bytes] = ctx.socket(zmq.PUSH)
             rank_sock.setsockopt(zmq.LINGER, 1000)
             rank_sock.connect(f"tcp://{info.get('rank_ip')}:{info.get('rank_port')}")
             rank_sock.send_multipart([b"KVL1", b"\xc1 not msgpack"])
-            time.sleep(0.3)  # both refused before the rooms below start
-            side_sock.close()
+            time.sleep(0.3)  # refused before the rooms below start
             rank_sock.close()
             result["malformed_sent"] = 2
+            result["malformed_answers"] = refusals  # the side channel's answers, as the sender heard them
             result["foreign_sent"] = 1
         timed = ids["transfer"]
         for room in timed:

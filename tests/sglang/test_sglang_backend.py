@@ -87,6 +87,7 @@ def test_transfer_is_byte_exact_and_leaves_other_pages_untouched(suite: h.PairRu
 def test_malformed_control_frames_are_refused_and_lose_nothing(suite: h.PairRun) -> None:
     d, p = suite.results["decode"], suite.results["prefill"]
     assert d["malformed_sent"] == 2 and d["foreign_sent"] == 1
+    assert d["malformed_answers"] == ["malformed", "malformed"]  # each answered in words, not dropped
     assert p["malformed"] == 2  # the shared side channel refused and counted both, never half-applied
     assert p["rank_socket_refused"] == 1  # SGLang's rank socket takes its ABORT frames only
     assert all(_room(p, offset)["status"] == "success" for offset in (1, 2, 3, 4))  # sent after the garbage

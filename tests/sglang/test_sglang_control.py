@@ -1,4 +1,4 @@
-"""The control plane a prefill of the SGLang backend serves, without SGLang (main venv: real zmq on 127.0.0.1, the
+"""The control plane a prefill of the SGLang backend serves, without SGLang (main venv: real TCP on 127.0.0.1, the
 loopback transport): the shared side channel with the handshake and the stream of one "layer" over every region
 (``adapters/sglang/prefill.py`` builds the same Producer + StreamProducer). Whatever a peer sends, the prefill
 answers it (a reply or a refusal, never silence), counts what it refuses, and a room streamed right after still
@@ -12,7 +12,6 @@ import time
 import msgspec
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +25,7 @@ from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.machines import TargetState
-from kvlifecycle.sidechannel import encode_frame
+from kvlifecycle.sidechannel import SideChannelClient, SideChannelError, SideChannelTimeout, encode_frame
 from kvlifecycle.streaming import StreamConsumer, StreamOptions, StreamProducer
 from kvlifecycle.transport import KVLayout, MemoryKind
 
@@ -62,21 +61,21 @@ def pd():
     cons.connect(prod.address)
     options = StreamOptions(regions_per_layer=REGIONS, stream_timeout_s=10.0)
     sp, sc = StreamProducer(prod, layers=1, options=options), StreamConsumer(cons, options=options)
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(prod.address)
+    raw = SideChannelClient(prod.address, [], timeout_s=5.0)
     yield sp, sc, src, dst, raw
     raw.close()
     for part in (sc, sp, cons, prod, tp, td):
         part.close()
 
 
-def _answered(raw: zmq.Socket, frame: bytes) -> bool:
-    raw.send(frame)
-    if not raw.poll(5000):
+def _answered(raw: SideChannelClient, frame: bytes) -> bool:
+    """A reply or a refusal came back (anything but silence)."""
+    try:
+        raw.request_raw(frame)
+    except SideChannelTimeout:
         return False
-    raw.recv()
+    except SideChannelError:
+        return True
     return True
 
 

@@ -7,10 +7,13 @@ NIXL transport) in one process; every wait bounded, no assertion on a duration.
 - D's connect-time probe completes against a P whose data plane sleeps between polls: the first READ from a new
   peer completes only once that peer's agent has progressed UCX's wire-up, so the handshake wakes P's data plane and
   has it poll tightly meanwhile.
+- Where the time of a slow handshake went: a call that waited behind the service thread says it was queued, and
+  D's handshake names its slow step.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +23,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from kvlifecycle.transports.nixl import NixlTransport
+from kvlifecycle.transports.nixl import SLOW_CALL_S, NixlTransport
 
 from kvlifecycle.handoff import REPLY_TYPES, Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo, GetMeta, MetaReply
@@ -93,6 +96,60 @@ def test_the_connect_probe_completes_against_a_producer_that_polls_rarely() -> N
     finally:
         p_transport.idle_poll_s = 0.005  # a service thread in a 60 s wait would hold its close that long
         p_transport.expect_activity(0.0)
+        consumer.close()
+        producer.close()
+        d_transport.close()
+        p_transport.close()
+
+
+def _hold_service_thread(transport: NixlTransport, seconds: float) -> threading.Event:
+    """Occupy ``transport``'s service thread for ``seconds`` (as a long DRAM ``transfer()`` would); set once held."""
+    holding = threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        time.sleep(seconds)
+
+    transport._submit(hold)
+    assert holding.wait(10.0)
+    return holding
+
+
+def test_a_call_held_behind_the_service_thread_is_logged_with_where_its_time_went(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A call that waited on a busy service thread says so (queued, not NIXL itself): the first question when a
+    handshake step is slow."""
+    transport, _buffer = registered("slow-call")
+    try:
+        _hold_service_thread(transport, SLOW_CALL_S + 0.3)
+        with caplog.at_level(logging.WARNING, logger="kvlifecycle.transports.nixl"):
+            transport.remove_peer("nobody")  # a no-op command, queued behind the hold
+        slow = [r.getMessage() for r in caplog.records if "NIXL remove_peer took" in r.getMessage()]
+        assert len(slow) == 1, caplog.text
+        queued = float(slow[0].split("(queued ")[1].split(" s")[0])
+        assert queued >= SLOW_CALL_S, slow[0]  # the time went into the queue, not into NIXL
+    finally:
+        transport.close()
+
+
+def test_a_slow_handshake_names_its_slow_step(caplog: pytest.LogCaptureFixture) -> None:
+    """D's handshake logs each step's time; a handshake past a sixth of the side-channel bound is a WARNING that
+    names the step that took it (here add_peer, queued behind D's busy data plane)."""
+    p_transport, _p_buffer = registered("p-fast")
+    d_transport, _d_buffer = registered("d-busy")
+    producer = Producer(SourceLedger(BLOCKS, worker="p"), p_transport, COMPAT)
+    consumer = Consumer(TargetLedger(BLOCKS, worker="d"), d_transport, COMPAT,
+                        options=HandoffOptions(request_timeout_s=HANDSHAKE_TIMEOUT_S, probe=False))
+    try:
+        _hold_service_thread(d_transport, HANDSHAKE_TIMEOUT_S / 6 + 0.3)
+        with caplog.at_level(logging.INFO, logger="kvlifecycle.handoff"):
+            consumer.connect(producer.address, push=False)
+        [record] = [r for r in caplog.records if r.getMessage().startswith("handshake with")]
+        assert record.levelno == logging.WARNING, record.getMessage()
+        steps = dict(part.rsplit(" ", 2)[:2] for part in record.getMessage().split(": ", 1)[1].split(", "))
+        assert list(steps) == ["get_meta", "add_peer", "prepare", "select", "probe"], steps
+        assert max(steps, key=lambda step: float(steps[step])) == "add_peer", record.getMessage()
+    finally:
         consumer.close()
         producer.close()
         d_transport.close()

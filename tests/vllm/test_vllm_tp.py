@@ -28,18 +28,13 @@ pytestmark = [
 ]
 
 # The lease bounds how long a P rank waits on a D rank that went silent: the killed-D test waits it out once per
-# shape. 45 s: past the longest P-rank silence measured here (35 s, below), a heartbeat every 7.5 s.
+# shape. 45 s: past the side channel's 30 s bounds below, a heartbeat every 7.5 s.
 LEASE_TTL_S = 45.0
 MAX_TOKENS = 12
-# Residual stall (issue 16): D's claims to both P ranks go unanswered for more than their 30 s bound, at once, and
-# the request fails; P answers them later. Seen on a cluster's first request and on later ones, mostly at P TP 2 ->
-# D TP 2 (3 of its 7 tests in the clean-clone CI of 2026-12-03 18:03). A real-time (SCHED_FIFO) sampler of /proc
-# across such a window was never late: both cores were busy with D's ranks, engine core and API server, while P's
-# processes used no CPU at all; P's engine core logged that it had waited 60 s for its workers. So P's workers are
-# blocked, not starved, their step and their side channel together; by what is not known yet. Not reproduced
-# without vLLM. The two P TP 2 shapes stay non-strict xfails (an XPASS is reported as such).
-P_TP2_STALL = pytest.mark.xfail(strict=False, reason="issue 16: both P ranks silent past D's 30 s claim bound")
-SHAPES = [pytest.param((2, 2), marks=P_TP2_STALL), pytest.param((2, 1), marks=P_TP2_STALL), (1, 2)]  # (P TP, D TP)
+# The P TP 2 stall these shapes once carried as xfails (issue 16) was a request from D held for 30 s inside a P
+# rank's zmq after its kernel had delivered it, until D's timeout closed the connection; the side channel is plain
+# TCP since (kvlifecycle/sidechannel.py, docs/vllm.md). Every shape is strict.
+SHAPES = [(2, 2), (2, 1), (1, 2)]  # (P TP, D TP)
 # float32 TP 1 and TP 2 sum the attention and MLP partial products in different orders: a greedy difference is
 # accepted only where the single instance's two best tokens are this close (a near tie), and reported
 NEAR_TIE_NATS = 1e-3
