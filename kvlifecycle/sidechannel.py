@@ -76,6 +76,11 @@ class SideChannelTimeout(SideChannelError):
     pass
 
 
+class SideChannelAddressError(SideChannelError, ValueError):
+    """An address that is not ``tcp://HOST:PORT`` (a side-channel error to a client's callers, a ValueError to
+    configuration)."""
+
+
 class SideChannelRefused(SideChannelError):
     """The server refused the message; ``code`` says why (see :class:`ErrorReply`)."""
 
@@ -160,11 +165,11 @@ Handler = Callable[[Any, bytes], msgspec.Struct]
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """(host, port) of ``tcp://host:port`` (``tcp://[v6]:port`` too); ValueError in words otherwise."""
+    """(host, port) of ``tcp://host:port`` (``tcp://[v6]:port`` too); :class:`SideChannelAddressError` otherwise."""
     rest = address.removeprefix("tcp://")
     host, sep, port = rest.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or rest == address:
-        raise ValueError(f"side-channel address {address!r} is not tcp://HOST:PORT")
+        raise SideChannelAddressError(f"side-channel address {address!r} is not tcp://HOST:PORT")
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 

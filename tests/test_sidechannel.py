@@ -23,8 +23,10 @@ from kvlifecycle.sidechannel import (
     SideChannelTimeout,
     encode_envelope,
     encode_frame,
+    format_address,
     hard_cap,
     open_frame,
+    parse_address,
 )
 from kvlifecycle.transport import WIRE_VERSION
 
@@ -343,3 +345,16 @@ def test_client_survives_a_hostile_server() -> None:
     finally:
         c.close()
         listener.close()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:80", "tcp://127.0.0.1", "tcp://:80", "tcp://h:0", "tcp://h:99999",
+                                     "tcp://h:8x", "ipc:///tmp/x", ""])
+def test_an_address_that_is_not_tcp_host_port_is_refused_in_words(address: str) -> None:
+    with pytest.raises(SideChannelError, match="is not tcp://HOST:PORT") as info:
+        SideChannelClient(address, [EchoReply])
+    assert isinstance(info.value, ValueError)  # configuration reads it as the bad value it is
+
+
+def test_addresses_round_trip() -> None:
+    assert parse_address(format_address("::1", 5)) == ("::1", 5)
+    assert parse_address("tcp://10.0.0.7:5557") == ("10.0.0.7", 5557)
