@@ -1,7 +1,7 @@
 """The side channel: request/reply over plain TCP (one server thread with a selector, blocking clients), msgspec
 messages, never pickle.
 
-On the wire each frame is preceded by its length (``u32``, big-endian). A frame (wire version 2, see
+On the wire each frame is preceded by its length (``u32``, big-endian). A frame (wire version 3, see
 :data:`kvlifecycle.transport.WIRE_VERSION`) is a fixed binary header (``b"KV"``, wire version ``u16``, flags ``u8``,
 request id ``u64``, big-endian), a msgpack body (a tagged msgspec struct from the set the server was built with)
 and, under a shared secret, an HMAC-SHA256 trailer over header and body. With a secret the trailer is checked
@@ -13,11 +13,9 @@ and dropped; nothing a peer sends can raise out of the serving loop, which keeps
 past the hard cap (4x the frame cap) is answered ``oversized`` and that connection closed, since the stream cannot
 be resynchronised. Binds 127.0.0.1 unless told otherwise; every receive is bounded by a timeout.
 
-Why not zmq: the side channel ran on pyzmq ROUTER/DEALER sockets until a P TP 2 rank under vLLM on two busy cores
-was seen holding a request that its kernel had delivered to zmq (the connection's receive queue empty, the bytes
-read) for 30 s, with the serving thread idle in ``poll`` the whole time, until the client's timeout closed the
-connection (docs/vllm.md). Here the serving thread reads the kernel socket itself: no I/O thread, pipe or mailbox
-stands between a request's bytes and its handler.
+Why not zmq: one thread that reads the kernel socket itself, with bounded buffers, in place of zmq's I/O thread,
+pipes and mailboxes; fewer threads to schedule in an engine's worker process. (It was first made for a stall of
+P TP 2 ranks under vLLM that turned out to be the kernel's scheduler starving whole processes: docs/vllm.md.)
 """
 
 from __future__ import annotations

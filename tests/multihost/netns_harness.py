@@ -116,11 +116,12 @@ class Host:
 
     def popen(self, argv: Sequence[str], *, env: dict[str, str] | None = None, log: Path | None = None,
               pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
-        """Start ``argv`` inside this host (its own process group, so it can be killed whole)."""
+        """Start ``argv`` inside this host (its own process group, so it can be killed whole; not a session of
+        its own, which would be a scheduler autogroup of its own: vllm_harness.ManagedProcess says why)."""
         out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 (kept by the child)
         try:
             return subprocess.Popen(self.exec_argv(argv), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, pass_fds=tuple(pass_fds), start_new_session=True)
+                                    stdin=subprocess.DEVNULL, pass_fds=tuple(pass_fds), process_group=0)
         finally:
             if log is not None:
                 out.close()  # type: ignore[union-attr]

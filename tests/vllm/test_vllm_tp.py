@@ -31,9 +31,9 @@ pytestmark = [
 # shape. 45 s: past the side channel's 30 s bounds below, a heartbeat every 7.5 s.
 LEASE_TTL_S = 45.0
 MAX_TOKENS = 12
-# The P TP 2 stall these shapes once carried as xfails (issue 16) was a request from D held for 30 s inside a P
-# rank's zmq after its kernel had delivered it, until D's timeout closed the connection; the side channel is plain
-# TCP since (kvlifecycle/sidechannel.py, docs/vllm.md). Every shape is strict.
+# The P TP 2 stall these shapes once carried as xfails (issue 16) was the scheduler starving one server while the
+# other's workers spun, each server in an autogroup of its own; the harness keeps them in one since
+# (vllm_harness.ManagedProcess, docs/vllm.md "Shared cores"). Every shape is strict.
 SHAPES = [(2, 2), (2, 1), (1, 2)]  # (P TP, D TP)
 # float32 TP 1 and TP 2 sum the attention and MLP partial products in different orders: a greedy difference is
 # accepted only where the single instance's two best tokens are this close (a near tie), and reported

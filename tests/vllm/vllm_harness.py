@@ -10,6 +10,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -90,7 +91,14 @@ def base_env(cores: Sequence[int] | None = None) -> dict[str, str]:
 
 @dataclass
 class ManagedProcess:
-    """A child process in its own session; ``stop()`` ends the whole group (SIGTERM, then SIGKILL)."""
+    """A child process in its own process group; ``stop()`` ends the whole group (SIGTERM, then SIGKILL).
+
+    A process group, not a session: a new session is a new scheduler autogroup on Linux, and with P's and D's
+    servers each in an autogroup of its own, sharing the two cores, the kernel's fair scheduler let one server's
+    workers (which spin on ``sched_yield`` for a second after every step, and a D engine steps every millisecond
+    while a KV load is pending) take a core whole: the other server's runnable processes got no CPU for 40-60 s
+    (sampled from ``/proc`` at real-time priority), and a handoff that needed them missed its 30 s bounds.
+    In one group the yield gives the core away (docs/vllm.md, "Shared cores")."""
 
     name: str
     argv: list[str]
@@ -100,13 +108,14 @@ class ManagedProcess:
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def start(self) -> ManagedProcess:
+        started_processes.append(self)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = list(self.argv)
         if self.cores:
             argv = ["taskset", "-c", ",".join(map(str, self.cores)), *argv]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, cwd=REPO_ROOT)
+                                         process_group=0, cwd=REPO_ROOT)
         return self
 
     @property
@@ -123,7 +132,7 @@ class ManagedProcess:
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)  # the session we created for this child: its engine and workers
+            os.killpg(self.proc.pid, sig)  # the group we created for this child: its engine and workers
 
     def kill(self) -> None:
         """SIGKILL the whole group at once (a crash, as seen by its peers)."""
@@ -142,6 +151,29 @@ class ManagedProcess:
         self._signal_group(signal.SIGKILL)  # leftovers of the group (engine core, workers)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+# every process started this session, for the failure digest below
+started_processes: list[ManagedProcess] = []
+# what a failed handoff leaves in a server's log: the connector's and the proxy's warnings and errors, vLLM's
+# request failures, tracebacks
+_DIGEST_LINE = re.compile(r"(WARNING|ERROR).*\[(worker|handoff|nixl|untrusted|producer|scheduler|sidechannel|"
+                          r"consumer|streaming)\.py|kvlifecycle\.\w+ (WARNING|ERROR)|serving\.py.*failed|Traceback")
+
+
+def failure_digest(since: float, max_lines: int = 40) -> str:
+    """The connector's warnings and errors, from the log of every process started this session whose log was
+    written since ``since`` (epoch seconds), each line prefixed with its process's name; the last ``max_lines``."""
+    lines: list[str] = []
+    for proc in started_processes:
+        try:
+            if proc.log_path.stat().st_mtime < since:
+                continue
+            text = proc.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        lines += [f"{proc.name}: {line}" for line in text.splitlines() if _DIGEST_LINE.search(line)]
+    return "\n".join(lines[-max_lines:])
 
 
 @dataclass
