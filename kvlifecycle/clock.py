@@ -105,3 +105,23 @@ class HybridLogicalClock:
     @property
     def last(self) -> int:
         return self._last
+
+
+class StepTimer:
+    """Where a multi-step wait went: each :meth:`lap` names the step that just ended; :meth:`summary` gives the
+    total and every step's share, as text for a log line."""
+
+    __slots__ = ("laps", "last", "start")
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, step: str) -> None:
+        now = time.monotonic()
+        self.laps.append((step, now - self.last))
+        self.last = now
+
+    def summary(self) -> tuple[float, str]:
+        """(seconds from start to the last lap, ``"step 0.123 s, ..."``)."""
+        return self.last - self.start, ", ".join(f"{step} {seconds:.3f} s" for step, seconds in self.laps)

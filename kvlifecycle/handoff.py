@@ -37,6 +37,7 @@ import numpy as np
 
 from kvlifecycle.block_mapping import BlockMappingError, map_blocks
 from kvlifecycle.claims import TOKEN_BYTES
+from kvlifecycle.clock import StepTimer
 from kvlifecycle.control import REPLY_TYPES as _CONTROL_REPLIES
 from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFailed, PushRequest
 from kvlifecycle.handoff_options import HandoffOptions
@@ -133,27 +134,6 @@ class PeerLink:
     choice: PathChoice | None = None  # why ``data`` was chosen and what its self-test measured
 
 
-class _StepTimer:
-    """Where a multi-step wait went: each :meth:`lap` names the step that just ended; :meth:`report` logs the
-    whole, at WARNING once it passed ``slow_s`` (a slow handshake names its slow step, not just its total)."""
-
-    __slots__ = ("laps", "last", "start")
-
-    def __init__(self) -> None:
-        self.start = self.last = time.monotonic()
-        self.laps: list[tuple[str, float]] = []
-
-    def lap(self, step: str) -> None:
-        now = time.monotonic()
-        self.laps.append((step, now - self.last))
-        self.last = now
-
-    def report(self, what: str, *, slow_s: float) -> None:
-        total = self.last - self.start
-        steps = ", ".join(f"{step} {seconds:.3f} s" for step, seconds in self.laps)
-        log.log(logging.WARNING if total >= slow_s else logging.INFO, "%s took %.3f s: %s", what, total, steps)
-
-
 @dataclass(slots=True)
 class _Load(LoadLaunch):  # its launch, progress and duties are the protocol core's, shared with the simulator
     request: str
@@ -220,7 +200,7 @@ class Consumer:
         """Handshake with the P rank at ``address`` (compat check, epochs, metadata both ways, prepared plans).
 
         Raises :class:`CompatMismatchError` (field by field) or :class:`SideChannelRefused`."""
-        steps = _StepTimer()
+        steps = StepTimer()
         with self._lock:
             old = self.links.get(address)
             client = (
@@ -277,7 +257,9 @@ class Consumer:
             self.links[address] = link
         probe = self._probe(link) if self.options.probe else None
         steps.lap("probe")
-        steps.report(f"handshake with {address} ({agent})", slow_s=self.options.request_timeout_s / 6)
+        total, laps = steps.summary()  # a slow handshake names its slow step, not just its total
+        log.log(logging.WARNING if total >= self.options.request_timeout_s / 6 else logging.INFO,
+                "handshake with %s (%s) took %.3f s: %s", address, agent, total, laps)
         if self.options.on_connect is not None:
             self.options.on_connect(link, probe)
         return link
