@@ -4,6 +4,8 @@
 from here too), the control messages in :mod:`kvlifecycle.control`, the claim tokens in :mod:`kvlifecycle.claims`,
 D's messages about a grant before its claim in :mod:`kvlifecycle.unclaimed`. The two send and serve every
 side-channel message: an engine's adapter calls them and reads the ledgers' events, nothing below.
+One concept, longer than most: D's side of the handoff (handshake, claims, loads, heartbeats, its service
+thread), which shares one lock and one table of peer links.
 
 Flow (pull, the vLLM way): P's engine allocates and prefills (``SourceLedger.allocate`` / ``prefill_done``), then
 :meth:`Producer.grant` pins the blocks under a lease and publishes a :class:`GrantReply`. D reserves target blocks
