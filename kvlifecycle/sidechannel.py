@@ -358,19 +358,18 @@ class SideChannelServer:
             return  # past the hard cap: nothing more is read from this stream
         conn.inbox += data
         cap = hard_cap(self.max_bytes)
-        while len(conn.inbox) >= LENGTH.size:
-            (size,) = LENGTH.unpack_from(conn.inbox)
-            if size > cap:
+        while True:
+            try:
+                payload = _take_frame(conn.inbox, cap)
+            except _OversizedFrame as exc:
                 self.dropped_connections += 1
-                refusal = self._refuse("oversized", f"a frame of {size} bytes > hard cap {cap}: connection closed")
+                refusal = self._refuse("oversized", f"{exc}: connection closed")
                 conn.outbox += _framed(encode_frame(_encoder.encode(refusal), 0, self.secret))
                 conn.inbox.clear()
                 conn.closing = True
                 break
-            if len(conn.inbox) < LENGTH.size + size:
+            if payload is None:
                 break
-            payload = bytes(conn.inbox[LENGTH.size : LENGTH.size + size])
-            del conn.inbox[: LENGTH.size + size]
             rid, reply = self.handle_frame(payload, conn.peer)
             conn.outbox += _framed(self._reply_frame(rid, reply))
         self._flush(conn)
@@ -414,6 +413,24 @@ class SideChannelServer:
 
 def _framed(frame: bytes) -> bytes:
     return LENGTH.pack(len(frame)) + frame
+
+
+class _OversizedFrame(Exception):
+    """A length prefix past the hard cap: the stream cannot be read on."""
+
+
+def _take_frame(inbox: bytearray, cap: int) -> bytes | None:
+    """Take the first whole frame off ``inbox`` (its length prefix removed); None while it is not whole yet."""
+    if len(inbox) < LENGTH.size:
+        return None
+    (size,) = LENGTH.unpack_from(inbox)
+    if size > cap:
+        raise _OversizedFrame(f"a frame of {size} bytes > hard cap {cap}")
+    if len(inbox) < LENGTH.size + size:
+        return None
+    payload = bytes(inbox[LENGTH.size : LENGTH.size + size])
+    del inbox[: LENGTH.size + size]
+    return payload
 
 
 class _ConnectionLost(Exception):
@@ -559,17 +576,11 @@ class SideChannelClient:
 
     def _next_frame(self) -> bytes | None:
         """The next whole frame received, or None; a length past the hard cap is a malformed reply."""
-        if len(self._inbox) < LENGTH.size:
-            return None
-        (size,) = LENGTH.unpack_from(self._inbox)
-        if size > hard_cap(self.max_bytes):
+        try:
+            return _take_frame(self._inbox, hard_cap(self.max_bytes))
+        except _OversizedFrame as exc:
             self._drop()
-            raise SideChannelError(f"malformed reply from {self.address}: a frame of {size} bytes")
-        if len(self._inbox) < LENGTH.size + size:
-            return None
-        payload = bytes(self._inbox[LENGTH.size : LENGTH.size + size])
-        del self._inbox[: LENGTH.size + size]
-        return payload
+            raise SideChannelError(f"malformed reply from {self.address}: {exc}") from None
 
     def _drop(self) -> None:
         if self._sock is not None:
