@@ -18,7 +18,17 @@ from typing import TYPE_CHECKING, Any
 from kvlifecycle._version import __version__ as __version__  # the one place it is written
 from kvlifecycle.choices import LoadFailurePolicy, Side, TransferMode
 from kvlifecycle.clock import HybridLogicalClock, ManualClock, MonotonicClock
-from kvlifecycle.eventlog import CorruptLogError, EventLog, FsyncMode, FsyncPolicy, LogError, LogReader
+from kvlifecycle.eventlog import (
+    CorruptLogError,
+    EventLog,
+    FsyncMode,
+    FsyncPolicy,
+    LogError,
+    LogFullError,
+    LogLockedError,
+    LogReader,
+    LogWriteError,
+)
 from kvlifecycle.invariants import Violation
 from kvlifecycle.ledger import (
     BlockBusyError,
@@ -128,7 +138,10 @@ __all__ = [
     "LoadFailurePolicy",
     "Locality",
     "LogError",
+    "LogFullError",
+    "LogLockedError",
     "LogReader",
+    "LogWriteError",
     "MalformedNotificationError",
     "ManualClock",
     "MemoryKind",

@@ -19,6 +19,8 @@ from typing import Annotated
 
 import msgspec
 
+from kvlifecycle.digest import BlockDigests
+
 Counter = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]  # the ledgers' block ids are int32
 Token = Annotated[bytes, msgspec.Meta(max_length=64)]
@@ -41,6 +43,9 @@ class GrantReply(msgspec.Struct, frozen=True, tag=True):
     agent: str
     epoch: Counter
     tp_rank: int = 0
+    # P's digest of each granted block as each consumer reads it (kvlifecycle.digest), for a transfer P verifies;
+    # None: D checks nothing (verification off, a transfer not sampled, or an older P)
+    digests: BlockDigests | None = None
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):

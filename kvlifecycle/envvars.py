@@ -7,8 +7,9 @@ names from the shell. ``docs/configuration.md`` is generated from this registry 
 a ``KVL_`` variable the registry does not list.
 
 A renamed variable keeps its old name as a deprecated alias: read when the new name is unset, with a one-line
-warning the first time. A variable of another project that kvlifecycle honours as a fallback (vLLM's side-channel
-port) is read without a warning.
+warning the first time. A variable of the engine that means the same thing (vLLM's side-channel host and port,
+SGLang's disaggregation timeouts and heartbeat) is honoured as a fallback, read without a warning: an operator's
+engine settings stay the settings, and a ``KVL_`` variable only refines them.
 
 Only the CUDA IPC transport reads its variables itself (``KVL_CUDA_IPC_*``, once, into its options object); they
 are listed here all the same.
@@ -122,6 +123,9 @@ OTEL_DIR = _var("KVL_OTEL_DIR", Path, None, "`instrument_from_env` writes OpenTe
                 default_doc="unset", deprecated=("KVLIFECYCLE_OTEL_DIR",))
 
 # --- the vLLM adapter --------------------------------------------------------------------------------------------
+SIDE_CHANNEL_HOST = _var("KVL_SIDE_CHANNEL_HOST", str, None, "the host P's side channel binds and advertises "
+                         "when the connector's `side_channel_host` option is not given", "kvlifecycle.adapters.vllm",
+                         default_doc="127.0.0.1", fallbacks=("VLLM_NIXL_SIDE_CHANNEL_HOST",))
 SIDE_CHANNEL_PORT = _var("KVL_SIDE_CHANNEL_PORT", int, None, "P's side-channel base port when the connector's "
                          "`side_channel_port` option is not given (+ DP index + TP rank)", "kvlifecycle.adapters.vllm",
                          default_doc="5700", fallbacks=("VLLM_NIXL_SIDE_CHANNEL_PORT",))
@@ -134,16 +138,39 @@ ETCD_ENDPOINTS = _var("KVL_ETCD_ENDPOINTS", str, None, "etcd endpoints (`host:po
 # --- the SGLang adapter ------------------------------------------------------------------------------------------
 SGLANG_HEARTBEAT_S = _var("KVL_SGLANG_HEARTBEAT_S", float, 1.0, "seconds between a decode's reads of each prefill's "
                           "epochs off its bootstrap server, and between its stream heartbeats to each prefill",
-                          "kvlifecycle.adapters.sglang")
+                          "kvlifecycle.adapters.sglang", fallbacks=("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL",))
 SGLANG_PEER_TIMEOUT_S = _var("KVL_SGLANG_PEER_TIMEOUT_S", float, 10.0, "a prefill whose bootstrap server or stream "
                              "heartbeat answers are silent this long is dead: the decode's rooms on it fail; a "
-                             "prefill ends the streams of a decode it has not heard this long",
-                             "kvlifecycle.adapters.sglang")
+                             "prefill ends the streams of a decode it has not heard this long (unset, where "
+                             "`SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL` or "
+                             "`SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE` is set: interval × failures, as SGLang "
+                             "counts them)", "kvlifecycle.adapters.sglang")
 SGLANG_CLAIM_TIMEOUT_S = _var("KVL_SGLANG_CLAIM_TIMEOUT_S", float, 120.0, "a prefill room no decode reserved for by "
                               "then fails; so does a decode receiver whose prefill never appeared",
-                              "kvlifecycle.adapters.sglang")
+                              "kvlifecycle.adapters.sglang", fallbacks=("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",))
 SGLANG_SERVE_TIMEOUT_S = _var("KVL_SGLANG_SERVE_TIMEOUT_S", float, 300.0, "a reserved room the prefill has not "
-                              "served by then fails on both sides", "kvlifecycle.adapters.sglang")
+                              "served by then fails on both sides", "kvlifecycle.adapters.sglang",
+                              fallbacks=("SGLANG_DISAGGREGATION_WAITING_TIMEOUT",))
+# SGLang's decode declares a prefill dead after this many failed heartbeats, each ``interval`` apart (at least 2 s
+# and 1 failure, as SGLang clamps them); read only to derive the peer timeout.
+_SGLANG_HEARTBEAT_INTERVAL = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
+_SGLANG_HEARTBEAT_MAX_FAILURE = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
+
+
+def sglang_peer_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """``KVL_SGLANG_PEER_TIMEOUT_S``; unset, SGLang's own dead-prefill bound where the operator set either of its
+    heartbeat variables (interval × max failures, defaults 5 s and 2, clamped to 2 s and 1 as SGLang does);
+    else the registry's default."""
+    env = os.environ if environ is None else environ
+    own = SGLANG_PEER_TIMEOUT_S.raw(env)
+    if own is not None or not (env.get(_SGLANG_HEARTBEAT_INTERVAL) or env.get(_SGLANG_HEARTBEAT_MAX_FAILURE)):
+        return float(SGLANG_PEER_TIMEOUT_S.read(env) or 0.0)
+    try:
+        interval = float(env.get(_SGLANG_HEARTBEAT_INTERVAL) or 5.0)
+        failures = int(env.get(_SGLANG_HEARTBEAT_MAX_FAILURE) or 2)
+    except ValueError as exc:
+        raise ValueError(f"${_SGLANG_HEARTBEAT_INTERVAL} / ${_SGLANG_HEARTBEAT_MAX_FAILURE}: {exc}") from None
+    return max(interval, 2.0) * max(failures, 1)
 SGLANG_WRITE_TIMEOUT_S = _var("KVL_SGLANG_WRITE_TIMEOUT_S", float, 60.0, "a room's writes end within the serve "
                               "bound + this of the decode's reservation (its stream's write window)",
                               "kvlifecycle.adapters.sglang")

@@ -20,6 +20,9 @@ after it (or in an earlier segment) is a :class:`CorruptLogError` naming the seg
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import struct
 import sys
@@ -28,7 +31,7 @@ import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -38,6 +41,7 @@ import msgspec
 
 from kvlifecycle.choices import Choice
 from kvlifecycle.events import SCHEMA_VERSION, AnyEvent, Event, encode
+from kvlifecycle.log_lock import LockHeld, WriterLock
 
 BATCH_DECODER = msgspec.msgpack.Decoder(list[AnyEvent])
 
@@ -373,12 +377,30 @@ def _all_encoded(pending: list[bytes | Event]) -> TypeGuard[list[bytes]]:
     return all(p.__class__ is bytes for p in pending)
 
 
+SYNC_BACKOFF_MAX_S = 1.0  # the syncer retries a failing disk at most this far apart
+
+
 def _sync_every_interval(ref: weakref.ref[EventLog], stop: threading.Event, interval_s: float) -> None:
-    """The syncer thread of an ``interval`` log: ends at close, or when the log was dropped."""
-    while not stop.wait(interval_s):
+    """The syncer thread of an ``interval`` log: ends at close, or when the log was dropped. It never dies of an
+    error: each one is counted and reported by the log (:meth:`EventLog._failed`), and the round is retried with a
+    doubling delay up to :data:`SYNC_BACKOFF_MAX_S`."""
+    delay = interval_s
+    while not stop.wait(delay):
         log = ref()
-        if log is None or not log._sync_once():
+        if log is None:
             return
+        try:
+            if not log._sync_once():
+                return
+            delay = interval_s
+        except LogWriteError:  # counted and reported where it happened; the disk gets time before the next try
+            delay = min(max(delay * 2, interval_s), max(SYNC_BACKOFF_MAX_S, interval_s))
+        except LogError as exc:  # a named problem with some records (unencodable): the rest was written
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=1)
+            delay = interval_s
+        except Exception as exc:  # the syncer outlives every error, a bug included; each one is reported
+            log._report_unexpected(exc)
+            delay = min(max(delay * 2, interval_s), max(SYNC_BACKOFF_MAX_S, interval_s))
         del log  # no strong reference while waiting
 
 
@@ -386,15 +408,82 @@ def read_events(directory: str | os.PathLike[str]) -> list[Event]:
     return list(LogReader(directory))
 
 
+class LogWriteError(LogError):
+    """The log could not write or fsync its records (a full disk, an I/O error, a short write). Nothing partial is
+    left in the segment; the records stay in memory and are written, whole, by a later commit, flush or syncer round.
+    :attr:`errno` is the operating system's error number."""
+
+    def __init__(self, directory: Path, what: str, cause: BaseException) -> None:
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause) or type(cause).__name__
+        super().__init__(f"event log {directory} cannot be written: {what} failed: {reason}; "
+                         f"the records stay pending and are written once the disk allows")
+        self.directory = directory
+        self.errno: int | None = cause.errno if isinstance(cause, OSError) else None
+        self.__cause__ = cause
+
+
+class LogFullError(LogError):
+    """Backpressure: the log cannot be written and holds as much pending as it may, so a command is refused before
+    it changes anything (nothing applied is ever missing from the log)."""
+
+    def __init__(self, directory: Path, held_bytes: int, bound: int, last: LogWriteError | None) -> None:
+        why = str(last) if last is not None else "records are not being written"
+        super().__init__(f"event log {directory} cannot take more records: {held_bytes} bytes wait unwritten "
+                         f"(bound {bound}); command refused before it changed anything ({why})")
+        self.directory = directory
+        self.errno: int | None = last.errno if last is not None else None
+
+
+class LogLockedError(LogError):
+    """Another writer holds the log directory (one writer per directory)."""
+
+    def __init__(self, directory: Path, holder: str) -> None:
+        super().__init__(f"event log {directory} is in use by another writer ({holder}); one writer per directory")
+        self.directory = directory
+        self.holder = holder
+
+
+class LogFiles:
+    """The writer's file operations, one method per system call: the seam where the simulator injects storage faults
+    (ENOSPC, EIO, short writes, failed fsyncs). The default is the operating system's."""
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def truncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+
+OS_FILES = LogFiles()
+DEFAULT_MAX_PENDING_BYTES = 64 << 20  # records held unwritten while the disk refuses them; past it, backpressure
+
+_log = logging.getLogger("kvlifecycle.eventlog")
+_log.addHandler(logging.NullHandler())  # a library prints nothing unless the application configures logging
+
+
 class EventLog:
-    """Appends events to segment files with group commit. One writer per directory.
+    """Appends events to segment files with group commit. One writer per directory (an OS lock,
+    :class:`~kvlifecycle.log_lock.WriterLock`, taken before anything in the directory is read or cut).
 
     ``append`` only adds to an in-memory batch (no I/O on the hot path; a write only once the batch grows past
     ``batch_bytes``, never an fsync except under ``always``). The batch is written on :meth:`commit` (once per
     scheduler step) and :meth:`close`; under ``interval`` a background syncer writes and fsyncs it every interval,
     so an appended event is durable within about one interval whether or not the caller commits, and the fsync
     runs outside the lock appends take (a forward thread never waits for a disk flush).
+
+    Storage faults (the durability contract in docs/design.md): a write that fails cuts the segment back to its last
+    whole frame and keeps the batch pending; a failed fsync cuts back to the last synced size and writes those frames
+    again (the kernel may have dropped their pages); ``append`` never raises an I/O error (the command did apply),
+    :meth:`commit` and :meth:`flush` raise :class:`LogWriteError`; past ``max_pending_bytes`` held unwritten (and,
+    under ``always``, as soon as a write failed) :meth:`admit` refuses new commands with :class:`LogFullError`.
+    ``files`` is the seam for the file operations (the simulator's faulty disk); ``background_sync=False`` starts no
+    syncer thread under ``interval``: the owner calls :meth:`sync_round` instead.
     """
+
+    warn_on_failure = True  # a RuntimeWarning per reported failure, beside the log line (a simulation turns it off)
 
     def __init__(
         self,
@@ -404,17 +493,35 @@ class EventLog:
         fsync: FsyncPolicy | str = FsyncPolicy(),
         segment_bytes: int = 64 << 20,
         batch_bytes: int = 256 << 10,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        files: LogFiles = OS_FILES,
+        background_sync: bool = True,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.policy = FsyncPolicy.parse(fsync)
         self.segment_bytes = segment_bytes
         self.batch_bytes = min(batch_bytes, MAX_RECORD // 2)
+        if max_pending_bytes < self.batch_bytes:
+            raise ValueError(f"max_pending_bytes ({max_pending_bytes}) must be at least batch_bytes ({batch_bytes})")
+        self.max_pending_bytes = max_pending_bytes
         self.header = {"schema": SCHEMA_VERSION, **(header or {})}
         self.recovered: TailRecovery | None = None
+        self.files = files
+        self.write_failures = 0  # write and fsync failures so far (each one reported)
+        self.write_error: LogWriteError | None = None  # the last failure, until records are written again
         self._lock = threading.Lock()
         self._pending: list[bytes | Event] = []  # the batch being built: encoded events, or events (append_events)
         self._pending_bytes = 0
+        # Frames written since the last good fsync (not under ``never``): after a failed fsync they are cut off and
+        # written again, into ``_rewrite``, since the kernel may have dropped their pages.
+        self._unsynced_frames: list[bytes] = []
+        self._rewrite: list[bytes] = []
+        self._rewrite_bytes = 0
+        self._keep_unsynced = self.policy.mode is not FsyncMode.NEVER
+        self._synced_size = 0
+        self._sync_failure: OSError | None = None  # set under _sync_lock by the syncer; handled under _lock
+        self._broken: LogWriteError | None = None  # a failed write could not be cut back: nothing is written again
         self._fh: Any = None
         self._segment_size = 0
         self._last_sync = time.monotonic()
@@ -427,12 +534,23 @@ class EventLog:
         self._syncer: threading.Thread | None = None
         self.appended = 0
         self._closed = False
-        existing = segment_paths(self.directory)
-        self._next_segment = _segment_index(existing[-1]) + 1 if existing else 0
-        if existing:
-            self._recover(existing)
-        self._open_segment()
-        if self.policy.mode is FsyncMode.INTERVAL:
+        try:  # first: nothing in the directory is read or cut while another writer may be appending to it
+            self._writer_lock: WriterLock | None = WriterLock(self.directory)
+        except LockHeld as held:
+            raise LogLockedError(self.directory, held.holder) from None
+        try:
+            existing = segment_paths(self.directory)
+            self._next_segment = _segment_index(existing[-1]) + 1 if existing else 0
+            if existing:
+                self._recover(existing)
+            try:
+                self._fh, self.path = self._create_segment()
+            except OSError as exc:
+                raise LogWriteError(self.directory, "creating a segment", exc) from exc
+        except BaseException:
+            self._writer_lock.release()
+            raise
+        if self.policy.mode is FsyncMode.INTERVAL and background_sync:
             # a weak reference: a log dropped without close() is collected, and its syncer ends with it
             self._syncer = threading.Thread(target=_sync_every_interval, args=(weakref.ref(self), self._stop,
                                                                                 self._interval_s),
@@ -463,6 +581,44 @@ class EventLog:
                 fh.truncate(good_end)
                 os.fsync(fh.fileno())
 
+    def adopt_header(self, header: LogHeader) -> None:
+        """Give a log opened without a ledger's header (``EventLog(dir)``) the header of the ledger it is handed to,
+        so that it replays on its own: the fresh segment is written again with ``header``. A log that already names
+        a side must agree with ``header`` on side, worker and pool size; one that holds records already, or a
+        directory whose older segments belong to another ledger, is refused with :class:`LogError`."""
+        with self._sync_lock, self._lock:
+            if "side" in self.header:
+                for key in ("side", "worker", "num_blocks"):
+                    if key in header and key in self.header and self.header[key] != header[key]:
+                        raise LogError(
+                            f"{self.directory}: log was opened for {key}={self.header[key]!r}, "
+                            f"the ledger it is given to has {key}={header[key]!r}"
+                        )
+                return
+            if self.appended or self._pending or self._closed or self._broken is not None:
+                raise LogError(
+                    f"{self.directory}: log holds records without a ledger's header and cannot replay; open it "
+                    "through open_ledger(side, num_blocks, log_dir) or hand it to the ledger before appending"
+                )
+            merged: LogHeader = {"schema": SCHEMA_VERSION, **header}
+            older = [p for p in segment_paths(self.directory) if p != self.path]
+            if older:
+                found = scan_segment(older[0], is_last=False).header
+                for key in ("side", "worker", "num_blocks"):
+                    if key in found and found[key] != merged.get(key):
+                        raise LogError(
+                            f"{older[0]}: log belongs to {key}={found[key]!r}, refusing to append as "
+                            f"{key}={merged.get(key)!r}"
+                        )
+            self._fh.close()
+            self.path.unlink()
+            self._next_segment -= 1
+            self.header = merged
+            try:
+                self._fh, self.path = self._create_segment()
+            except OSError as exc:
+                raise LogWriteError(self.directory, "creating a segment", exc) from exc
+
     def _check_header_compatible(self, path: Path, found: LogHeader) -> None:
         for key in ("side", "worker", "num_blocks"):
             if key in self.header and key in found and self.header[key] != found[key]:
@@ -471,21 +627,51 @@ class EventLog:
                 )
 
     # -- writing --------------------------------------------------------------------------------------------------
-    def _open_segment(self) -> None:
+    def _create_segment(self) -> tuple[Any, Path]:
+        """A new segment with its header written and synced; on a failure the file is removed (a segment that
+        never got its header must not sit between whole ones) and the OSError raised."""
         path = self.directory / f"seg-{self._next_segment:08d}.kvl"
+        fh = open(path, "xb", buffering=0)  # noqa: SIM115 - held open for the writer's lifetime
+        head = MAGIC + _frame(msgspec.msgpack.encode({**self.header, "segment": self._next_segment}))
+        try:
+            self._write_all(fh.fileno(), head)
+            if self.policy.mode is not FsyncMode.NEVER:
+                self.files.fsync(fh.fileno())
+        except BaseException:
+            fh.close()
+            path.unlink(missing_ok=True)
+            raise
         self._next_segment += 1
-        self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - held open for the writer's lifetime
-        head = MAGIC + _frame(msgspec.msgpack.encode({**self.header, "segment": self._next_segment - 1}))
-        self._fh.write(head)
-        self._segment_size = len(head)
-        self._sync()
-        self.path = path
+        self._segment_size = self._synced_size = len(head)
+        self._unsynced_frames = []
+        self._unsynced = False
+        self._last_sync = time.monotonic()
+        return fh, path
+
+    def admit(self) -> None:
+        """Refuse a command before it changes anything when the log cannot take its record: more than
+        ``max_pending_bytes`` wait unwritten, or (under ``always``) the last write failed. One write is tried first
+        (I/O only on this failure path), so a disk that came back admits at once. Raises :class:`LogFullError`."""
+        if self._pending_bytes + self._rewrite_bytes < self.max_pending_bytes and (
+            self.write_error is None or not self._sync_each
+        ):
+            return
+        with self._lock:
+            if self._closed:
+                raise LogError(f"append to a closed event log ({self.directory})")
+            with contextlib.suppress(LogWriteError):  # counted and reported by _failed
+                self._persist(sync=self._sync_each)
+            held = self._pending_bytes + self._rewrite_bytes
+            if held < self.max_pending_bytes and (self.write_error is None or not self._sync_each):
+                return
+            raise LogFullError(self.directory, held, self.max_pending_bytes, self.write_error)
 
     def append(self, event: Event) -> None:
         self.append_payload(encode(event))
 
     def append_payload(self, payload: bytes) -> None:
-        """Add one encoded event to the batch being built (no I/O unless the batch is due)."""
+        """Add one encoded event to the batch being built (no I/O unless the batch is due). Never raises an I/O
+        error: a write that fails keeps the batch pending, and :meth:`commit` reports it."""
         with self._lock:
             if self._closed:
                 raise LogError("append to a closed event log")
@@ -493,10 +679,9 @@ class EventLog:
             self._pending_bytes += len(payload)
             self.appended += 1
             if self._sync_each:
-                self._write_batch()
-                self._sync()
+                self._persist_quietly(sync=True)
             elif self._pending_bytes >= self.batch_bytes:
-                self._write_batch()  # bounds memory; the syncer (interval) or close makes it durable
+                self._persist_quietly(sync=False)  # bounds memory; the syncer (interval) or close makes it durable
 
     def append_events(self, events: list[Event]) -> None:
         """Add events to the batch as they are: they are encoded when the batch is written (commit, the syncer),
@@ -508,53 +693,128 @@ class EventLog:
             self._pending_bytes += EVENT_SIZE_ESTIMATE * len(events)
             self.appended += len(events)
             if self._sync_each:
-                self._write_batch()
-                self._sync()
+                self._persist_quietly(sync=True)
             elif self._pending_bytes >= self.batch_bytes:
-                self._write_batch()
+                self._persist_quietly(sync=False)
 
     def commit(self) -> None:
         """Write the batch (a group-commit boundary: once per scheduler step). ``always`` has synced every event
-        already; under ``interval`` the syncer fsyncs within the interval, off the caller's thread."""
+        already (a batch a failure left pending is written and synced here); under ``interval`` the syncer fsyncs
+        within the interval, off the caller's thread. Raises :class:`LogWriteError` when the records cannot be
+        written (they stay pending)."""
         with self._lock:
-            self._write_batch()
+            self._persist(sync=self._sync_each)
+
+    def flush(self) -> None:
+        """Write and fsync now, whatever the policy (``never`` excepted: written, not synced). Raises
+        :class:`LogWriteError` when that fails; everything it did not write stays pending."""
+        with self._lock:
+            self._persist(sync=self.policy.mode is not FsyncMode.NEVER)
+
+    def sync_round(self) -> bool:
+        """One round of the ``interval`` syncer, on the caller's thread: for a log opened with
+        ``background_sync=False`` (a deterministic simulation drives the rounds). False once the log is closed."""
+        return self._sync_once()
 
     def _sync_once(self) -> bool:
         """One round of the syncer (``interval``): write what is pending, then fsync outside ``_lock``. False once
-        the log is closed."""
+        the log is closed; raises :class:`LogWriteError` on a failure (the syncer reports it and backs off)."""
         with self._lock:
             if self._closed:
                 return False
-            try:
-                self._write_batch()
-            except LogError as exc:  # reported; the thread goes on (what could be written was)
-                warnings.warn(str(exc), RuntimeWarning, stacklevel=1)
+            self._persist(sync=False)
             if not self._unsynced:
                 return True
-            self._unsynced = False
-            fh = self._fh
+            fh, synced_to, frames = self._fh, self._segment_size, len(self._unsynced_frames)
+            last_covered = self._unsynced_frames[-1] if frames else None
         failed: OSError | None = None
         with self._sync_lock:  # never take _lock while holding this (rotation takes them the other way round)
             if fh.closed:  # rotated or closed meanwhile: that synced it
                 return True
             try:
-                os.fsync(fh.fileno())
+                self.files.fsync(fh.fileno())
             except OSError as exc:
-                failed = exc
-        if failed is not None:  # reported, and retried after the next interval
-            warnings.warn(f"event log {self.directory}: fsync failed: {failed}", RuntimeWarning, stacklevel=1)
-            with self._lock:
-                self._unsynced = True
-            return True
-        self._last_sync = time.monotonic()
+                failed = self._sync_failure = exc  # seen by every later write and sync before they trust the file
+        with self._lock:
+            if failed is not None:
+                raise self._failed("fsync", failed)
+            unchanged = frames <= len(self._unsynced_frames) and (
+                not frames or self._unsynced_frames[frames - 1] is last_covered
+            )  # a flush meanwhile may have synced (and dropped) them already
+            if fh is self._fh and self._sync_failure is None and unchanged:
+                self._synced_size = max(self._synced_size, synced_to)
+                del self._unsynced_frames[:frames]
+                self._unsynced = bool(self._unsynced_frames)
+                self._last_sync = time.monotonic()
         return True
 
-    def flush(self) -> None:
-        """Write and fsync now, whatever the policy (``never`` excepted)."""
-        with self._lock:
+    def _persist_quietly(self, *, sync: bool) -> None:
+        with contextlib.suppress(LogWriteError):  # counted and reported by _failed; the records stay pending
+            self._persist(sync=sync)
+
+    def _persist(self, *, sync: bool) -> None:
+        """Write what waits (frames a failed fsync cut off, then the batch) and fsync if asked, under ``_lock``.
+        Raises :class:`LogWriteError` on a failure, after the segment was cut back to its last whole frame."""
+        if self._broken is not None:
+            raise self._broken
+        stage = "cutting back frames a failed fsync left unsynced"
+        try:
+            if self._sync_failure is not None:
+                self._cut_back_unsynced()
+            stage = "write"
+            if self._rewrite:
+                self._write_rewrite()
             self._write_batch()
-            if self.policy.mode is not FsyncMode.NEVER:
+            stage = "fsync"
+            if sync and (self._unsynced or self._sync_failure is not None):
                 self._sync()
+        except OSError as exc:
+            raise self._failed(stage, exc) from exc
+        if self.write_error is not None:
+            _log.warning("event log %s is written again after %d failure(s)", self.directory, self.write_failures)
+            self.write_error = None
+
+    def _failed(self, what: str, exc: OSError) -> LogWriteError:
+        """Count and report a failure; the error :meth:`commit` raises."""
+        error = LogWriteError(self.directory, what, exc)
+        self.write_failures += 1
+        if self.write_error is None or self.write_failures & (self.write_failures - 1) == 0:  # rate-limited: 1,2,4,...
+            _log.error("event_log_write_failed directory=%s what=%s errno=%s failures=%d pending_bytes=%d",
+                       self.directory, what, error.errno, self.write_failures,
+                       self._pending_bytes + self._rewrite_bytes)
+            if self.warn_on_failure:  # also where no logging is configured
+                warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+        self.write_error = error
+        for listener in _WRITE_FAILURE_LISTENERS:
+            listener(self, error)
+        return error
+
+    def _report_unexpected(self, exc: BaseException) -> None:
+        """The syncer met something that is not a write failure (a bug): counted and logged, never fatal."""
+        self.write_failures += 1
+        _log.error("event_log_syncer_error directory=%s error=%r", self.directory, exc, exc_info=exc)
+
+    def _cut_back_unsynced(self) -> None:
+        """After a failed fsync: cut the segment back to its last synced size and queue the frames written since
+        to be written again (new dirty pages a later fsync covers). PostgreSQL's lesson: a failed fsync may have
+        dropped those pages, and a retried fsync can succeed without them."""
+        fd = self._fh.fileno()
+        self.files.truncate(fd, self._synced_size)
+        os.lseek(fd, self._synced_size, os.SEEK_SET)
+        self._segment_size = self._synced_size
+        again = self._unsynced_frames
+        self._rewrite[:0] = again
+        self._rewrite_bytes += sum(len(f) for f in again)
+        self._unsynced_frames = []
+        self._unsynced = False
+        self._sync_failure = None
+
+    def _write_rewrite(self) -> None:
+        while self._rewrite:
+            frame = self._rewrite[0]
+            self._write_framed(frame)
+            del self._rewrite[0]
+            self._rewrite_bytes -= len(frame)
 
     def _write_batch(self) -> None:
         pending = self._pending
@@ -566,6 +826,7 @@ class EventLog:
         else:  # events appended unencoded (append_events): the batch is kept encoded for a retry
             encoded = self._encode_pending(pending, unencodable)
             self._pending = [*encoded]
+            self._pending_bytes = sum(len(e) for e in encoded)
         why = (f"event log {self.directory}: {len(unencodable)} event(s) could not be encoded and were not written: "
                f"{'; '.join(unencodable[:3])}") if unencodable else ""
         try:
@@ -611,45 +872,127 @@ class EventLog:
                 end += 1
             if end == start:  # one event larger than a record: it cannot be written, and is named
                 self._pending = [*pending[start + 1 :]]
+                self._pending_bytes = sum(len(p) for p in pending[start + 1 :])
                 raise LogError(f"event log {self.directory}: an event of {len(pending[start])} bytes exceeds the "
                                f"maximum record size {MAX_RECORD} and was not written")
             self._write_frame(_array_head(end - start) + b"".join(pending[start:end]))
             self._pending = [*pending[end:]]  # what is written is never written again, even if a later frame fails
+            self._pending_bytes = sum(len(p) for p in pending[end:])
             start = end
 
     def _write_frame(self, payload: bytes) -> None:
-        frame = _pack_frame(len(payload), _crc32(payload)) + payload
+        self._write_framed(_pack_frame(len(payload), _crc32(payload)) + payload)
+
+    def _write_framed(self, frame: bytes) -> None:
+        """Write one whole frame, or nothing: on any failure (ENOSPC, EIO, a short write) the segment is cut back to
+        where the frame began before the error goes on, so a later write never follows a partial frame."""
         if self._segment_size + len(frame) > self.segment_bytes and self._segment_size > 64:
-            with self._sync_lock:  # never close a segment under the syncer's fsync
-                self._sync()
-                self._fh.close()
-                self._open_segment()
-        self._fh.write(frame)
-        self._segment_size += len(frame)
+            self._rotate()
+        start = self._segment_size
+        fd = self._fh.fileno()
+        try:
+            self._write_all(fd, frame)
+        except BaseException:
+            self._cut_back(fd, start)
+            raise
+        self._segment_size = start + len(frame)
         self._unsynced = True
+        if self._keep_unsynced:
+            self._unsynced_frames.append(frame)
+
+    def _cut_back(self, fd: int, size: int) -> None:
+        """Truncate the segment to ``size`` (the end of its last whole frame) and write from there on. A failure here
+        is the one fault the log cannot undo: the log writes nothing more, and every command is refused (it needs a
+        human: the segment may end in a partial frame, which a restart's recovery cuts off as a torn tail)."""
+        try:
+            self.files.truncate(fd, size)
+            os.lseek(fd, size, os.SEEK_SET)
+        except OSError as exc:
+            self._broken = LogWriteError(self.directory, f"cutting a failed write back to offset {size} of "
+                                         f"{self.path}", exc)
+            self.max_pending_bytes = 0  # admit() refuses every command from now on
+            raise self._broken from exc
+
+    def _write_all(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):  # bounded: every round writes at least one byte or raises
+            n = self.files.write(fd, view[done:])
+            if n <= 0:
+                raise OSError(errno.EIO, f"write made no progress at {done} of {len(view)} bytes")
+            done += n
+
+    def _rotate(self) -> None:
+        """Close the full segment and open the next: the old one is synced first, the new one must be whole (header
+        written and synced) before the old one is let go; any failure leaves the old one current."""
+        with self._sync_lock:  # never close a segment under the syncer's fsync
+            self._sync()
+            fh, path = self._create_segment()
+            self._fh.close()
+            self._fh, self.path = fh, path
 
     def _sync(self) -> None:
+        """fsync the current segment (except under ``never``). After a failure the next write cuts the unsynced
+        frames off and writes them again before anything is trusted to the disk."""
+        if self._sync_failure is not None:
+            raise OSError(errno.EIO, "an earlier fsync of this segment failed; its unsynced frames are written again")
         if self.policy.mode is not FsyncMode.NEVER:
-            os.fsync(self._fh.fileno())
+            try:
+                self.files.fsync(self._fh.fileno())
+            except OSError as exc:
+                self._sync_failure = exc
+                raise
+        self._synced_size = self._segment_size
+        self._unsynced_frames.clear()
         self._last_sync = time.monotonic()
         self._unsynced = False
 
     def close(self) -> None:
+        """Write and sync what waits, close the segment and let the directory go. Raises :class:`LogWriteError`
+        (after closing) when records could not be written: they are lost with the writer, and counted in it."""
         self._stop.set()
         syncer, self._syncer = self._syncer, None
         if syncer is not None and syncer is not threading.current_thread():
             syncer.join(10.0)  # bounded: it wakes at once (stop is set) and finishes at most one fsync
+        failure: LogWriteError | None = None
         with self._lock:
-            if self._closed:
+            if self._closed and self._fh is None:
                 return
-            self._write_batch()
+            if not self._closed:
+                try:
+                    self._persist(sync=True)
+                except LogWriteError as exc:
+                    failure = exc
             with self._sync_lock:
-                self._sync()
-                self._fh.close()
+                if self._fh is not None:
+                    self._fh.close()
+                    self._fh = None
             self._closed = True
+            if self._writer_lock is not None:
+                self._writer_lock.release()
+            if failure is not None:
+                lost = len(self._pending) + len(self._rewrite)
+                raise LogWriteError(self.directory, f"closing with {lost} record(s) unwritten", failure.__cause__
+                                    or failure) from failure
 
     def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+WriteFailureListener = Callable[[EventLog, LogWriteError], None]
+_WRITE_FAILURE_LISTENERS: list[WriteFailureListener] = []
+
+
+def on_write_failure(listener: WriteFailureListener) -> Callable[[], None]:
+    """Call ``listener(log, error)`` on every write or fsync failure of any log in this process (telemetry hooks in
+    here); returns a function that removes it."""
+    _WRITE_FAILURE_LISTENERS.append(listener)
+
+    def remove() -> None:
+        if listener in _WRITE_FAILURE_LISTENERS:
+            _WRITE_FAILURE_LISTENERS.remove(listener)
+
+    return remove

@@ -155,6 +155,24 @@ class TgtLoadFailed(Event, tag="tf", frozen=True):
     recompute: bool
 
 
+class TgtDigestMismatch(Event, tag="tv", frozen=True):
+    """D's digest of what landed for ``part`` of a load differs from P's (:mod:`kvlifecycle.digest`): the load fails
+    under the failure policy (the ``TgtLoadFailed`` that follows), and ``blocks`` (D's ids, ``pieces`` per unit: a
+    P block under a block-size split) stay out of any reservation until ``quarantine_until``. ``expected`` and
+    ``found`` hold one little-endian u64 digest per unit; ``slice_index`` is the head slice checked (the consumer
+    index of a lease several D ranks read), ``source_blocks`` P's ids of the units."""
+
+    transfer: str
+    part: int
+    slice_index: int
+    blocks: bytes  # int32 D block ids
+    source_blocks: bytes  # int32 P block ids, one per unit
+    expected: bytes
+    found: bytes
+    pieces: int = 1
+    quarantine_until: float = 0.0
+
+
 class TgtCancelled(Event, tag="tc", frozen=True):
     request: str
 
@@ -165,6 +183,71 @@ class TgtLocalFilled(Event, tag="tq", frozen=True):
 
 class TgtFinished(Event, tag="tz", frozen=True):
     request: str
+
+
+# --- P's host staging pool -------------------------------------------------------------------------------------
+
+
+class StgStarted(Event, tag="ha", frozen=True):
+    """A copy of an unclaimed lease's GPU blocks (``gpu_blocks``, P's block ids at ``gpu_epoch``) into host slots
+    ``blocks`` is posted. The staged copy carries the lease on: its token is the lease's (transfer, generation)."""
+
+    request: str
+    transfer: str
+    generation: int
+    blocks: bytes  # int32 host slot ids
+    gpu_blocks: bytes  # int32 P block ids the copy reads
+    gpu_epoch: int
+    consumers: int
+    expires_at: float
+    ttl_s: float  # the lease's time to live: a claim of the staged copy renews it by this much
+
+
+class StgCompleted(Event, tag="hc", frozen=True):
+    """The device -> host copy completed: every byte of the slots is written (the copy's stream event fired)."""
+
+    transfer: str
+
+
+class StgAborted(Event, tag="hx", frozen=True):
+    """A copy in flight was dropped (failed, a consumer claimed the GPU copy first, P restarted): never served."""
+
+    transfer: str
+    reason: str
+
+
+class StgServed(Event, tag="hs", frozen=True):
+    """A consumer claimed the staged copy: its read of the host slots may be in flight from now on."""
+
+    transfer: str
+    expires_at: float
+    peer: str = ""
+
+
+class StgRenewed(Event, tag="hr", frozen=True):
+    """A consumer renewed the staged copy's lease without starting a read (a keepalive before its read, or its
+    claimant's renewal during one): the expiry moves, the readers stay."""
+
+    transfer: str
+    expires_at: float
+    peer: str = ""
+
+
+class StgReadEnded(Event, tag="he", frozen=True):
+    """A consumer's read of the staged copy ended: ``ok`` it completed (counts as that consumer done), else failed."""
+
+    transfer: str
+    consumer: int
+    ok: bool
+    reason: str = ""
+
+
+class StgReleased(Event, tag="hl", frozen=True):
+    """The staged copy's lease ended (completed, failed, cancelled, expired or peer_restarted): its slots are free."""
+
+    transfer: str
+    reason: str
+    detail: str = ""
 
 
 # --- both sides ------------------------------------------------------------------------------------------------
@@ -214,9 +297,17 @@ AnyEvent = Union[  # noqa: UP007 - msgspec needs a real Union object here
     TgtLoadDeclined,
     TgtPartDone,
     TgtLoadFailed,
+    TgtDigestMismatch,
     TgtCancelled,
     TgtLocalFilled,
     TgtFinished,
+    StgStarted,
+    StgCompleted,
+    StgAborted,
+    StgServed,
+    StgRenewed,
+    StgReadEnded,
+    StgReleased,
     PeerEpochChanged,
     TransferObserved,
     Refused,
@@ -243,10 +334,16 @@ def decode(payload: bytes) -> Event:
     return DECODER.decode(payload)
 
 
+def digest_hex(raw: bytes) -> list[str]:
+    """Packed little-endian u64 digests as 16-digit hex strings (how a story and ``explain`` print them)."""
+    return [f"{int(v):016x}" for v in np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<u8")]
+
+
 def to_dict(event: Event) -> dict[str, Any]:
     """A JSON-friendly view (block arrays become lists)."""
     out: dict[str, Any] = {"kind": type(event).__name__}
     for name in event.__struct_fields__:
         value = getattr(event, name)
-        out[name] = unpack_blocks(value).tolist() if name == "blocks" else value
+        out[name] = (unpack_blocks(value).tolist() if name in ("blocks", "gpu_blocks", "source_blocks")
+                     else digest_hex(value) if name in ("expected", "found") else value)
     return out

@@ -5,12 +5,19 @@ What counts as wrong:
 
 * a lease P let go of while D was still reading under it (released as failed or cancelled under a pull, or freed
   after an expiry and then completed by D anyway: the bytes D kept may belong to the blocks' next owner, vLLM
-  #21570), and a load D started after P had already released the lease it reads;
+  #21570), a lease P expired before D's read under it ended (D must cancel a read before P's expiry can free its
+  blocks: a read never outlives its lease), and a load D started after P had already released the lease it reads;
 * a load that never completed (no last part and no failure by the end of D's log, or D restarted with it in
   flight);
+* a load whose landed bytes failed their digest (:mod:`kvlifecycle.digest`): refused before attention read them,
+  but the data plane moved wrong bytes, wrote into the wrong slot or the wrong heads;
 * a block still pinned by a lease whose deadline had passed when P's log ends (no sweep released it);
 * a request that did not end: P still holds its blocks, or D holds them short of READY_FOR_ATTENTION;
 * any other violation ``replay --check`` finds (:mod:`kvlifecycle.invariants`), with the events it names.
+
+A log torn at its tail (the worker died in the middle of a write) is the first finding: what it did after the tear
+is unknown. Work a torn log, or a log cut by ``until``, leaves open at its end is reported as in flight
+(:data:`IN_FLIGHT`, not a finding): a request that did not end there may well have ended a moment later.
 
 Refusals are not findings: a refused late completion is the ledger doing its job. They appear in the chains, where
 they are part of what happened. Every time in a sentence is milliseconds since the first event of all the logs, on
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from kvlifecycle import events as ev
+from kvlifecycle.invariants import READ_OUTLIVED_LEASE as READ_OUTLIVED_LEASE
 from kvlifecycle.invariants import Violation
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.replay import ReplayResult, check, check_pair
@@ -33,20 +41,25 @@ from kvlifecycle.story import (
     Step,
     Trace,
     block_ranges,
+    digest_words,
     request_story,
     requests_of,
-    source_transfers,
     step_view,
     trace_logs,
 )
+from kvlifecycle.transfer_ids import source_transfers
 
-# rules this module derives from the events itself; ``replay --check`` reports the first two as well
+# rules this module derives from the events itself; ``replay --check`` reports the first two and the expiry under a
+# read (READ_OUTLIVED_LEASE, which a completion after the blocks were let go explains as COMPLETED_AFTER_RELEASE)
 RELEASED_UNDER_READER = "released-under-reader"
 READ_AFTER_RELEASE = "read-after-release"
 COMPLETED_AFTER_RELEASE = "completed-after-release"
 LOAD_NEVER_COMPLETED = "load-never-completed"
 PINNED_PAST_LEASE = "pinned-past-lease"
 REQUEST_DID_NOT_END = "request-did-not-end"
+LOG_TORN = "log-torn"
+DIGEST_MISMATCH = "digest-mismatch"
+IN_FLIGHT = "in-flight"  # open at the end of a torn or cut log: what became of it is not in the log
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class _Index:
         self.leases: dict[str, _Lease] = {}
         self.loads: dict[str, _Load] = {}
         self.refusals: dict[str, list[Step]] = {}
+        self.mismatches: list[Step] = []
         reserved: dict[tuple[str, str], Step] = {}
         # (P worker, block) -> released leases that pinned it and whose blocks are not reused yet
         waiting: dict[tuple[str, int], list[_Lease]] = {}
@@ -143,6 +157,8 @@ class _Index:
                 last_part = bool(s.transitions) and all(t.after != "LOADING" for t in s.transitions)
                 if load.settle is None and (isinstance(e, ev.TgtLoadFailed) or last_part):
                     load.settle = s
+            elif isinstance(e, ev.TgtDigestMismatch):
+                self.mismatches.append(s)
             elif isinstance(e, ev.Refused) and e.transfer:
                 self.refusals.setdefault(e.transfer, []).append(s)
 
@@ -161,7 +177,8 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
             done = isinstance(grant, ev.SrcGranted) and lease.completions >= grant.consumers
             reason = "completed" if done else rel.reason  # a deferred cancel releases at the last completion
             what = f"transfer {transfer} (generation {lease.grant.generation}) of {start.worker}"
-            if rel.index < start.index and reason != "completed":
+            # a lease handed over to P's host pool (staged) is read from there: the staging checks tell that read
+            if rel.index < start.index and reason not in ("completed", "staged"):
                 gone = [x for x in (lease.let_go, lease.reused) if x is not None and x.index < start.index]
                 chain = [lease.grant, rel, *gone, start]
                 sentence = (f"{start.worker} started loading {start.request}'s transfer {transfer} (generation "
@@ -184,8 +201,10 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
                 rule = RELEASED_UNDER_READER
             elif let_go is not None and settle is not None and isinstance(settle.event, ev.TgtPartDone):
                 rule = COMPLETED_AFTER_RELEASE
+            elif reason == "expired" and (settle is not None or _alive_after(trace, start, rel)):
+                rule = READ_OUTLIVED_LEASE  # D should have cancelled its read before P's expiry
             else:
-                continue  # an expiry or a peer restart under a reader whose load then failed: handled as designed
+                continue  # a peer restart under a reader (its agent is gone), or a reader whose log stops first
             late = [r for r in index.refusals.get(transfer, []) if r.worker == rel.worker and r.index > rel.index]
             reused = lease.reused if lease.reused and (settle is None or lease.reused.index < settle.index) else None
             chain = [lease.grant, start, *([lease.claim] if lease.claim else []), rel,
@@ -214,6 +233,12 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
     return out
 
 
+def _alive_after(trace: Trace, start: Step, rel: Step) -> bool:
+    """Whether the worker of the load that began at ``start`` logged anything after ``rel`` in the same incarnation:
+    proof that its unsettled read was still in flight then."""
+    return any(s.worker == start.worker and s.incarnation == start.incarnation for s in trace.steps[rel.index + 1:])
+
+
 def _let_go_words(step: Step) -> str:
     e = step.event
     if isinstance(e, ev.SrcAllocated):
@@ -240,10 +265,14 @@ def _load_findings(trace: Trace, index: _Index) -> list[Finding]:
         if left is None:
             continue  # settled by a path this index does not follow (cannot happen on a ledger's own log)
         done = sorted(left.done)
+        unknown = _log_stops(trace, load.worker) if restart is None else ""
         sentence = (f"{load.worker}'s load of {start.request} (transfer {load_id}, generation {start.generation}) "
-                    f"started at {_ms(trace, start)} and never completed: "
+                    f"started at {_ms(trace, start)} and "
+                    f"{'was in flight, ' if unknown else 'never completed: '}"
                     f"{len(done)} of {parts} part(s) done")
-        if restart is not None:
+        if unknown:
+            sentence += f", {unknown}"
+        elif restart is not None:
             sentence += f" when {load.worker} restarted at {_ms(trace, trace.steps[restart.step_index])}"
         else:
             sentence += f" by the end of {load.worker}'s log"
@@ -264,7 +293,32 @@ def _load_findings(trace: Trace, index: _Index) -> list[Finding]:
                 peer_words.append(f"{lease.worker} still holds its lease")
         if peer_words:
             sentence += "; " + ", ".join(peer_words)
-        out.append(Finding(LOAD_NEVER_COMPLETED, sentence, _ordered(chain), load.worker, start.request, load_id))
+        out.append(Finding(IN_FLIGHT if unknown else LOAD_NEVER_COMPLETED, sentence, _ordered(chain), load.worker,
+                           start.request, load_id))
+    return out
+
+
+def _digest_findings(trace: Trace, index: _Index) -> list[Finding]:
+    """A load whose landed bytes failed their digest: corruption, a wrong slot or wrong heads on the data plane,
+    caught before attention read them."""
+    out: list[Finding] = []
+    for step in index.mismatches:
+        e = step.event
+        assert isinstance(e, ev.TgtDigestMismatch)
+        load = index.loads.get(e.transfer)
+        chain = [*([load.start] if load else []), step, *([load.settle] if load and load.settle else [])]
+        for transfer in source_transfers(e.transfer):
+            lease = index.leases.get(transfer)
+            if lease is not None:
+                chain.append(lease.grant)
+        settled = load.settle.event if load and load.settle else None
+        verdict = ("the load failed and the request recomputes its KV" if isinstance(settled, ev.TgtLoadFailed)
+                   and settled.recompute else "the load failed" if settled is not None else "the load did not settle")
+        until = f", quarantined for {_span(e.quarantine_until - e.at)}" if e.quarantine_until > e.at else ""
+        sentence = (f"{step.worker}'s load of {step.request} (transfer {e.transfer}) received "
+                    f"{len(e.expected) // 8} block(s) whose bytes differ from what P sent, {digest_words(e)}; "
+                    f"refused at {_ms(trace, step)} before attention read them: {verdict}{until}")
+        out.append(Finding(DIGEST_MISMATCH, sentence, _ordered(chain), step.worker, step.request, e.transfer))
     return out
 
 
@@ -281,9 +335,11 @@ def _pinned_findings(trace: Trace, index: _Index) -> list[Finding]:
                 continue
             grant = info.grant
             deadline_wall = grant.wall + (lease.expires_at - grant.event.at)
+            torn = worker in trace.tails
             sentence = (f"{_blocks(grant)} of {lease.request} are still pinned on {worker} by lease {transfer} "
                         f"(generation {lease.generation}), which expired at +{trace.ms(deadline_wall):.3f} ms, "
-                        f"{_span(log.end_at - lease.expires_at)} before {worker}'s log ends: no sweep released it")
+                        f"{_span(log.end_at - lease.expires_at)} before {worker}'s log ends: "
+                        + (_log_stops(trace, worker) if torn else "no sweep released it"))
             chain = [grant, *info.renewals[-1:]]
             readers = [load for load_id, load in index.loads.items() if transfer in source_transfers(load_id)]
             for load in readers:
@@ -294,7 +350,8 @@ def _pinned_findings(trace: Trace, index: _Index) -> list[Finding]:
                 sentence += f" (its reader{'s' if len(readers) > 1 else ''} had settled)"
             elif not readers:
                 sentence += " (no reader ever started loading it)"
-            out.append(Finding(PINNED_PAST_LEASE, sentence, _ordered(chain), worker, lease.request, transfer))
+            out.append(Finding(IN_FLIGHT if torn else PINNED_PAST_LEASE, sentence, _ordered(chain), worker,
+                               lease.request, transfer))
     return out
 
 
@@ -312,8 +369,33 @@ def _unended_findings(trace: Trace, covered: set[tuple[str, str]]) -> list[Findi
                                                                              for t in s.transitions)), mine[-1])
             since = f" since {_ms(trace, last)} ({last.label})" if last is not first else ""
             sentence = f"{request} still holds {_blocks(first)} on {part.worker} in {part.state}{since}"
-            sentence += _why_unended(part.side, part.state, part.leases)
-            out.append(Finding(REQUEST_DID_NOT_END, sentence, _ordered([first, last]), part.worker, request))
+            unknown = _log_stops(trace, part.worker)
+            sentence += f", {unknown}" if unknown else _why_unended(part.side, part.state, part.leases)
+            out.append(Finding(IN_FLIGHT if unknown else REQUEST_DID_NOT_END, sentence, _ordered([first, last]),
+                               part.worker, request))
+    return out
+
+
+def _log_stops(trace: Trace, worker: str) -> str:
+    """Why nothing after ``worker``'s last event is known (its log is torn, or cut by ``until``), or ""."""
+    tail = trace.tails.get(worker)
+    if tail is not None:
+        return f"when {worker}'s log tears at offset {tail.offset} of {tail.segment.name}: what came after is unknown"
+    if worker in trace.cut:
+        return f"when {worker}'s log was cut at +{trace.ms(trace.cut[worker]):.3f} ms: what came after is unknown"
+    return ""
+
+
+def _torn_findings(trace: Trace) -> list[Finding]:
+    """A torn tail first: the worker died mid-write, and every other finding on its log is read in that light."""
+    out: list[Finding] = []
+    for worker, tail in trace.tails.items():
+        mine = [s for s in trace.steps if s.worker == worker]
+        ends = f"at {_ms(trace, mine[-1])} ({mine[-1].label})" if mine else "before its first event"
+        sentence = (f"{worker}'s log ends {ends}, torn at offset {tail.offset} of {tail.segment} ({tail.reason}, "
+                    f"{tail.dropped_bytes} bytes after it cannot be read): {worker} stopped in the middle of a write "
+                    "(a crash or a lost disk), and everything after the tear is unknown")
+        out.append(Finding(LOG_TORN, sentence, tuple(mine[-1:]), worker))
     return out
 
 
@@ -333,12 +415,14 @@ def _why_unended(side: str, state: str, leases: list[LeaseSummary]) -> str:
 
 def _invariant_findings(trace: Trace, found: list[Finding]) -> list[Finding]:
     """What ``replay --check`` reports that the findings above do not already explain."""
-    results = [ReplayResult(log.path, log.header, log.ledger, log.events) for log in trace.logs.values()]
+    results = [ReplayResult(log.path, log.header, log.ledger, log.events, restarts=_restarts(trace, worker))
+               for worker, log in trace.logs.items()]
     violations: list[tuple[str, Violation]] = []
     for result in results:
         violations += [(str(result.header.get("worker", "")), v) for v in check(result)]
     violations += [("", v) for v in check_pair(results)]
     explained = {(f.rule, f.transfer) for f in found}
+    explained |= {(READ_OUTLIVED_LEASE, f.transfer) for f in found if f.rule == COMPLETED_AFTER_RELEASE}
     transfers = {s.transfer for s in trace.steps if s.transfer}
     out: list[Finding] = []
     for worker, violation in violations:
@@ -349,6 +433,13 @@ def _invariant_findings(trace: Trace, found: list[Finding]) -> list[Finding]:
         out.append(Finding(violation.rule, f"{worker + ': ' if worker else ''}{violation.detail}",
                            _ordered(chain[:1] + chain[-1:]), worker, "", named[0] if named else ""))
     return out
+
+
+def _restarts(trace: Trace, worker: str) -> list[dict[str, Any]]:
+    """Where each new incarnation of ``worker`` begins in its own events, as :func:`~kvlifecycle.replay.replay`
+    reports it (``at_index``)."""
+    mine = [s for s in trace.steps if s.worker == worker]
+    return [{"at_index": i} for i in range(1, len(mine)) if mine[i].incarnation != mine[i - 1].incarnation]
 
 
 def _covered(found: list[Finding], index: _Index) -> set[tuple[str, str]]:
@@ -373,9 +464,17 @@ def explain_trace(trace: Trace) -> list[Finding]:
     """Every finding of ``trace``, in the order their chains begin."""
     index = _Index(trace)
     found = _reader_findings(trace, index) + _load_findings(trace, index) + _pinned_findings(trace, index)
+    found += _digest_findings(trace, index)
     found += _unended_findings(trace, _covered(found, index))
     found += _invariant_findings(trace, found)
-    return sorted(found, key=lambda f: (f.chain[0].index if f.chain else -1, f.rule))
+    found += _torn_findings(trace)
+    return sorted(found, key=lambda f: (f.rule != LOG_TORN, f.chain[0].index if f.chain else -1, f.rule))
+
+
+def split_in_flight(found: Iterable[Finding]) -> tuple[list[Finding], list[Finding]]:
+    """(findings, work in flight at the end of a torn or cut log): only the first are faults."""
+    found = list(found)
+    return [f for f in found if f.rule != IN_FLIGHT], [f for f in found if f.rule == IN_FLIGHT]
 
 
 def explain_logs(

@@ -7,15 +7,19 @@ rather than trusting the ledger's own counters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+import datetime as dt
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvlifecycle import events as ev
+from kvlifecycle.clock import hlc_wall_seconds
 from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.source_ledger import SourceLedger
+from kvlifecycle.story import block_ranges
+from kvlifecycle.transfer_ids import source_transfers
 
 if TYPE_CHECKING:
     from kvlifecycle.target_ledger import TargetLedger
@@ -186,7 +190,12 @@ def check_target_events(events: Iterable[ev.Event]) -> list[Violation]:
     return out
 
 
-def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.Event]) -> list[Violation]:
+def check_merged(
+    source_events: Iterable[ev.Event],
+    target_events: Iterable[ev.Event],
+    *,
+    target_restarts: Sequence[int] = (),
+) -> list[Violation]:
     """Cross-side rules on P's and D's logs (HLC-ordered): P must not release a lease under a reader.
 
     - a load D started after P had already released that transfer's lease (D read blocks P may have reused);
@@ -195,7 +204,11 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
       them into D's): once its write failed, releasing before D has heard of it is the right order. A lease that
       every consumer completed ended under no reader, whatever its reason says: a cancel deferred under a claim
       releases as ``cancelled`` at the last completion, and D may record its own DONE after that (it polls).
+    - a lease P expired while D's read under it had not ended (:func:`check_read_outlived_lease`).
+
+    ``target_restarts``: the positions in ``target_events`` where a new incarnation of D's worker begins.
     """
+    source_events, target_events = list(source_events), list(target_events)
     out: list[Violation] = []
     released: dict[str, tuple[int, str]] = {}
     consumers: dict[str, int] = {}
@@ -222,7 +235,8 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
         if transfer not in released:
             continue
         rel_hlc, reason = released[transfer]
-        if rel_hlc < start and reason != "completed":
+        # a lease handed over to P's host staging pool is read from there: staging_checks verifies that read
+        if rel_hlc < start and reason not in ("completed", "staged"):
             out.append(Violation("read-after-release", f"D started loading {transfer} after P released it ({reason})"))
         end = settled.get(transfer)
         under_reader = transfer not in pushed and start <= rel_hlc and (end is None or rel_hlc < end)
@@ -230,4 +244,172 @@ def check_merged(source_events: Iterable[ev.Event], target_events: Iterable[ev.E
             out.append(
                 Violation("released-under-reader", f"P released {transfer} ({reason}) while D's load was in flight")
             )
+    return out + check_read_outlived_lease(source_events, target_events, target_restarts=target_restarts)
+
+
+READ_OUTLIVED_LEASE = "read-outlived-lease"
+
+
+@dataclass
+class _PLease:
+    """What P's log says of one lease: its blocks, its end, and the first reallocation of its blocks after it."""
+
+    request: str
+    blocks: np.ndarray
+    consumers: int
+    completions: int = 0
+    end_hlc: int | None = None
+    reason: str = ""
+    reused_hlc: int | None = None
+    reused_by: str = ""
+    reused_blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _DRead:
+    """One pull load on D: when it started, when each part's read ended, and the last stamp its incarnation wrote
+    (the latest moment D's log proves its process alive)."""
+
+    transfer: str
+    start_hlc: int
+    parts: int
+    part_end: dict[int, tuple[int, str]] = field(default_factory=dict)  # part -> (stamp, how it ended)
+    alive_until: int = 0
+
+
+def check_read_outlived_lease(
+    source_events: Iterable[ev.Event],
+    target_events: Iterable[ev.Event],
+    *,
+    target_restarts: Sequence[int] = (),
+) -> list[Violation]:
+    """A lease P expired while a pull D had started under it had not recorded the end of its read — merged by HLC.
+
+    A read ends, per part, when D records that part's completion (the part reached READY_FOR_ATTENTION) or the
+    load's failure or decline. D must cancel its read before P's expiry can free the blocks ("a read never
+    outlives its lease"); an expiry stamped before that end, or before any later event of D's same incarnation
+    while the read was still open, is a read P's next owner of the blocks may overwrite. The violation names the
+    transfer, P's blocks, both times and the first reallocation of the blocks after the expiry, if any.
+
+    Not flagged: a lease every consumer completed (D's read ended before its notification), one P released for a
+    peer restart (the reader's agent is gone), an expiry after the read ended, a load never started, a push (P is
+    the one reading), and a read whose end D's log cannot show (its log, or its incarnation, ends first: D died).
+    A failed or cancelled release under a reader is ``released-under-reader`` (found here, part by part, for a
+    multi-rank load; :func:`check_merged` finds it for a load of one transfer).
+    """
+    leases = _source_leases(source_events)
+    out: list[Violation] = []
+    for read in _pull_reads(target_events, target_restarts):
+        for part_transfer, parts in _parts_by_transfer(read).items():
+            lease = leases.get(part_transfer)
+            if lease is None or lease.end_hlc is None:
+                continue
+            if lease.reason == "expired":
+                rule = READ_OUTLIVED_LEASE
+            elif lease.reason in ("failed", "cancelled") and read.transfer != part_transfer:
+                rule = "released-under-reader"  # a multi-rank load, which the rule above cannot match by name
+            else:
+                continue
+            if lease.completions >= lease.consumers or lease.end_hlc < read.start_hlc:
+                continue  # completed, or ended before the read began (read-after-release's case)
+            ends = [read.part_end.get(part) for part in parts]
+            if all(end is not None for end in ends):
+                end_hlc, how = max(end for end in ends if end is not None)
+                if end_hlc <= lease.end_hlc:
+                    continue
+                ended = f"D's read ended at {_hlc_time(end_hlc)} ({how})"
+            else:
+                end_hlc = read.alive_until
+                if end_hlc <= lease.end_hlc:
+                    continue  # D's log stops first: it cannot show the read outlived the lease
+                ended = f"D's read had not ended at {_hlc_time(end_hlc)} (D's last event; never ended)"
+            reuse = ""
+            if lease.reused_hlc is not None and lease.reused_hlc < end_hlc:
+                reuse = (f"; P reallocated block(s) {_ranges(lease.reused_blocks)} to {lease.reused_by} at "
+                         f"{_hlc_time(lease.reused_hlc)}")
+            which = f" part(s) {_ranges(parts)} of load {read.transfer}" if read.transfer != part_transfer else ""
+            how_ended = "expired" if rule == READ_OUTLIVED_LEASE else f"was released ({lease.reason})"
+            out.append(Violation(
+                rule,
+                f"P's lease of transfer {part_transfer} (blocks {_ranges(lease.blocks.tolist())} of {lease.request}) "
+                f"{how_ended} at {_hlc_time(lease.end_hlc)} while D was reading it{which}: {ended}{reuse}",
+            ))
     return out
+
+
+def _source_leases(events: Iterable[ev.Event]) -> dict[str, _PLease]:
+    blocks_of: dict[str, np.ndarray] = {}
+    leases: dict[str, _PLease] = {}
+    awaiting_reuse: dict[int, list[_PLease]] = {}  # block -> ended leases whose blocks were not reallocated yet
+    for e in events:
+        if isinstance(e, ev.SrcAllocated | ev.SrcShared):
+            blocks = ev.unpack_blocks(e.blocks)
+            blocks_of[e.request] = blocks
+            if isinstance(e, ev.SrcAllocated):
+                for block in blocks.tolist():
+                    for lease in awaiting_reuse.pop(block, []):
+                        if lease.reused_hlc is None or lease.reused_hlc == e.hlc:
+                            lease.reused_hlc, lease.reused_by = e.hlc, e.request
+                            lease.reused_blocks.append(block)
+        elif isinstance(e, ev.SrcGranted):
+            blocks = blocks_of.get(e.request, np.zeros(0, dtype=ev.BLOCK_DTYPE))
+            leases[e.transfer] = _PLease(e.request, blocks, e.consumers)
+        elif isinstance(e, ev.SrcConsumerDone) and e.transfer in leases:
+            leases[e.transfer].completions += 1
+        elif isinstance(e, ev.SrcLeaseReleased) and e.transfer in leases:
+            lease = leases[e.transfer]
+            lease.end_hlc, lease.reason = e.hlc, e.reason
+            for block in lease.blocks.tolist():
+                awaiting_reuse.setdefault(block, []).append(lease)
+    return leases
+
+
+def _pull_reads(events: Iterable[ev.Event], restarts: Sequence[int]) -> list[_DRead]:
+    reads: list[_DRead] = []
+    open_reads: dict[str, _DRead] = {}  # transfer -> its latest load, while any part's read is open
+    incarnation: list[_DRead] = []  # reads started in the current incarnation
+    boundaries = set(restarts)
+    last_hlc = 0
+    for i, e in enumerate(events):
+        if i in boundaries:  # D restarted: what the old incarnation had in flight died with it
+            for read in incarnation:
+                read.alive_until = last_hlc
+            incarnation, open_reads = [], {}
+        last_hlc = max(last_hlc, e.hlc)
+        if isinstance(e, ev.TgtLoadStarted):
+            if e.mode == "pull":
+                read = _DRead(e.transfer, e.hlc, max(1, e.parts))
+                reads.append(read)
+                incarnation.append(read)
+                open_reads[e.transfer] = read
+            else:
+                open_reads.pop(e.transfer, None)
+        elif isinstance(e, ev.TgtPartDone) and e.transfer in open_reads:
+            open_reads[e.transfer].part_end.setdefault(e.part, (e.hlc, "part done"))
+        elif isinstance(e, ev.TgtLoadFailed | ev.TgtLoadDeclined) and e.transfer in open_reads:
+            read = open_reads.pop(e.transfer)
+            how = f"{'failed' if isinstance(e, ev.TgtLoadFailed) else 'declined'}: {e.reason}"
+            for part in range(read.parts):
+                read.part_end.setdefault(part, (e.hlc, how))
+    for read in incarnation:
+        read.alive_until = last_hlc
+    return reads
+
+
+def _parts_by_transfer(read: _DRead) -> dict[str, list[int]]:
+    """P's transfer each part reads: a multi-rank load (``<request><-<t1>+<t2>``) reads rank i's transfer in part
+    i; a load of one transfer reads it in every part."""
+    transfers = source_transfers(read.transfer)
+    if len(transfers) == read.parts:
+        return {transfer: [part] for part, transfer in enumerate(transfers)}
+    return {transfer: list(range(read.parts)) for transfer in transfers}
+
+
+def _ranges(ids: Iterable[int]) -> str:
+    return block_ranges(list(ids))
+
+
+def _hlc_time(stamp: int) -> str:
+    """An HLC stamp's wall clock, to the millisecond (its resolution), in UTC."""
+    wall = dt.datetime.fromtimestamp(hlc_wall_seconds(stamp), tz=dt.timezone.utc)
+    return wall.isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -260,6 +260,8 @@ class _Ledger(Generic[_RequestT]):
             name: (tuple(int(x) for x in t.when_true), tuple(int(x) for x in t.when_false))
             for name, t in self._machine.triggers.items()
         }
+        if log is not None:  # a log opened as ``EventLog(dir)`` takes this ledger's header, or it could never replay
+            log.adopt_header(self.header())
 
     @property
     def state(self) -> np.ndarray:
@@ -304,6 +306,8 @@ class _Ledger(Generic[_RequestT]):
     # -- events ---------------------------------------------------------------------------------------------------
     def _record(self, event: ev.Event) -> None:
         log, deferred = self.log, self._deferred
+        if log is not None:
+            log.admit()  # backpressure: a log that cannot take the record refuses before the state changes
         if log is not None and deferred is None:
             payload = _encode(event)  # first: an event that cannot be logged raises before the state changes
             self._handlers[type(event)](event)

@@ -1,4 +1,5 @@
-"""The two block state machines, declared once, and the compiler that turns them into numpy tables.
+"""The block state machines (P's KV blocks, D's KV blocks, P's host staging slots), declared once, and the
+compiler that turns them into numpy tables.
 
 The declarations below are the single source of truth. A :class:`MachineSpec` checks itself when it is made:
 every state an edge names exists, every guard is declared (and used), no two edges leave one state under one
@@ -53,6 +54,15 @@ class TargetState(enum.IntEnum):
     RESERVED = 1
     LOADING = 2
     READY_FOR_ATTENTION = 3
+
+
+class HostSlotState(enum.IntEnum):
+    """State of a slot of P's host staging pool (pinned host memory holding a copy of a granted request's KV)."""
+
+    FREE = 0
+    STAGING = 1  # a device -> host copy into the slot is in flight: its bytes are not whole yet
+    STAGED = 2  # the copy completed; the copy's lease is live and no consumer is reading it
+    SERVING = 3  # a consumer claimed the staged copy: its read may be in flight
 
 
 @attrs.frozen
@@ -240,6 +250,8 @@ TARGET_MACHINE = MachineSpec(
         Records(ev.TgtLoadDeclined, ("decline", "discard")),  # discard: declined after a cancel
         Records(ev.TgtPartDone, ("part_done", "discard")),  # discard: the part settles a cancelled load
         Records(ev.TgtLoadFailed, ("load_failed", "discard")),
+        Records(ev.TgtDigestMismatch, why="landed bytes failed their digest: the load's failure follows, the "
+                "blocks are quarantined"),
         Records(ev.TgtCancelled, ("cancel",)),
         Records(ev.TgtLocalFilled, ("local_fill",)),
         Records(ev.TgtFinished, ("finish",)),
@@ -298,6 +310,56 @@ TARGET_MACHINE = MachineSpec(
         Edge("discard", "LOADING", "FREE", why="a cancelled load settled"),
         Edge("local_fill", "RESERVED", "READY_FOR_ATTENTION", why="the engine computed the KV itself"),
         Edge("finish", "READY_FOR_ATTENTION", "FREE", why="request finished or evicted"),
+    ),
+)
+
+
+H = HostSlotState
+
+STAGING_MACHINE = MachineSpec(
+    name="staging",
+    states=HostSlotState,
+    initial=H.FREE.name,
+    guards=("last_reader", "reader_gone"),
+    records=(
+        Records(ev.StgStarted, ("stage",)),
+        Records(ev.StgCompleted, ("staged",)),
+        Records(ev.StgAborted, ("abort",)),
+        Records(ev.StgServed, ("serve",)),
+        Records(ev.StgRenewed, why="a consumer renewed the staged copy's lease: its expiry moves, its readers stay"),
+        Records(ev.StgReadEnded, ("read_end",)),
+        Records(ev.StgReleased, ("release",)),
+        *_SHARED_RECORDS,
+    ),
+    edges=(
+        Edge("stage", "FREE", "STAGING", why="a copy of an unclaimed lease's GPU blocks into the slot is posted"),
+        Edge("staged", "STAGING", "STAGED", why="the copy completed: every byte of the slot is written"),
+        Edge(
+            "abort",
+            "STAGING",
+            "FREE",
+            why="the copy failed, a consumer claimed the GPU copy first, or P restarted mid-copy: a half-written "
+            "slot is dropped, never served",
+        ),
+        Edge("serve", "STAGED", "SERVING", why="a consumer claimed the staged copy under its live lease"),
+        Edge("serve", "SERVING", "SERVING", why="another consumer of the same staged copy"),
+        Edge("read_end", "SERVING", "STAGED", guard="last_reader", why="the last read in flight ended"),
+        Edge(
+            "read_end", "SERVING", "SERVING", guard="last_reader", negate=True, why="another consumer is still reading"
+        ),
+        Edge(
+            "release",
+            "STAGED",
+            "FREE",
+            why="the copy's lease ended (every consumer done, cancelled or expired) with no read in flight",
+        ),
+        Edge(
+            "release",
+            "SERVING",
+            "FREE",
+            guard="reader_gone",
+            why="the lease expired or the reader's peer restarted: a read never outlives its lease, so it ended",
+        ),
     ),
 )
 
@@ -417,6 +479,7 @@ def events_table_markdown(spec: MachineSpec) -> str:
 
 SOURCE: CompiledMachine = compile_machine(SOURCE_MACHINE)
 TARGET: CompiledMachine = compile_machine(TARGET_MACHINE)
+STAGING: CompiledMachine = compile_machine(STAGING_MACHINE)
 
 
 def state_names(states: type[enum.IntEnum], values: Sequence[int]) -> list[str]:

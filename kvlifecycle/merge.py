@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlifecycle.eventlog import SEGMENT_GLOB, LogError, LogReader, Record
+from kvlifecycle.eventlog import SEGMENT_GLOB, LogError, LogReader, Record, TailRecovery
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +61,23 @@ def open_sources(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[LogSourc
     return sources
 
 
-def merge_logs(paths: Iterable[str | os.PathLike[str]]) -> list[tuple[str, str, Record]]:
+def merge_logs(
+    paths: Iterable[str | os.PathLike[str]], *, tails: dict[str, TailRecovery] | None = None
+) -> list[tuple[str, str, Record]]:
     """Every event of every log in ``paths`` as ``(worker, side, Record)``, sorted by HLC, ties by worker, then by
     the record's index in its own log. Each log's own order is kept: where a log's stamps go backwards (a restarted
     worker whose new incarnation stamps below the last stamp of the old one), those records sort at the highest
     stamp their log had reached, never before events their own worker logged earlier. Raises
     :class:`~kvlifecycle.eventlog.LogError` (or its :class:`~kvlifecycle.eventlog.CorruptLogError`) naming the file
-    for a missing or corrupt log."""
+    for a missing or corrupt log. ``tails``, when given, receives each worker's torn tail (a log that ends in the
+    middle of a record)."""
     merged = []
     for source, reader in open_sources(paths):
         high = 0
         for record in reader.records():
             high = max(high, record.event.hlc)
             merged.append((high, source.worker, record.index, source.side, record))
+        if tails is not None and reader.tail is not None:
+            tails[source.worker] = reader.tail
     merged.sort(key=lambda item: item[:3])
     return [(worker, side, record) for _hlc, worker, _index, side, record in merged]

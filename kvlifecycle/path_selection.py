@@ -1,5 +1,5 @@
 """Which transport moves one link's bytes: the path-selector protocol the :class:`~kvlifecycle.handoff.Consumer`
-asks at every handshake for its reads, and the :class:`~kvlifecycle.producer.Producer` for its pushes (D's
+asks at every handshake for its reads, and the :class:`~kvlifecycle.handoff.Producer` for its pushes (D's
 ``GetMeta`` with push metadata carries D's fast-path metadata, as P's ``MetaReply`` carries P's).
 
 The core only asks; the policy lives with the transports (``kvlifecycle.transports.select.SameNodeSelector``: CUDA

@@ -24,13 +24,24 @@ from kvlifecycle.invariants import (
     check_target_events,
 )
 from kvlifecycle.ledger import SourceLedger, TargetLedger, ledger_from_header
+from kvlifecycle.machines import HostSlotState
+from kvlifecycle.staging_checks import (
+    STAGED,
+    check_staging,
+    check_staging_events,
+    check_staging_merged,
+    check_staging_quiescent,
+)
+from kvlifecycle.staging_ledger import StagingLedger
+
+AnyLedger = SourceLedger | TargetLedger | StagingLedger
 
 
 @dataclass
 class ReplayResult:
     path: str
     header: LogHeader
-    ledger: SourceLedger | TargetLedger
+    ledger: AnyLedger
     events: list[ev.Event]
     tail: TailRecovery | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)
@@ -51,7 +62,7 @@ def replay(
     (seconds since the epoch, compared with the events' HLC). ``request`` keeps only that request's events in
     :attr:`ReplayResult.events` (the ledger still folds everything, so its state is exact)."""
     reader = LogReader(path)
-    ledger: SourceLedger | TargetLedger | None = None
+    ledger: AnyLedger | None = None
     kept: list[ev.Event] = []
     restarts: list[dict[str, Any]] = []
     incarnation: int | None = None
@@ -74,7 +85,7 @@ def replay(
                 if ledger is not None:
                     ledger.end_replay()
                     restarts.append(_crash_report(ledger, index, scan.path))
-                ledger = ledger_from_header(scan.header)
+                ledger = _ledger_for(scan.header)
                 ledger.begin_replay()
                 incarnation = scan_incarnation
             ledger.apply_all(events)
@@ -86,9 +97,16 @@ def replay(
         if done:
             break
     if ledger is None:
-        ledger = ledger_from_header(reader.header or reader.read_header())
+        ledger = _ledger_for(reader.header or reader.read_header())
     ledger.end_replay()
     return ReplayResult(str(path), reader.header, ledger, kept, reader.tail, restarts)
+
+
+def _ledger_for(header: LogHeader) -> AnyLedger:
+    """The empty ledger a log's header describes: P's or D's, or P's host staging pool."""
+    if isinstance(header, dict) and header.get("side") == StagingLedger.side:
+        return StagingLedger.from_header(header)
+    return ledger_from_header(header)
 
 
 def _mentions(event: ev.Event, request: str, transfers: set[str]) -> bool:
@@ -100,9 +118,11 @@ def _mentions(event: ev.Event, request: str, transfers: set[str]) -> bool:
     return getattr(event, "transfer", None) in transfers
 
 
-def _crash_report(ledger: SourceLedger | TargetLedger, index: int, segment: Path) -> dict[str, Any]:
+def _crash_report(ledger: AnyLedger, index: int, segment: Path) -> dict[str, Any]:
     left: dict[str, Any] = {"at_index": index, "segment": str(segment)}
-    if isinstance(ledger, SourceLedger):
+    if isinstance(ledger, StagingLedger):  # a copy left STAGING died with the process: never served
+        left.update(staged_copies=len(ledger.requests), slots_held=ledger.occupancy())
+    elif isinstance(ledger, SourceLedger):
         left.update(leases=len(ledger.leases), pinned_blocks=int((ledger.pins > 0).sum()))
     else:
         left.update(loads=len(ledger.loads))
@@ -111,6 +131,10 @@ def _crash_report(ledger: SourceLedger | TargetLedger, index: int, segment: Path
 
 def check(result: ReplayResult, *, quiescent: bool = False) -> list[Violation]:
     ledger = result.ledger
+    if isinstance(ledger, StagingLedger):
+        out = check_staging(ledger) + check_staging_events(
+            result.events, restarts=[int(r["at_index"]) for r in result.restarts])
+        return out + (check_staging_quiescent(ledger) if quiescent else [])
     out = check_source(ledger) if isinstance(ledger, SourceLedger) else check_target(ledger)
     if ledger.side == "target":
         out += check_target_events(result.events)
@@ -129,8 +153,24 @@ def check_pair(results: Iterable[ReplayResult]) -> list[Violation]:
         for t in targets:
             out += [
                 Violation(v.rule, f"{s.header.get('worker')} / {t.header.get('worker')}: {v.detail}")
-                for v in check_merged(s.events, t.events)
+                for v in check_merged(s.events, t.events,
+                                      target_restarts=[int(r["at_index"]) for r in t.restarts])
             ]
+    return out + _check_staged(sources, [r for r in results if r.side == StagingLedger.side], targets)
+
+
+def _check_staged(sources: list[ReplayResult], pools: list[ReplayResult],
+                  targets: list[ReplayResult]) -> list[Violation]:
+    """Each P that handed leases to its host pool, against that pool's log (none given: every hand-over is
+    unaccounted for) and every D."""
+    out: list[Violation] = []
+    for s in sources:
+        if not any(isinstance(e, ev.SrcLeaseReleased) and e.reason == STAGED for e in s.events):
+            continue
+        worker = s.header.get("worker")
+        staged = [e for p in pools if p.header.get("source_worker") == worker for e in p.events]
+        reads = [e for t in targets for e in t.events]
+        out += [Violation(v.rule, f"{worker}: {v.detail}") for v in check_staging_merged(s.events, staged, reads)]
     return out
 
 
@@ -146,7 +186,13 @@ def summary(result: ReplayResult) -> dict[str, Any]:
         "stats": dict(ledger.stats),
         "refusals": dict(ledger.refusals),
     }
-    if isinstance(ledger, SourceLedger):
+    if isinstance(ledger, StagingLedger):
+        out["staged"] = {
+            t: {"request": c.request, "slots": int(c.blocks.size), "state": HostSlotState(c.state).name,
+                "readers": c.readers, "expires_at": c.expires_at}
+            for t, c in ledger.requests.items()
+        }
+    elif isinstance(ledger, SourceLedger):
         out["leases"] = {
             t: {
                 "request": lease.request,

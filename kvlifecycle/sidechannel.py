@@ -13,6 +13,14 @@ and dropped; nothing a peer sends can raise out of the serving loop, which keeps
 past the hard cap (4x the frame cap) is answered ``oversized`` and that connection closed, since the stream cannot
 be resynchronised. Binds 127.0.0.1 unless told otherwise; every receive is bounded by a timeout.
 
+What one peer can hold is bounded too (:class:`ConnectionLimits`), before any authentication: a connection that sent
+no whole frame that reached a handler within ``frame_deadline_s`` of its accept or its last such frame is closed
+(silent, dribbling a byte at a time, or sending only junk); at the connection bound, and at the bound per peer
+address, the connection longest without such a frame is closed to admit the newcomer (the one the deadline would
+close first); replies a peer leaves unread past ``max_unsent_bytes`` close its connection. Each closing is counted
+(:attr:`SideChannelServer.dropped`), told to the refusal listeners and logged at a bounded rate. A client whose idle
+connection was closed connects again on its next request, unseen by its caller.
+
 Why not zmq: one thread that reads the kernel socket itself, with bounded buffers, in place of zmq's I/O thread,
 pipes and mailboxes; fewer threads to schedule in an engine's worker process. (It was first made for a stall of
 P TP 2 ranks under vLLM that turned out to be the kernel's scheduler starving whole processes: docs/vllm.md.)
@@ -29,11 +37,14 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args
 
+import attrs
 import msgspec
 
+from kvlifecycle import validators as v
 from kvlifecycle.transport import WIRE_VERSION
 from kvlifecycle.untrusted import DEFAULT_MAX_DEPTH, RateLimitedLog, UntrustedInputError, check_msgpack
 
@@ -45,8 +56,16 @@ DEFAULT_TIMEOUT_S = 5.0
 MAGIC = b"KV"
 HEADER = struct.Struct(">2sHBQ")  # magic, wire version, flags, request id
 LENGTH = struct.Struct(">I")  # before every frame on the stream
-MAX_CONNECTIONS = 1024  # a server's open connections; past it a new one is closed at once
+# The defaults of ConnectionLimits (docs/design.md, "Hostile input is counted and dropped, never fatal").
+MAX_CONNECTIONS = 1024  # a server's open connections; a newcomer past it evicts the longest-silent one
+# one peer address's; a quarter of the slots, so one host (or every process of a single node, all 127.0.0.1) can never
+# hold them all, yet far above what a host's legitimate clients open (one per D rank per P rank, and a few tools)
+MAX_CONNECTIONS_PER_ADDRESS = 256
+# no whole frame for this long closes a connection: above twice a lease heartbeat's rhythm (a sixth of the default
+# 30 s TTL), so a D renewing a lease keeps its connection, and far above the time a 1 MiB frame takes to arrive
+FRAME_DEADLINE_S = 10.0
 MAX_UNSENT_BYTES = 16 << 20  # replies a peer does not read; past it its connection is closed
+ACCEPTS_PER_WAKEUP = 64  # a flood of connects takes turns with the peers already connected
 FLAG_MAC = 0x01  # an HMAC-SHA256 trailer follows the body
 MAC_BYTES = 32
 
@@ -180,16 +199,42 @@ def hard_cap(max_bytes: int) -> int:
     return max_bytes * 4 + 4096
 
 
+@attrs.frozen(kw_only=True)
+class ConnectionLimits:
+    """What the peers of one :class:`SideChannelServer` may hold (the module constants are the defaults, with why).
+
+    Memory is bounded by ``max_connections`` x (the inbox's hard cap, :func:`hard_cap`, + ``max_unsent_bytes``)."""
+
+    max_connections: int = attrs.field(default=MAX_CONNECTIONS, validator=v.integer(1))
+    max_connections_per_address: int = attrs.field(default=MAX_CONNECTIONS_PER_ADDRESS, validator=v.integer(1))
+    frame_deadline_s: float = attrs.field(default=FRAME_DEADLINE_S, validator=v.positive)
+    max_unsent_bytes: int = attrs.field(default=MAX_UNSENT_BYTES, validator=v.integer(1))
+
+
+# Why this side closed a connection (counted in SideChannelServer.dropped and told to its refusal listeners):
+#   closed_slow        no whole frame that reached a handler within the frame deadline (silent, dribbling, junk)
+#   evicted_idle       the longest-silent connection, to admit a newcomer at the connection bound
+#   evicted_address    the same address's longest-silent one, to admit a newcomer at the per-address bound
+#   closed_unread      replies left unread past max_unsent_bytes
+#   closed_oversized   a length past the hard cap: the stream cannot be resynchronised
+#   refused_new        a newcomer closed at once: at a bound with nothing to evict (not with eviction in place)
+ConnectionDrop = Literal["closed_slow", "evicted_idle", "evicted_address", "closed_unread", "closed_oversized",
+                         "refused_new"]
+CONNECTION_DROPS: tuple[ConnectionDrop, ...] = get_args(ConnectionDrop)
+
+
 class _Connection:
-    """One accepted peer: what it sent that is not a whole frame yet, and the replies it has not taken yet."""
+    """One accepted peer: what it sent that is not a whole frame yet, the replies it has not taken yet, and when it
+    last made progress (its accept, or its last whole frame that reached a handler)."""
 
-    __slots__ = ("closing", "inbox", "outbox", "peer", "sock")
+    __slots__ = ("address", "closing", "inbox", "outbox", "peer", "progress_at", "sock")
 
-    def __init__(self, sock: socket.socket, peer: bytes) -> None:
-        self.sock, self.peer = sock, peer
+    def __init__(self, sock: socket.socket, peer: bytes, address: str, now: float) -> None:
+        self.sock, self.peer, self.address = sock, peer, address
         self.inbox = bytearray()
         self.outbox = bytearray()
         self.closing = False  # close once the outbox is sent (the stream cannot be resynchronised)
+        self.progress_at = now
 
 
 class SideChannelServer:
@@ -199,6 +244,11 @@ class SideChannelServer:
     Handlers run on the server thread: keep them short (enqueue work elsewhere). A handler that raises
     :class:`SideChannelRefused` refuses with its code; any other exception is an ``internal`` refusal. Refused
     messages are counted per code in ``refused`` (``bad_messages`` is their sum) and told to every refusal listener.
+
+    ``limits`` bound what the peers may hold (:class:`ConnectionLimits`); the connections this side closed are
+    counted per reason in ``dropped`` (``dropped_connections`` is their sum; ``closed_slow``, ``evicted_idle``,
+    ``evicted_address``, ``closed_unread`` name the counts) and told to every refusal listener under the reason.
+    ``most_connections`` is the most connections ever open at once.
     """
 
     def __init__(
@@ -212,6 +262,7 @@ class SideChannelServer:
         max_depth: int = DEFAULT_MAX_DEPTH,
         poll_ms: int = 50,
         name: str = "sidechannel",
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self.handlers = {Ping: lambda _m, _p: Ack(), **handlers}
         self._decoder: msgspec.msgpack.Decoder[msgspec.Struct] = msgspec.msgpack.Decoder(_union(self.handlers))
@@ -219,17 +270,24 @@ class SideChannelServer:
         self.max_bytes = int(max_bytes)
         self.max_depth = int(max_depth)
         self.poll_ms = poll_ms
+        self.limits = ConnectionLimits() if limits is None else limits
         self.refused: dict[str, int] = {}
         self.served = 0
-        self.dropped_connections = 0  # closed by this side: over the hard cap, unread replies, too many peers
+        self.dropped: dict[ConnectionDrop, int] = dict.fromkeys(CONNECTION_DROPS, 0)
+        self.accepted = 0
+        self.most_connections = 0
         self._refusal_listeners: list[Callable[[str], None]] = []
         self._log_refusal = RateLimitedLog(log)
+        self._log_drop = RateLimitedLog(log)  # its own budget: a connection flood never hides a refused message
         self._log_error = RateLimitedLog(log, level=logging.ERROR)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, int(port)), family=family, backlog=128)  # SO_REUSEADDR
         self._listener.setblocking(False)
         self.host, self.port = host, int(self._listener.getsockname()[1])
-        self._connections: dict[int, _Connection] = {}
+        # open connections, longest without progress first (so, with one deadline for all, in deadline order); and
+        # the same per peer address: eviction and expiry take the first, progress moves a connection to the end
+        self._connections: OrderedDict[_Connection, None] = OrderedDict()
+        self._by_address: dict[str, OrderedDict[_Connection, None]] = {}
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._stop = threading.Event()
@@ -254,37 +312,76 @@ class SideChannelServer:
         """Messages refused so far, whatever the code."""
         return sum(self.refused.values())
 
+    @property
+    def dropped_connections(self) -> int:
+        """Connections this side closed so far, whatever the reason."""
+        return sum(self.dropped.values())
+
+    @property
+    def closed_slow(self) -> int:
+        """Connections closed at the frame deadline."""
+        return self.dropped["closed_slow"]
+
+    @property
+    def evicted_idle(self) -> int:
+        """Connections closed to admit a newcomer at the connection bound."""
+        return self.dropped["evicted_idle"]
+
+    @property
+    def evicted_address(self) -> int:
+        """Connections closed to admit a newcomer from the same address at the per-address bound."""
+        return self.dropped["evicted_address"]
+
+    @property
+    def closed_unread(self) -> int:
+        """Connections closed with more than ``limits.max_unsent_bytes`` of replies unread."""
+        return self.dropped["closed_unread"]
+
+    @property
+    def connection_count(self) -> int:
+        """Connections open now (read from another thread: a moment's value)."""
+        return len(self._connections)
+
     def add_refusal_listener(self, listener: Callable[[str], None]) -> None:
         """``listener(code)`` runs on the server thread for every refused message (e.g. an OpenTelemetry counter's
-        ``add``); its exceptions are logged and swallowed."""
+        ``add``) and every connection this side closes (``code`` one of :data:`CONNECTION_DROPS`); its exceptions are
+        logged and swallowed."""
         self._refusal_listeners.append(listener)
 
-    def _refuse(self, code: str, message: str, detail: bytes = b"") -> ErrorReply:
-        self.refused[code] = self.refused.get(code, 0) + 1
-        self._log_refusal("side channel refused a message (%s): %.200s", code, message)
+    def _tell_listeners(self, code: str) -> None:
         for listener in self._refusal_listeners:
             try:
                 listener(code)
             except Exception:
                 self._log_error("side-channel refusal listener failed", exc_info=True)
+
+    def _refuse(self, code: str, message: str, detail: bytes = b"") -> ErrorReply:
+        self.refused[code] = self.refused.get(code, 0) + 1
+        self._log_refusal("side channel refused a message (%s): %.200s", code, message)
+        self._tell_listeners(code)
         return ErrorReply(code, message[:4000], detail)
 
     def handle_frame(self, payload: bytes, peer: bytes) -> tuple[int, msgspec.Struct]:
         """Authenticate, decode and dispatch one frame. Returns (request id, reply); never raises."""
+        rid, reply, _ = self._dispatch(payload, peer)
+        return rid, reply
+
+    def _dispatch(self, payload: bytes, peer: bytes) -> tuple[int, msgspec.Struct, bool]:
+        """(request id, reply, whether the frame reached a handler: authenticated and decoded); never raises."""
         try:
             rid, body = open_frame(payload, self.secret, max_bytes=self.max_bytes, max_depth=self.max_depth)
             message = _decode_body(self._decoder, body)
         except FrameError as exc:
-            return exc.rid, self._refuse(exc.code, exc.message)
+            return exc.rid, self._refuse(exc.code, exc.message), False
         try:
             reply = self.handlers[type(message)](message, peer)
         except SideChannelRefused as exc:
-            return rid, self._refuse(exc.code, exc.message, exc.detail)
+            return rid, self._refuse(exc.code, exc.message, exc.detail), True
         except Exception as exc:
             self._log_error("side-channel handler for %s failed", type(message).__name__, exc_info=True)
-            return rid, self._refuse("internal", f"{type(exc).__name__}: {exc}")
+            return rid, self._refuse("internal", f"{type(exc).__name__}: {exc}"), True
         self.served += 1
-        return rid, reply
+        return rid, reply, True
 
     def _reply_frame(self, rid: int, reply: msgspec.Struct) -> bytes:
         try:
@@ -296,12 +393,13 @@ class SideChannelServer:
 
     # -- the serving thread -----------------------------------------------------------------------------------------
     def _serve(self) -> None:
+        poll_s = self.poll_ms / 1000
         while not self._stop.is_set():
             try:
-                ready = self._selector.select(self.poll_ms / 1000)
+                ready = self._selector.select(self._select_timeout(poll_s))
             except Exception as exc:  # the selector itself failed: keep serving, never spin on the log
                 self._log_error("side channel select failed: %s", exc)
-                self._stop.wait(self.poll_ms / 1000)
+                self._stop.wait(poll_s)
                 continue
             for key, events in ready:
                 conn = key.data
@@ -309,6 +407,8 @@ class SideChannelServer:
                     if conn is None:
                         self._accept()
                         continue
+                    if conn.sock.fileno() < 0:
+                        continue  # closed earlier in this round (evicted to admit a newcomer)
                     if events & selectors.EVENT_READ:
                         self._receive(conn)
                     if events & selectors.EVENT_WRITE and conn.sock.fileno() >= 0:
@@ -318,30 +418,85 @@ class SideChannelServer:
                     self._refuse("internal", f"{type(exc).__name__}: {exc}")
                     if conn is not None:
                         self._close(conn)
-        for conn in list(self._connections.values()):
+            try:
+                self._expire(time.monotonic())
+            except Exception:
+                self._log_error("side channel could not close expired connections", exc_info=True)
+        for conn in list(self._connections):
             self._close(conn)
         self._selector.close()
         self._listener.close()
 
+    def _select_timeout(self, poll_s: float) -> float:
+        """Until the nearest frame deadline (the first connection's), at most ``poll_s`` (the stop flag's rhythm)."""
+        first = next(iter(self._connections), None)
+        if first is None:
+            return poll_s
+        return min(poll_s, max(first.progress_at + self.limits.frame_deadline_s - time.monotonic(), 0.0))
+
+    def _expire(self, now: float) -> None:
+        """Close the connections past their frame deadline: a prefix of the deadline order, so the first one still
+        in time ends the walk (nothing due costs one look)."""
+        cutoff = now - self.limits.frame_deadline_s
+        while self._connections:
+            first = next(iter(self._connections))
+            if first.progress_at > cutoff:
+                return
+            self._drop(first, "closed_slow", f"no whole frame in {self.limits.frame_deadline_s:g}s")
+
     def _accept(self) -> None:
-        while True:
+        for _ in range(ACCEPTS_PER_WAKEUP):  # the rest of a flood waits for the next round, after the other peers
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # e.g. out of file descriptors: what is open keeps being served
                 self._log_error("side channel accept failed: %s", exc)
+                if self._connections:  # give the longest-silent connection's descriptor to the next accept
+                    self._drop(next(iter(self._connections)), "evicted_idle", f"accept failed: {exc}")
+                else:  # nothing of ours to free: the listener stays readable, so never spin on it
+                    self._stop.wait(self.poll_ms / 1000)
                 return
-            if len(self._connections) >= MAX_CONNECTIONS:
-                self.dropped_connections += 1
-                self._log_refusal("side channel at %d connections: closed a new one from %s", MAX_CONNECTIONS, addr)
-                sock.close()
-                continue
+            self._admit(sock, str(addr[0]), f"{addr[0]}:{addr[1]}")
+
+    def _admit(self, sock: socket.socket, address: str, peer: str) -> None:
+        self.accepted += 1
+        self._make_room(address)
+        same = self._by_address.get(address)
+        if len(self._connections) >= self.limits.max_connections or (
+            same is not None and len(same) >= self.limits.max_connections_per_address
+        ):  # nothing could be evicted
+            self._count_drop("refused_new", peer, "at a connection bound")
+            sock.close()
+            return
+        try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock, f"{addr[0]}:{addr[1]}".encode())
-            self._connections[sock.fileno()] = conn
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+        except OSError:  # reset before it was served
+            sock.close()
+            return
+        conn = _Connection(sock, peer.encode(), address, time.monotonic())
+        self._connections[conn] = None
+        self._by_address.setdefault(address, OrderedDict())[conn] = None
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        self.most_connections = max(self.most_connections, len(self._connections))
+
+    def _make_room(self, address: str) -> None:
+        """Evict so that a newcomer from ``address`` fits under both bounds: that address's connection longest
+        without progress at the per-address bound, then the one longest without progress of all at the connection
+        bound. Progress is a whole frame that reached a handler, the one thing a peer without the secret cannot
+        fake; a byte sent or a reply pending would be (an attacker's connections would all show one)."""
+        same = self._by_address.get(address)
+        while same and len(same) >= self.limits.max_connections_per_address:
+            self._drop(next(iter(same)), "evicted_address", "to admit a newcomer from the same address")
+        while len(self._connections) >= self.limits.max_connections:
+            self._drop(next(iter(self._connections)), "evicted_idle", "to admit a newcomer")
+
+    def _progress(self, conn: _Connection) -> None:
+        """A whole frame of ``conn`` reached a handler: its deadline starts again, and it goes last in line."""
+        conn.progress_at = time.monotonic()
+        self._connections.move_to_end(conn)
+        self._by_address[conn.address].move_to_end(conn)
 
     def _receive(self, conn: _Connection) -> None:
         try:
@@ -362,7 +517,7 @@ class SideChannelServer:
             try:
                 payload = _take_frame(conn.inbox, cap)
             except _OversizedFrame as exc:
-                self.dropped_connections += 1
+                self._count_drop("closed_oversized", conn.peer.decode(), str(exc))
                 refusal = self._refuse("oversized", f"{exc}: connection closed")
                 conn.outbox += _framed(encode_frame(_encoder.encode(refusal), 0, self.secret))
                 conn.inbox.clear()
@@ -370,24 +525,24 @@ class SideChannelServer:
                 break
             if payload is None:
                 break
-            rid, reply = self.handle_frame(payload, conn.peer)
+            rid, reply, reached = self._dispatch(payload, conn.peer)
+            if reached:
+                self._progress(conn)
             conn.outbox += _framed(self._reply_frame(rid, reply))
         self._flush(conn)
 
     def _flush(self, conn: _Connection) -> None:
         if conn.outbox:
             try:
-                sent = conn.sock.send(conn.outbox)
+                sent = conn.sock.send(conn.outbox)  # non-blocking: a peer that does not read never holds the loop
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError:
                 self._close(conn)
                 return
             del conn.outbox[:sent]
-        if len(conn.outbox) > MAX_UNSENT_BYTES:
-            self.dropped_connections += 1
-            self._log_refusal("side channel closed %s: %d reply bytes unread", conn.peer.decode(), len(conn.outbox))
-            self._close(conn)
+        if len(conn.outbox) > self.limits.max_unsent_bytes:
+            self._drop(conn, "closed_unread", f"{len(conn.outbox)} reply bytes unread")
         elif conn.outbox:
             self._selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
         elif conn.closing:
@@ -397,13 +552,26 @@ class SideChannelServer:
                 if self._selector.get_key(conn.sock).events != selectors.EVENT_READ:
                     self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
 
+    def _count_drop(self, reason: ConnectionDrop, peer: str, why: str) -> None:
+        self.dropped[reason] += 1
+        self._log_drop("side channel closed a connection from %s (%s): %s", peer, reason, why)
+        self._tell_listeners(reason)
+
+    def _drop(self, conn: _Connection, reason: ConnectionDrop, why: str) -> None:
+        self._count_drop(reason, conn.peer.decode(), why)
+        self._close(conn)
+
     def _close(self, conn: _Connection) -> None:
-        fd = conn.sock.fileno()
-        if fd < 0:
+        self._connections.pop(conn, None)
+        same = self._by_address.get(conn.address)
+        if same is not None:
+            same.pop(conn, None)
+            if not same:
+                del self._by_address[conn.address]
+        if conn.sock.fileno() < 0:
             return
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
-        self._connections.pop(fd, None)
         conn.sock.close()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -496,6 +664,8 @@ class SideChannelClient:
         wait_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait_s
         for attempt in (1, 2):
+            if self._closed:  # closed while this request waited: it ends now, not at its timeout
+                raise SideChannelError(f"client of {self.address} is closed")
             reused = self._sock is not None
             sock = self._sock if self._sock is not None else self._connect(deadline, wait_s)
             try:
@@ -520,6 +690,8 @@ class SideChannelClient:
     def _connect(self, deadline: float, wait_s: float) -> socket.socket:
         backoff = 0.02
         while True:
+            if self._closed:
+                raise SideChannelError(f"client of {self.address} is closed")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SideChannelTimeout(f"no reply from {self.address} in {wait_s}s (not listening)")
@@ -589,8 +761,13 @@ class SideChannelClient:
         self._inbox.clear()
 
     def close(self) -> None:
+        """Close now: a request waiting on a reply (another thread's) fails at once rather than at its timeout."""
+        self._closed = True
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the waiting recv; the request sees the close
         with self._lock:
-            self._closed = True
             self._drop()
 
 

@@ -30,6 +30,7 @@ from kvlifecycle.ledger_base import (
 
 _S_ALLOCATED = int(SourceState.ALLOCATED)
 _S_READY = int(SourceState.READY)
+HELD_SUFFIX = "#own"  # the companion of a request :meth:`SourceLedger.hold` gave shared and fresh blocks
 
 
 class SourceLedger(_Ledger[_SourceRequest]):
@@ -116,6 +117,31 @@ class SourceLedger(_Ledger[_SourceRequest]):
             hlc, at = self._stamp()
             self._record(ev.SrcShared(hlc, at, request, ev.pack_blocks(ids)))
             return self.requests[request].epochs
+
+    def hold(self, request: str, block_ids: Iterable[int] | np.ndarray) -> None:
+        """The engine gives ``block_ids`` to ``request`` where some may already be held by another request (prefix
+        caching, e.g. pinned for that one's handoff): those are shared (no new epoch), the others allocated. A
+        request is either allocated or shared, so a mix puts the fresh blocks under a companion request
+        ``<request>#own`` (allocated and prefilled at once) and shares them all. Free with :meth:`free_held`."""
+        ids = np.asarray(block_ids, dtype=np.int32)
+        with self._lock:
+            states = self.block_states(ids)
+            fresh = ((states == SourceState.FREE) | (states == SourceState.PREFIX_CACHED)) & (self.refs[ids] == 0)
+            if fresh.all():
+                self.allocate(request, ids)
+                return
+            if fresh.any():
+                own = request + HELD_SUFFIX
+                self.allocate(own, ids[fresh])
+                self.prefill_done(own)
+            self.share(request, ids)
+
+    def free_held(self, request: str, *, cache: bool = False) -> None:
+        """Free (or cache) what :meth:`hold` gave ``request``: the request and its companion, if it has one."""
+        with self._lock:
+            for name in (request, request + HELD_SUFFIX):
+                if name in self.requests:
+                    self.free(name, cache=cache)
 
     def prefill_done(self, request: str) -> None:
         with self._lock:
@@ -209,6 +235,21 @@ class SourceLedger(_Ledger[_SourceRequest]):
             if lease is None:
                 return False
             self._release(lease, "failed", reason)
+            return True
+
+    def hand_over_staged(self, transfer: str, generation: int) -> bool:
+        """The lease's copy in the host staging pool completed: release the GPU blocks (reason ``staged``) so the
+        engine can free them. Refused (recorded, False) when a consumer claimed the lease — it may be reading the
+        GPU copy, which stays pinned until that read ends — or already completed: the staged copy is dropped."""
+        with self._lock:
+            lease = self._live_lease("hand_over_staged", transfer, generation)
+            if lease is None:
+                return False
+            if lease.claimed or lease.done:
+                self._refuse("hand_over_staged", "claimed: a consumer may be reading the GPU copy", lease.request,
+                             transfer)
+                return False
+            self._release(lease, "staged")
             return True
 
     def cancel(self, request: str) -> bool:

@@ -23,10 +23,12 @@ import numpy as np
 
 from kvlifecycle import events as ev
 from kvlifecycle.clock import hlc_wall_seconds
-from kvlifecycle.eventlog import LogError, Record
+from kvlifecycle.eventlog import LogError, Record, TailRecovery
 from kvlifecycle.ledger import Lease, Load, ReplayError, SourceLedger, TargetLedger, ledger_from_header
-from kvlifecycle.machines import SourceState, TargetState
+from kvlifecycle.machines import HostSlotState, SourceState, TargetState
 from kvlifecycle.merge import merge_logs, open_sources
+from kvlifecycle.staging_ledger import StagingLedger
+from kvlifecycle.transfer_ids import source_transfers
 
 NO_BLOCKS = np.zeros(0, dtype=ev.BLOCK_DTYPE)
 
@@ -51,13 +53,39 @@ LABELS: dict[type, str] = {
     ev.TgtLoadStarted: "load start",
     ev.TgtPartDone: "part done",
     ev.TgtLoadFailed: "load failed",
+    ev.TgtDigestMismatch: "digest mismatch",
     ev.TgtCancelled: "cancel",
     ev.TgtLocalFilled: "local fill",
     ev.TgtFinished: "finish",
     ev.PeerEpochChanged: "peer epoch",
     ev.TransferObserved: "transfer observed",
     ev.Refused: "refused",
+    ev.StgStarted: "copy to host",
+    ev.StgCompleted: "copy to host done",
+    ev.StgAborted: "copy to host dropped",
+    ev.StgServed: "serve staged copy",
+    ev.StgRenewed: "renew staged copy",
+    ev.StgReadEnded: "staged read ended",
+    ev.StgReleased: "release staged copy",
 }
+# each side's block states (P's host pool: its slots)
+_STATES: dict[str, type[SourceState] | type[TargetState] | type[HostSlotState]] = {
+    "source": SourceState, "target": TargetState, StagingLedger.side: HostSlotState}
+
+
+def _states_of(side: str) -> type[SourceState] | type[TargetState] | type[HostSlotState]:
+    return _STATES.get(side, TargetState)
+
+
+def digest_words(e: ev.TgtDigestMismatch) -> str:
+    """Which blocks failed their digest, from which source blocks, expected against found (the first four)."""
+    blocks = ev.unpack_blocks(e.blocks)[:: max(e.pieces, 1)].tolist()
+    pairs = zip(blocks, ev.unpack_blocks(e.source_blocks).tolist(), ev.digest_hex(e.expected),
+                ev.digest_hex(e.found), strict=False)
+    shown = [f"block {d} (P block {p}): expected {want}, found {got}" for d, p, want, got in pairs]
+    more = len(e.expected) // 8 - len(shown[:4])
+    where = f"part {e.part}" + (f", head slice {e.slice_index}" if e.slice_index else "")
+    return f"{where}: " + "; ".join(shown[:4]) + (f"; and {more} more" if more > 0 else "")
 
 
 def block_ranges(ids: Iterable[int] | np.ndarray) -> str:
@@ -75,16 +103,6 @@ def block_ranges(ids: Iterable[int] | np.ndarray) -> str:
         out.append(str(values[i]) if j == i else f"{values[i]}-{values[j]}")
         i = j + 1
     return ",".join(out)
-
-
-def source_transfers(transfer: str) -> list[str]:
-    """The P transfer ids a D load reads: the load's own id, or each rank's of a multi-rank load, which the
-    consumer names ``<request><-<t1>+<t2>``."""
-    if "<-" in transfer:
-        parts = [t for t in transfer.split("<-", 1)[1].split("+") if t]
-        if parts:
-            return parts
-    return [transfer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +158,7 @@ class Step:
     @functools.cached_property
     def transitions(self) -> tuple[Transition, ...]:
         """The blocks grouped by (state before, state after), in their order."""
-        names = SourceState if self.side == "source" else TargetState
+        names = _states_of(self.side)
         groups: dict[tuple[int, int], list[int]] = {}
         for block, b, a in zip(self.blocks.tolist(), self.before.tolist(), self.after.tolist(), strict=True):
             groups.setdefault((b, a), []).append(block)
@@ -151,7 +169,7 @@ class Step:
         where = np.flatnonzero(self.blocks == block)
         if not where.size:
             return None
-        return (SourceState if self.side == "source" else TargetState)(int(self.after[where[0]])).name
+        return _states_of(self.side)(int(self.after[where[0]])).name
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +189,12 @@ class WorkerLog:
     worker: str
     side: str
     header: dict[str, Any]
-    ledger: SourceLedger | TargetLedger  # its state at the end of the story (or at ``until``)
+    ledger: SourceLedger | TargetLedger | StagingLedger  # its state at the end of the story (or at ``until``)
     events: list[ev.Event] = field(default_factory=list)
     end_at: float | None = None  # ledger clock of its last event
 
     def state_name(self, value: int) -> str:
-        return (SourceState if self.side == "source" else TargetState)(value).name
+        return _states_of(self.side)(value).name
 
 
 @dataclass
@@ -187,6 +205,8 @@ class Trace:
     logs: dict[str, WorkerLog]  # worker -> its log
     restarts: list[Restart]
     t0: float  # wall time of the first event of all the logs (the zero of every time shown)
+    tails: dict[str, TailRecovery] = field(default_factory=dict)  # worker -> where its log is torn
+    cut: dict[str, float] = field(default_factory=dict)  # worker -> wall time ``until`` cut its log at
 
     def ms(self, wall: float) -> float:
         """``wall`` in milliseconds since :attr:`t0`."""
@@ -221,8 +241,12 @@ class _Fold:
     """One worker's ledger, fed one event at a time, answering what each event touched."""
 
     def __init__(self, header: dict[str, Any], incarnation: int, path: Any) -> None:
+        self.ledger: SourceLedger | TargetLedger | StagingLedger
         try:
-            self.ledger = ledger_from_header(header)
+            if header.get("side") == StagingLedger.side:
+                self.ledger = StagingLedger.from_header(header)
+            else:
+                self.ledger = ledger_from_header(header)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ReplayError(f"{path}: the log header cannot configure a ledger: {type(exc).__name__}: {exc}") \
                 from exc
@@ -255,12 +279,22 @@ class _Fold:
                 return self.request_of.get(e.transfer, ""), e.transfer, NO_BLOCKS, 0, None
             deadline = e.expires_at if isinstance(e, ev.SrcLeaseRenewed) else lease.expires_at
             return lease.request, e.transfer, lease.blocks, lease.generation, deadline
-        if isinstance(e, ev.TgtPartDone | ev.TgtLoadFailed):
+        if isinstance(e, ev.TgtPartDone | ev.TgtLoadFailed | ev.TgtDigestMismatch):
             load = ledger.loads.get(e.transfer) if isinstance(ledger, TargetLedger) else None
             if load is None:
                 return self.request_of.get(e.transfer, ""), e.transfer, NO_BLOCKS, 0, None
-            return load.request, e.transfer, self._held(load.request), load.generation, None
+            blocks = ev.unpack_blocks(e.blocks) if isinstance(e, ev.TgtDigestMismatch) else self._held(load.request)
+            return load.request, e.transfer, blocks, load.generation, None
         request = getattr(e, "request", "") or self.request_of.get(transfer, "")
+        if isinstance(e, ev.StgStarted):
+            self.request_of[e.transfer] = e.request
+            return e.request, e.transfer, ev.unpack_blocks(e.blocks), e.generation, e.expires_at
+        if isinstance(ledger, StagingLedger) and transfer:  # the pool's copies are its requests, by transfer
+            copy = ledger.requests.get(transfer)
+            if copy is None:
+                return request, transfer, NO_BLOCKS, 0, None
+            deadline = e.expires_at if isinstance(e, ev.StgServed | ev.StgRenewed) else copy.expires_at
+            return copy.request, transfer, copy.blocks, copy.generation, deadline
         if isinstance(e, ev.PeerEpochChanged | ev.TransferObserved):
             return request, transfer, NO_BLOCKS, 0, None
         return request, transfer, self._held(request), 0, None
@@ -287,12 +321,24 @@ def _reason(e: ev.Event) -> tuple[str, str]:
         return "", f"{e.mode} from {e.peer or '?'}{epoch}, {e.parts} part(s)"
     if isinstance(e, ev.TgtPartDone):
         return "", f"part {e.part}"
+    if isinstance(e, ev.TgtDigestMismatch):
+        return "digest mismatch", digest_words(e)
     if isinstance(e, ev.SrcConsumerDone):
         return "", f"consumer {e.consumer}"
     if isinstance(e, ev.SrcGranted):
         return "", f"{e.consumers} consumer(s)" + (f", for {e.peer}" if e.peer else "")
     if isinstance(e, ev.SrcLeaseRenewed) and e.peer:
         return "", f"claimed by {e.peer}"
+    if isinstance(e, ev.StgReleased):
+        return e.reason, e.detail
+    if isinstance(e, ev.StgAborted):
+        return e.reason, ""
+    if isinstance(e, ev.StgStarted):
+        return "", f"from P's blocks {block_ranges(ev.unpack_blocks(e.gpu_blocks))} (epoch {e.gpu_epoch})"
+    if isinstance(e, ev.StgServed):
+        return "", f"claimed by {e.peer}" if e.peer else ""
+    if isinstance(e, ev.StgReadEnded):
+        return ("" if e.ok else e.reason or "failed"), f"consumer {e.consumer}"
     if isinstance(e, ev.TransferObserved):
         return "" if e.ok else "failed", (f"{e.nbytes} bytes, {e.descriptors} descriptors over {e.backend}, "
                                           f"T_post {e.t_post_s * 1e3:.3f} ms, T_xfer {e.t_xfer_s * 1e3:.3f} ms")
@@ -317,7 +363,8 @@ def trace_logs(
     sources = {source.worker: source for source, _reader in open_sources(paths)}
     if not sources:
         raise LogError("no event logs given")
-    merged = merge_logs(paths)
+    tails: dict[str, TailRecovery] = {}
+    merged = merge_logs(paths, tails=tails)
     offsets = _worker_offsets(merged)
     t0 = min((record.event.at + offsets[w] for w, _s, record in merged), default=0.0)
     if until_offset_s is not None:
@@ -368,7 +415,9 @@ def trace_logs(
                                      _Fold(source.header, 0, source.path).ledger)
     for fold in folds.values():
         fold.ledger.end_replay()
-    return Trace(steps, logs, restarts, t0)
+    last_wall = {s.worker: s.wall for s in steps}
+    cut = {w: until_time if until_time is not None else last_wall.get(w, t0) for w in stopped}
+    return Trace(steps, logs, restarts, t0, tails, cut)
 
 
 # --- a request's story -----------------------------------------------------------------------------------------
@@ -501,11 +550,26 @@ def request_story(trace: Trace, request: str, steps: list[Step] | None = None) -
             else:
                 load.outcome = "discarded" if s.worker in cancelled else ("recompute" if e.recompute else "failed")
                 load.settled_wall, load.reason = s.wall, e.reason
+        elif isinstance(e, ev.StgStarted):  # P's host pool took the lease over: the staged copy's own lease
+            part.blocks, part.epoch = block_ranges(s.blocks), s.epoch
+            part.leases.append(LeaseSummary(e.transfer, e.generation, s.wall, e.expires_at, e.at))
+        elif isinstance(e, ev.StgServed | ev.StgRenewed | ev.StgAborted | ev.StgReleased):
+            lease = next((x for x in part.leases if x.transfer == e.transfer), None)
+            if lease is None:
+                continue
+            if isinstance(e, ev.StgServed | ev.StgRenewed):
+                lease.renewals += 1
+                lease.expires_at = e.expires_at
+                if e.peer and e.peer not in lease.peers:
+                    lease.peers.append(e.peer)
+            else:
+                lease.ended, lease.ended_wall = e.reason, s.wall
+                lease.detail = e.detail if isinstance(e, ev.StgReleased) else "copy dropped"
         elif isinstance(e, ev.Refused):
             part.refusals.append(f"{e.command}: {e.reason}")
     for part in parts.values():
         log = trace.logs[part.worker]
-        held = log.ledger.requests.get(part.request or request)
+        held = _held_by(log.ledger, part.request or request)
         if held is not None:
             states = {log.state_name(int(v)) for v in log.ledger.block_states(held.blocks).tolist()}
             cancel_pending = bool(getattr(held, "cancel_pending", False))
@@ -516,6 +580,13 @@ def request_story(trace: Trace, request: str, steps: list[Step] | None = None) -
             part.state = _let_go(trace, steps, part.worker, part.request or request)
             part.settled = True
     return RequestStory(request, steps, list(parts.values()))
+
+
+def _held_by(ledger: SourceLedger | TargetLedger | StagingLedger, request: str) -> Any:
+    """The ledger's record of what it holds for ``request`` (P's host pool keys its copies by transfer)."""
+    if isinstance(ledger, StagingLedger):
+        return next((copy for copy in ledger.requests.values() if copy.request == request), None)
+    return ledger.requests.get(request)
 
 
 def _let_go(trace: Trace, steps: list[Step], worker: str, request: str) -> str:
@@ -538,6 +609,12 @@ def _let_go(trace: Trace, steps: list[Step], worker: str, request: str) -> str:
             outcome = "cancelled, load discarded" if cancelled else f"load failed ({e.reason}), blocks freed"
         elif isinstance(e, ev.TgtPartDone) and cancelled:
             outcome = "cancelled, load discarded"
+        elif isinstance(e, ev.StgStarted):
+            outcome = "holding"
+        elif isinstance(e, ev.StgAborted):
+            outcome = f"copy to host dropped ({e.reason})"
+        elif isinstance(e, ev.StgReleased):
+            outcome = f"staged copy released ({e.reason})"
     last = mine[-1].index if mine else -1
     if any(r.worker == worker and r.step_index > last and request in r.held for r in trace.restarts):
         return "lost when its worker restarted"

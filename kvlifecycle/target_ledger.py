@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 from kvlifecycle.ledger_base import (
     _MODE_SPELLINGS,
+    BlockBusyError,
     InvalidTransitionError,
     Load,
     UnknownRequestError,
@@ -51,10 +52,14 @@ class TargetLedger(_Ledger[_TargetRequest]):
     ) -> None:
         policy = LoadFailurePolicy.parse(failure_policy, "failure_policy")
         self.requests: dict[str, _TargetRequest] = {}
+        self.failure_policy = policy  # before the base's __init__: a log handed in takes the header, which names it
         super().__init__(num_blocks, **kwargs)
-        self.failure_policy = policy
         self.loads: dict[str, Load] = {}
         self.layer_progress: dict[str, LayerProgress] = {}  # transfer -> landed flags, for streaming loads only
+        # D block id -> (until, transfer): a block whose landed bytes failed their digest stays out of any
+        # reservation until then (docs/design.md, "Digests")
+        self.quarantine: dict[int, tuple[float, str]] = {}
+        self.mismatched: set[str] = set()  # live loads with a TgtDigestMismatch: only a failure ends them
         self.stats = {"loaded": 0, "failed": 0, "recompute": 0, "cancelled": 0, "discarded": 0}
         self._handlers = {
             ev.TgtReserved: self._on_reserved,
@@ -63,6 +68,7 @@ class TargetLedger(_Ledger[_TargetRequest]):
             ev.TgtLoadDeclined: self._on_load_declined,
             ev.TgtPartDone: self._on_part_done,
             ev.TgtLoadFailed: self._on_load_failed,
+            ev.TgtDigestMismatch: self._on_digest_mismatch,
             ev.TgtCancelled: self._on_cancelled,
             ev.TgtLocalFilled: self._on_local_filled,
             ev.TgtFinished: self._on_finished,
@@ -82,6 +88,8 @@ class TargetLedger(_Ledger[_TargetRequest]):
         """D's scheduler reserves ``block_ids`` for ``request``; returns their new epoch (as ``allocate`` does)."""
         with self._lock:
             ids = self._command_blocks("reserve", block_ids, request)
+            if self.quarantine:
+                self._check_quarantine(request, ids)
             self._check_allocatable("reserve", request, ids)
             hlc, at = self._stamp()
             self._record(ev.TgtReserved(hlc, at, request, ev.pack_blocks(ids)))
@@ -151,6 +159,8 @@ class TargetLedger(_Ledger[_TargetRequest]):
                 return False
             ids, reason = parse_block_ids(block_ids, self.num_blocks)
             reason = reason or progress.problem(part, first_layer, num_layers, ids)
+            if transfer in self.mismatched:
+                reason = "a part of this load failed its digest: only fail ends it"
             if reason:
                 self._refuse("layers_landed", reason, load.request, transfer)
                 return False
@@ -172,6 +182,10 @@ class TargetLedger(_Ledger[_TargetRequest]):
                 return False
             if part in load.done:
                 self._refuse("part_done", f"duplicate completion of part {part}", load.request, transfer)
+                return False
+            if transfer in self.mismatched:
+                self._refuse("part_done", "a part of this load failed its digest: only fail ends it", load.request,
+                             transfer)
                 return False
             if transfer in self.layer_progress:  # its layers complete it: a part_done here could skip one
                 self._refuse("part_done", "a streaming load's parts complete by their layers", load.request, transfer)
@@ -208,6 +222,61 @@ class TargetLedger(_Ledger[_TargetRequest]):
             hlc, at = self._stamp()
             self._record(ev.TgtLoadFailed(hlc, at, transfer, reason, recompute))
             return True
+
+    def digest_mismatch(self, transfer: str, part: int, *, blocks: Iterable[int] | np.ndarray,
+                        source_blocks: Iterable[int] | np.ndarray, expected: np.ndarray, found: np.ndarray,
+                        slice_index: int = 0, quarantine_s: float = 0.0) -> bool:
+        """What landed for ``part`` failed its digest check: records the mismatch (``blocks``: D's ids, a whole
+        number of pieces per unit; ``source_blocks``, ``expected``, ``found``: one per unit). From then on the load
+        can only fail (:meth:`fail`, once its sibling reads settled): a ``part_done`` or a layer of it is refused,
+        so no block of it becomes READY_FOR_ATTENTION. The blocks are quarantined for ``quarantine_s``: a
+        reservation naming one is refused until then. Refused (recorded, False): no live load, a part out of range
+        or already done, a block not the request's, or arrays that do not pair up."""
+        with self._lock:
+            load = self._live_load("digest_mismatch", transfer)
+            if load is None:
+                return False
+            ids, reason = parse_block_ids(blocks, self.num_blocks)
+            src, src_reason = parse_block_ids(source_blocks, (1 << 31) - 1, allow_empty=True)
+            exp = np.asarray(expected, dtype="<u8").reshape(-1)
+            got = np.asarray(found, dtype="<u8").reshape(-1)
+            units = exp.size
+            if not reason and not 0 <= part < load.parts:
+                reason = f"part {part} not in [0, {load.parts})"
+            elif not reason and part in load.done:
+                reason = f"part {part} completed already"
+            elif not reason and (units == 0 or got.size != units or src.size != units or ids.size % units):
+                reason = (f"{units} expected, {got.size} found, {src.size} source blocks and {ids.size} blocks do "
+                          "not pair up")
+            elif not reason and not np.isin(ids, self.requests[load.request].blocks).all():
+                reason = "a block is not the request's"
+            reason = reason or src_reason
+            if reason:
+                self._refuse("digest_mismatch", reason, load.request, transfer)
+                return False
+            if not quarantine_s >= 0:
+                raise ValueError(f"quarantine_s must be >= 0, got {quarantine_s!r}")
+            hlc, at = self._stamp()
+            self._record(ev.TgtDigestMismatch(hlc, at, transfer, part, int(slice_index), ev.pack_blocks(ids),
+                                              ev.pack_blocks(src), exp.tobytes(), got.tobytes(),
+                                              ids.size // units, at + float(quarantine_s)))
+            return True
+
+    def quarantined(self, now: float | None = None) -> dict[int, tuple[float, str]]:
+        """D block id -> (until, transfer) for the blocks quarantined at ``now`` (the ledger's clock by default)."""
+        with self._lock:
+            at = self.clock.now() if now is None else now
+            return {b: q for b, q in self.quarantine.items() if q[0] > at}
+
+    def _check_quarantine(self, request: str, ids: np.ndarray) -> None:
+        now = self.clock.now()
+        for block in ids.tolist():
+            held = self.quarantine.get(block)
+            if held is not None and held[0] > now:
+                reason = (f"block {block} is quarantined until {held[0]:.3f} (its bytes failed their digest in "
+                          f"{held[1]})")
+                self._refuse("reserve", reason, request)
+                raise BlockBusyError(reason)
 
     def cancel(self, request: str) -> bool:
         """Cancel or preempt a request. While its load is in flight the blocks stay LOADING and are freed when the
@@ -301,6 +370,8 @@ class TargetLedger(_Ledger[_TargetRequest]):
 
     def _on_part_done(self, e: ev.TgtPartDone) -> None:
         load = self.loads[e.transfer]
+        if e.transfer in self.mismatched:  # only a log written by someone else has this
+            raise ValueError(f"part {e.part} completed after the load failed its digest")
         progress = self.layer_progress.get(e.transfer)
         if progress is not None and not progress.complete(e.part):  # only a log written by someone else has this
             raise ValueError(f"part {e.part} of a streaming load completed with layers missing")
@@ -320,6 +391,7 @@ class TargetLedger(_Ledger[_TargetRequest]):
 
     def _on_load_failed(self, e: ev.TgtLoadFailed) -> None:
         load = self.loads.pop(e.transfer)
+        self.mismatched.discard(e.transfer)
         self.layer_progress.pop(e.transfer, None)
         req = self.requests[load.request]
         req.transfer = None
@@ -334,8 +406,17 @@ class TargetLedger(_Ledger[_TargetRequest]):
         else:
             self._drop(load.request, nxt)
 
+    def _on_digest_mismatch(self, e: ev.TgtDigestMismatch) -> None:
+        self.stats["digest_mismatches"] = self.stats.get("digest_mismatches", 0) + 1
+        self.mismatched.add(e.transfer)
+        for block in ev.unpack_blocks(e.blocks).tolist():
+            self.quarantine[block] = (e.quarantine_until, e.transfer)
+        if len(self.quarantine) > self.num_blocks // 4:  # expired holds go, so the map stays small
+            self.quarantine = {b: q for b, q in self.quarantine.items() if q[0] > e.at}
+
     def _on_load_declined(self, e: ev.TgtLoadDeclined) -> None:
         load = self.loads.pop(e.transfer)
+        self.mismatched.discard(e.transfer)
         self.layer_progress.pop(e.transfer)
         req = self.requests[load.request]
         req.transfer = None

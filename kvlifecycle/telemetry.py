@@ -26,20 +26,20 @@ and are read together; splitting them would spread one event's handling over sev
 
 Only ``opentelemetry-api`` is imported here: exporters and providers are the user's choice. With no SDK configured
 the API hands out no-op tracers and instruments and the listener's cost is a dict lookup and a few no-op calls per
-event (:func:`measure_tracing_overhead` measures it).
+event (``kvlifecycle bench lifecycle`` measures it).
 """
 
 from __future__ import annotations
 
 import atexit
-import gc
+import errno
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from opentelemetry import metrics, trace
@@ -72,9 +72,7 @@ from kvlifecycle import events as ev
 from kvlifecycle._version import __version__
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.machines import SourceState, TargetState
-
-if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import ReadableSpan
+from kvlifecycle.transfer_ids import source_transfers
 
 INSTRUMENTATION_NAME = "kvlifecycle"
 INSTRUMENTATION_VERSION = __version__
@@ -111,15 +109,6 @@ def handoff_context(transfer: str) -> Context:
     """An OpenTelemetry ``Context`` whose parent is the handoff's virtual root: spans started in it join the
     handoff's trace (``tracer.start_span(name, context=handoff_context(tid))``)."""
     return trace.set_span_in_context(NonRecordingSpan(handoff_span_context(transfer)))
-
-
-def source_transfers(transfer: str) -> list[str]:
-    """The P transfer ids a D load reads: itself, or the parts of a multi-rank load ``<request><-<t1>+<t2>``."""
-    if "<-" in transfer:
-        parts = [t for t in transfer.split("<-", 1)[1].split("+") if t]
-        if parts:
-            return parts
-    return [transfer]
 
 
 def traceparent(transfer: str) -> str:
@@ -205,6 +194,9 @@ class _Instruments:
         self.stale = meter.create_counter(
             "kv.stale_token.refusals", unit="{command}", description="commands refused for naming a stale token"
         )
+        self.digest_mismatches = meter.create_counter(
+            "kv.digest.mismatches", unit="{block}", description="blocks whose landed bytes failed their digest"
+        )
         self.recompute = meter.create_counter(
             "kv.fallback.recompute", unit="{request}", description="failed loads that fell back to recomputing the KV"
         )
@@ -213,11 +205,13 @@ class _Instruments:
 _NOOP_INSTRUMENTS = _Instruments(metrics.NoOpMeter(INSTRUMENTATION_NAME))  # what a dormant subscription holds
 
 
-def _is_noop_tracer_provider(provider: TracerProvider) -> bool:
+def is_noop_tracer_provider(provider: TracerProvider) -> bool:
+    """Whether ``provider`` records nothing: a no-op, or the API's global default before an SDK is installed."""
     return isinstance(provider, (trace.NoOpTracerProvider, trace.ProxyTracerProvider))
 
 
-def _is_noop_meter_provider(provider: MeterProvider) -> bool:
+def is_noop_meter_provider(provider: MeterProvider) -> bool:
+    """Whether ``provider`` records nothing: a no-op, or the API's global default before an SDK is installed."""
     # the API's global default is a private _ProxyMeterProvider until the application sets a real one
     return isinstance(provider, metrics.NoOpMeterProvider) or type(provider).__name__ == "_ProxyMeterProvider"
 
@@ -280,6 +274,7 @@ class Instrumentation:
                     ev.TgtLoadDeclined: self._on_tgt_load_declined,
                     ev.TgtPartDone: self._on_tgt_part_done,
                     ev.TgtLoadFailed: self._on_tgt_load_failed,
+                    ev.TgtDigestMismatch: self._on_tgt_digest_mismatch,
                     ev.TgtCancelled: self._on_tgt_cancelled,
                     ev.TgtLocalFilled: self._on_tgt_local_filled,
                     ev.TgtFinished: self._on_tgt_finished,
@@ -322,8 +317,8 @@ class Instrumentation:
             return True
         tracer_provider = self._tracer_provider or trace.get_tracer_provider()
         meter_provider = self._meter_provider or metrics.get_meter_provider()
-        tracing = not _is_noop_tracer_provider(tracer_provider)
-        metering = not _is_noop_meter_provider(meter_provider)
+        tracing = not is_noop_tracer_provider(tracer_provider)
+        metering = not is_noop_meter_provider(meter_provider)
         if not (tracing or metering):
             return False
         self.tracer = (
@@ -657,6 +652,15 @@ class Instrumentation:
         if outcome == "discarded":
             self._requests.pop(handoff.request, None)
 
+    def _on_tgt_digest_mismatch(self, e: ev.TgtDigestMismatch) -> None:
+        """Blocks whose bytes failed their digest: counted per block; an event on the load's span names them."""
+        units = len(e.expected) // 8
+        self._m.digest_mismatches.add(units, self._base)
+        handoff = self._handoffs.get(e.transfer)
+        if handoff is not None:
+            handoff.phase.add_event("kv.digest_mismatch", {"kv.part": e.part, "kv.blocks": units,
+                                                           "kv.slice": e.slice_index})
+
     def _on_tgt_load_failed(self, e: ev.TgtLoadFailed) -> None:
         handoff = self._handoffs.get(e.transfer)
         req = self._requests.get(handoff.request) if handoff is not None else None
@@ -710,6 +714,23 @@ def count_side_channel_refusals(server: Any, meter_provider: Any = None) -> Any:
                                    description="side-channel messages refused and dropped")
     server.add_refusal_listener(lambda code: counter.add(1, {"kv.code": code}))
     return counter
+
+
+def count_log_write_failures(meter_provider: Any = None) -> Callable[[], None]:
+    """Count every event-log write or fsync failure in this process (a full disk, EIO, a failed fsync) in the counter
+    ``kv.log.write_failures``, by ``kv.log.dir`` and ``kv.errno``: a log that cannot be written shows in the metrics,
+    not only on stderr. Returns the function that stops counting."""
+    from kvlifecycle.eventlog import on_write_failure
+
+    meter = (meter_provider or metrics.get_meter_provider()).get_meter(INSTRUMENTATION_NAME, INSTRUMENTATION_VERSION)
+    counter = meter.create_counter("kv.log.write_failures", unit="{failure}",
+                                   description="event-log writes and fsyncs that failed (records stay pending)")
+
+    def count(log: Any, error: Any) -> None:
+        code = errno.errorcode.get(error.errno, str(error.errno)) if error.errno is not None else "none"
+        counter.add(1, {"kv.log.dir": str(log.directory), "kv.errno": code})
+
+    return on_write_failure(count)
 
 
 # --- files, for demos and issue reports (needs the SDK: pip install 'kvlifecycle[otel]') -------------------------
@@ -771,120 +792,6 @@ def instrument_from_env(ledger: SourceLedger | TargetLedger) -> Instrumentation:
     providers (no-ops unless the application installed an SDK)."""
     directory = envvars.OTEL_DIR.read()
     return instrument_to_files(ledger, directory) if directory else instrument(ledger)
-
-
-# --- overhead measurement (for the lifecycle benchmark) --------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TracingOverhead:
-    """Seconds per handoff (P + D lifecycle) without a listener, with the instrumentation on no-op providers (no SDK
-    configured) and, where the SDK is installed, with real providers (in-memory exporter and metric reader)."""
-
-    handoffs: int
-    untraced_s: float
-    noop_s: float
-    sdk_s: float | None
-
-    @property
-    def ratio(self) -> float:
-        """Instrumented (no SDK) / uninstrumented: the cost of leaving the instrumentation in."""
-        return self.noop_s / self.untraced_s
-
-    @property
-    def sdk_ratio(self) -> float | None:
-        return None if self.sdk_s is None else self.sdk_s / self.untraced_s
-
-
-def _lifecycle_loop(source: SourceLedger, target: TargetLedger, count: int, blocks: int, start: int) -> float:
-    ids = np.arange(blocks, dtype=np.int32)
-    t0 = time.perf_counter()
-    for i in range(start, start + count):
-        request = f"r{i}"
-        source.allocate(request, ids)
-        source.prefill_done(request)
-        grant = source.grant(request)
-        target.reserve(request, ids)
-        target.start_load(request, grant.transfer, generation=grant.generation, peer=source.worker)
-        source.heartbeat(grant.transfer, grant.generation)
-        target.observe_transfer(
-            grant.transfer,
-            t_post_s=1e-4,
-            t_xfer_s=1e-3,
-            nbytes=blocks << 14,
-            descriptors=blocks,
-            backend="loopback",
-            ok=True,
-        )
-        target.part_done(grant.transfer, 0)
-        source.consumer_done(grant.transfer, grant.generation)
-        source.take_released()
-        source.free(request)
-        target.finish(request)
-    return (time.perf_counter() - t0) / count
-
-
-def measure_tracing_overhead(handoffs: int = 2000, blocks: int = 16, rounds: int = 0) -> TracingOverhead:
-    """Time the same P + D lifecycle (no event log) uninstrumented, instrumented with no SDK configured, and
-    instrumented with the SDK: ``handoffs`` per variant in batches of 10 (at least ``rounds`` batches)."""
-    from opentelemetry.metrics import NoOpMeterProvider
-    from opentelemetry.trace import NoOpTracerProvider
-
-    from kvlifecycle.clock import ManualClock
-
-    # "no SDK configured": the API's global defaults, unless this process installed real ones (then explicit no-ops)
-    globals_unset = _is_noop_tracer_provider(trace.get_tracer_provider()) and _is_noop_meter_provider(
-        metrics.get_meter_provider()
-    )
-    no_sdk = (None, None) if globals_unset else (NoOpTracerProvider(), NoOpMeterProvider())
-    variants: dict[str, Callable[[SourceLedger, TargetLedger], list[Instrumentation]]] = {
-        "untraced": lambda s, t: [],
-        "noop": lambda s, t: [instrument(x, *no_sdk) for x in (s, t)],
-    }
-    try:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-
-        class Discard(SpanExporter):  # an exporter that keeps nothing: the cost measured is the SDK's, not storage
-            def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-                return SpanExportResult.SUCCESS
-
-        def with_sdk(s: SourceLedger, t: TargetLedger) -> list[Instrumentation]:
-            provider = TracerProvider()  # the recommended set-up: spans exported off the caller's thread
-            provider.add_span_processor(BatchSpanProcessor(Discard()))
-            meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
-            return [instrument(x, provider, meter_provider) for x in (s, t)]
-
-        variants["sdk"] = with_sdk
-    except ImportError:
-        pass
-    # one pair of ledgers per variant; short batches interleaved variant by variant, each variant's fastest batch
-    # kept: on a shared machine noise only ever adds time, and short interleaved batches see the same noise. The SDK
-    # variant runs after the other two, alone: its exporter thread would otherwise steal their CPU time.
-    batch = max(1, min(10, handoffs))  # short: more batches run without being preempted on a busy machine
-    batches = max(rounds, handoffs // batch)
-    best = {name: float("inf") for name in variants}
-    for group in (("untraced", "noop"), ("sdk",)):
-        pairs = {}
-        for name in group:
-            if name not in variants:
-                continue
-            source = SourceLedger(blocks * 2, clock=ManualClock(), worker="p-bench")
-            target = TargetLedger(blocks * 2, clock=ManualClock(), worker="d-bench")
-            pairs[name] = (source, target, variants[name](source, target))
-            _lifecycle_loop(source, target, 50, blocks, 0)  # warm-up
-        for round_index in range(batches):
-            for name, (source, target, _) in pairs.items():
-                gc.collect()  # each batch starts with no garbage left by the previous batch
-                start = 1000 + round_index * batch
-                best[name] = min(best[name], _lifecycle_loop(source, target, batch, blocks, start))
-        for _, _, subscriptions in pairs.values():
-            for subscription in subscriptions:
-                subscription.detach()
-    done = batches * batch
-    return TracingOverhead(done, best["untraced"], best["noop"], best.get("sdk"))
 
 
 # --- data-path selection -----------------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ from typing import Any
 from kvlifecycle import events as ev
 from kvlifecycle.clock import hlc_wall_seconds
 from kvlifecycle.eventlog import Record
+from kvlifecycle.transfer_ids import source_transfers
 
-TRACKS = ("blocks", "transfers", "data plane")
-_TRACK_TID_BASE = {"events": 0, "blocks": 1000, "transfers": 2000, "data plane": 3000}
+TRACKS = ("blocks", "transfers", "data plane", "host pool")
+_TRACK_TID_BASE = {"events": 0, "blocks": 1000, "transfers": 2000, "data plane": 3000, "host pool": 4000}
 
 # colours shared by the PNG (and used as Perfetto's reserved colour names where one fits)
 STATE_COLOURS = {
@@ -45,6 +46,8 @@ STATE_COLOURS = {
     "load": "#9e9ac8",
     "transfer": "#636363",  # a data-plane transfer (T_xfer)
     "failed": "#de2d26",
+    "staging": "#fdd0a2",  # P's copy to its host pool, in flight
+    "staged": "#a63603",  # a whole staged copy under its lease
 }
 
 
@@ -116,6 +119,7 @@ class _Builder:
         self.grants: dict[str, Slice] = {}  # transfer -> P lease slice (any worker)
         self.completions: dict[str, list[Slice]] = {}  # P transfer -> D load slices that completed (one per consumer)
         self.unrendered: set[type[ev.Event]] = set()  # event kinds feed() has no rendering for (shown bare)
+        self.staged: dict[tuple[str, str], Slice] = {}  # (pool worker, transfer) -> its copy's or staged slice
 
     def state(self, worker: str, side: str, request: str, state: str | None, ts: float, **args: Any) -> None:
         key = (worker, request)
@@ -130,7 +134,7 @@ class _Builder:
 
     def restart(self, worker: str, ts: float, incarnation: int) -> None:
         """The worker's ledger restarted (new incarnation): whatever it had open ends here, unsettled."""
-        for table in (self.open_state, self.leases, self.loads):
+        for table in (self.open_state, self.leases, self.loads, self.staged):
             for key in [k for k in table if k[0] == worker]:
                 ended = table.pop(key)
                 ended.end = ts
@@ -222,6 +226,9 @@ class _Builder:
             entry = self.load_parts.get((worker, e.transfer))
             if entry is not None:
                 self._settle_load(worker, side, e.transfer, entry[0], ts, "declined", e.reason)
+        elif isinstance(e, ev.TgtDigestMismatch):
+            self.instant(worker, f"digest mismatch: {len(e.expected) // 8} block(s)", ts, transfer=e.transfer,
+                         part=e.part, blocks=len(e.blocks) // 4)
         elif isinstance(e, ev.TgtLoadFailed):
             entry = self.load_parts.get((worker, e.transfer))
             if entry is not None:
@@ -252,9 +259,42 @@ class _Builder:
         elif isinstance(e, ev.Refused):
             self.instant(worker, f"refused {e.command}", ts, reason=e.reason, request=e.request,
                          transfer=e.transfer)
+        elif isinstance(e, ev.StgStarted | ev.StgCompleted | ev.StgAborted | ev.StgServed | ev.StgRenewed
+                        | ev.StgReadEnded | ev.StgReleased):
+            self._host_pool(worker, side, e, ts)
         else:  # a kind without a rendering yet is shown as a bare instant, never dropped
             self.unrendered.add(type(e))
             self.instant(worker, type(e).__name__, ts)
+
+    def _host_pool(self, worker: str, side: str, e: ev.Event, ts: float) -> None:
+        """P's host staging pool: the copy to host (until complete or dropped), then the staged copy (until its
+        lease ends), on the pool's own track."""
+        key = (worker, getattr(e, "transfer", ""))
+        if isinstance(e, ev.StgStarted):
+            posted = Slice(worker, side, "host pool", f"copy to host {e.transfer}", ts, ts, "staging",
+                           {"request": e.request, "transfer": e.transfer, "slots": len(e.blocks) // 4})
+            self.slices.append(posted)
+            self.staged[key] = posted
+        elif isinstance(e, ev.StgCompleted):
+            copied = self.staged.pop(key, None)
+            if copied is not None:
+                copied.end = ts
+                staged = Slice(worker, side, "host pool", f"staged {e.transfer}", ts, ts, "staged", dict(copied.args))
+                self.slices.append(staged)
+                self.staged[key] = staged
+        elif isinstance(e, ev.StgAborted | ev.StgReleased):
+            ended = self.staged.pop(key, None)
+            if ended is not None:
+                ended.end = ts
+                ended.args["reason"] = e.reason
+                if isinstance(e, ev.StgAborted) or e.reason not in ("completed",):
+                    ended.name += f" ({e.reason})"
+        elif isinstance(e, ev.StgServed):
+            self.instant(worker, "staged copy claimed", ts, transfer=e.transfer, peer=e.peer)
+        elif isinstance(e, ev.StgRenewed):
+            self.instant(worker, "staged copy renewed", ts, transfer=e.transfer, expires_at=e.expires_at)
+        elif isinstance(e, ev.StgReadEnded):
+            self.instant(worker, "staged read ended", ts, transfer=e.transfer, ok=e.ok, reason=e.reason)
 
     def _settle_load(self, worker: str, side: str, transfer: str, request: str, ts: float, outcome: str,
                      reason: str = "") -> None:
@@ -274,7 +314,7 @@ class _Builder:
                 load.category = "failed"
                 load.name += f" ({outcome})"
             else:
-                for source_transfer in _source_transfers(transfer):
+                for source_transfer in source_transfers(transfer):
                     self.completions.setdefault(source_transfer, []).append(load)
         if outcome == "ready":
             self.state(worker, side, request, "READY_FOR_ATTENTION", ts)
@@ -284,15 +324,6 @@ class _Builder:
             self.state(worker, side, request, "RESERVED (stream declined)", ts)
         else:
             self.state(worker, side, request, None, ts)
-
-
-def _source_transfers(transfer: str) -> list[str]:
-    """P transfer ids a D load reads: itself, or each part of a multi-rank load ``<request><-<t1>+<t2>``."""
-    if "<-" in transfer:
-        parts = [t for t in transfer.split("<-", 1)[1].split("+") if t]
-        if parts:
-            return parts
-    return [transfer]
 
 
 def _assign_lanes(slices: list[Slice]) -> None:
@@ -329,7 +360,8 @@ def build_timeline(merged: Sequence[tuple[str, str, Record]]) -> Timeline:
         builder.feed(worker, side, record.event, ts)
     for s in builder.slices:
         t_min = min(t_min, s.start)
-    for still_open in [*builder.open_state.values(), *builder.leases.values(), *builder.loads.values()]:
+    for still_open in [*builder.open_state.values(), *builder.leases.values(), *builder.loads.values(),
+                       *builder.staged.values()]:
         still_open.end = t_max
         still_open.open = True
     flows = [Flow(transfer, grant, load) for transfer, grant in builder.grants.items()
@@ -363,7 +395,7 @@ def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
     for worker, pid in pids.items():
         side = timeline.workers[worker]
         out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_name",
-                    "args": {"name": f"{worker} ({'P' if side == 'source' else 'D'}, {side})"}})
+                    "args": {"name": f"{worker} ({'D' if side == 'target' else 'P'}, {side})"}})
         out.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_sort_index", "args": {"sort_index": pid}})
         out.append({"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "events"}})
     lanes = sorted({(s.worker, s.track, s.lane) for s in timeline.slices})

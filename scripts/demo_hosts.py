@@ -26,7 +26,7 @@ import netns_harness as nh  # noqa: E402
 from host_worker import HostWorker  # noqa: E402
 
 from kvlifecycle.replay import check, check_pair, replay  # noqa: E402
-from kvlifecycle.tools.demo import WorkerConfig  # noqa: E402
+from kvlifecycle.tools.workers import WorkerConfig  # noqa: E402
 
 TTL_S = 2
 SHAPE = {"regions": 16, "blocks": 64, "block_bytes": 16384}

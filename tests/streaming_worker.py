@@ -1,15 +1,11 @@
-"""A demo worker with the layer-wise stream's commands, run in its own process (real NIXL, DRAM)."""
+"""The handoff worker with the layer-wise stream's commands, run in its own process (real NIXL, DRAM)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
-from dataclasses import asdict
 from typing import Any
 
-import msgspec
-
-from kvlifecycle.tools.demo import COMMAND_TIMEOUT_S, WorkerConfig, WorkerProcess, _Worker, worker_main
+from kvlifecycle.tools.workers import HandoffWorker, WorkerConfig, WorkerProcess
 
 
 class _FailingPosts:
@@ -29,7 +25,7 @@ class _FailingPosts:
         return getattr(self._inner, name)
 
 
-class StreamWorker(_Worker):
+class StreamWorker(HandoffWorker):
     streamer: Any = None
 
     def stream_setup(self, layers: int, regions_per_layer: int, stream_timeout_s: float = 60.0) -> None:
@@ -117,12 +113,5 @@ class StreamWorker(_Worker):
 class StreamWorkerProcess(WorkerProcess):
     """:class:`WorkerProcess` running a :class:`StreamWorker`."""
 
-    def __init__(self, cfg: WorkerConfig, *, start_timeout_s: float = COMMAND_TIMEOUT_S) -> None:
-        ctx = mp.get_context("spawn")
-        self.cfg = cfg
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(msgspec.msgpack.encode(asdict(cfg)), child, StreamWorker),
-                                name=cfg.name, daemon=True)
-        self.proc.start()
-        child.close()
-        self.hello = self._reply(start_timeout_s, "start")
+    def __init__(self, cfg: WorkerConfig) -> None:
+        super().__init__(cfg, StreamWorker)

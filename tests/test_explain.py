@@ -13,9 +13,11 @@ from test_timeline import write_logs
 from kvlifecycle.cli import main
 from kvlifecycle.explain import (
     COMPLETED_AFTER_RELEASE,
+    IN_FLIGHT,
     LOAD_NEVER_COMPLETED,
     PINNED_PAST_LEASE,
     READ_AFTER_RELEASE,
+    READ_OUTLIVED_LEASE,
     RELEASED_UNDER_READER,
     REQUEST_DID_NOT_END,
     explain_logs,
@@ -36,11 +38,13 @@ def test_nothing_to_explain_when_everything_ended(tmp_path: Path, scenario: str,
     assert capsys.readouterr().out.startswith("nothing to explain in")
 
 
-def test_failures_handled_as_designed_are_not_findings(tmp_path: Path) -> None:
-    """A failed load that fell back to recompute, and an expiry under a reader whose load then failed: the
-    ledgers did what they must, nothing is left in flight."""
+def test_a_recompute_is_no_finding_an_expiry_under_a_read_is(tmp_path: Path) -> None:
+    """A failed load that fell back to recompute is handled as designed; a lease P expired while D's read under it
+    ran on (D failed the load only after hearing of the expiry) is a read that outlived its lease."""
     write_logs(tmp_path)
-    assert explain_logs([tmp_path])[1] == []
+    (finding,) = explain_logs([tmp_path])[1]
+    assert finding.rule == READ_OUTLIVED_LEASE and finding.request == "req-c" and finding.worker == "p0"
+    assert "its load failed (source lease expired)" in finding.sentence
 
 
 def test_freed_while_a_transfer_reads(tmp_path: Path) -> None:
@@ -143,11 +147,12 @@ def test_cli_exit_code_json_and_text(tmp_path: Path, scenario: str, capsys: pyte
         assert line.split()[:3] == [f"+{step['t_ms']:.3f}", "ms", step["worker"]] and step["event"] in line
 
 
-def test_explain_until_sees_the_fault_before_it_heals(tmp_path: Path) -> None:
-    """Until the completion arrives, the load is in flight: at that moment it is a load not yet completed."""
+def test_explain_until_reports_the_open_load_as_in_flight(tmp_path: Path) -> None:
+    """Until the completion arrives, the load is in flight: at that moment it is work in flight, not a fault."""
     SCENARIOS["clean"](tmp_path)
-    _, findings = explain_logs([tmp_path], until_offset_s=0.004)
-    assert [f.rule for f in findings] == [LOAD_NEVER_COMPLETED]
+    _, found = explain_logs([tmp_path], until_offset_s=0.004)
+    assert [f.rule for f in found] == [IN_FLIGHT]
+    assert "was in flight" in found[0].sentence and "cut at +4.000 ms" in found[0].sentence
 
 
 def test_explain_of_an_unreadable_log_is_one_line_and_exit_2(tmp_path: Path,

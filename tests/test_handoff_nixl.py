@@ -16,7 +16,7 @@ pytest.importorskip("nixl._api", reason="needs the real NIXL package (pip instal
 from kvlifecycle.handoff import REPLY_TYPES
 from kvlifecycle.replay import check, check_pair, replay
 from kvlifecycle.sidechannel import SideChannelClient, SideChannelRefused
-from kvlifecycle.tools.demo import WorkerConfig, WorkerError, WorkerProcess, default_compat
+from kvlifecycle.tools.workers import WorkerConfig, WorkerError, WorkerProcess, default_compat
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

@@ -24,12 +24,12 @@ from kvlifecycle.handoff import (
     SideChannelError,
     SideChannelRefused,
 )
+from kvlifecycle.handoff.unclaimed_grants import REASON_CHARS
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.invariants import check_merged, check_source, check_target
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.sidechannel import SideChannelClient, SideChannelServer
 from kvlifecycle.transport import KVLayout, MemoryKind
-from kvlifecycle.unclaimed import REASON_CHARS
 
 BLOCKS, BYTES = 8, 64
 COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=1, num_kv_heads=2, head_size=16, block_size=1,

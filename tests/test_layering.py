@@ -191,3 +191,115 @@ def test_wheel_ships_subpackages_under_kvlifecycle_only(tmp_path) -> None:
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "kvlifecycle = kvlifecycle.cli:main" in text
     assert "[sglang.srt.plugins]" in text
+
+
+# --- no import circles ----------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# the trees the wheel maps under kvlifecycle (pyproject's package-dir), each with the name it is imported by
+TREES = {"kvlifecycle": ROOT / "kvlifecycle", "kvlifecycle.transports": ROOT / "transports",
+         "kvlifecycle.adapters": ROOT / "adapters"}
+# circles through a lazy import that are known and not yet cut; a new circle anywhere else fails the test
+KNOWN_CIRCLES = {
+    frozenset({"kvlifecycle.sim.parallel", "kvlifecycle.sim.report"}),
+    frozenset({"kvlifecycle.adapters.sglang.conn", "kvlifecycle.adapters.sglang.decode",
+               "kvlifecycle.adapters.sglang.prefill"}),
+}
+
+
+def source_modules() -> dict[str, Path]:
+    """Every module of the three trees, by its import name."""
+    found = {}
+    for prefix, tree in TREES.items():
+        for path in sorted(tree.rglob("*.py")):
+            parts = path.relative_to(tree).with_suffix("").parts
+            found[".".join((prefix, *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return found
+
+
+def imported_modules(module: str, source: str, known: set[str], *, package: bool = False) -> set[str]:
+    """The modules of ``known`` that ``source`` (the text of ``module``) imports, at its top or lazily inside a
+    function (a lazy import closes a circle as surely), leaving out imports under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(source)
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module + ".__init__" if package else module, node)
+            for alias in node.names:  # ``from pkg import mod`` imports the module, ``from mod import name`` mod
+                target = f"{base}.{alias.name}"
+                found.add(target if target in known else base)
+    return (found & known) - {module}
+
+
+def import_circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected sets of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: set[frozenset[str]] = set()
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    members = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        members.add(member)
+                        if member == node:
+                            break
+                    if len(members) > 1:
+                        circles.add(frozenset(members))
+    return circles
+
+
+def test_no_import_circles_under_the_core_the_transports_and_the_adapters() -> None:
+    modules = source_modules()
+    assert {"kvlifecycle.transports.select", "kvlifecycle.adapters.vllm.worker", "kvlifecycle.tools.demo"} <= set(
+        modules)
+    known = set(modules)
+    graph = {m: imported_modules(m, p.read_text(), known, package=p.name == "__init__.py") for m, p in modules.items()}
+    assert "kvlifecycle.transports.cuda_ipc.selection" in graph["kvlifecycle.transports.select"]
+    assert {sorted(c)[0]: sorted(c) for c in import_circles(graph) - KNOWN_CIRCLES} == {}
+
+
+def test_the_circle_check_finds_a_lazy_circle() -> None:
+    """A selector that imports its fast path at the top while the fast path imports it back inside a function (the
+    shape the transport selection once had) is a circle; the same import under TYPE_CHECKING is not."""
+    known = {"pkg.select", "pkg.fast", "pkg.report"}
+    select = "from pkg.fast import FastPath\nfrom pkg import report\n"
+    fast = "def take():\n    from . import select\n    return select\n"
+    graph = {"pkg.select": imported_modules("pkg.select", select, known),
+             "pkg.fast": imported_modules("pkg.fast", fast, known), "pkg.report": set()}
+    assert graph["pkg.select"] == {"pkg.fast", "pkg.report"} and graph["pkg.fast"] == {"pkg.select"}
+    assert import_circles(graph) == {frozenset({"pkg.select", "pkg.fast"})}
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import select\n"
+    graph["pkg.fast"] = imported_modules("pkg.fast", typed, known)
+    assert import_circles(graph) == set()

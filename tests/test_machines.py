@@ -16,7 +16,7 @@ from kvlifecycle import machines as m
 from kvlifecycle.ledger import SourceLedger, TargetLedger, open_ledger
 
 
-@pytest.mark.parametrize("spec", [m.SOURCE_MACHINE, m.TARGET_MACHINE], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [m.SOURCE_MACHINE, m.TARGET_MACHINE, m.STAGING_MACHINE], ids=lambda s: s.name)
 def test_compiled_tables_agree_with_transitions_on_every_state_trigger_guard(spec: m.MachineSpec) -> None:
     compiled = m.compile_machine(spec)
     for state, trigger, guard_value in itertools.product(spec.states, compiled.triggers, (True, False)):
@@ -36,7 +36,8 @@ def test_compiled_tables_agree_with_transitions_on_every_state_trigger_guard(spe
 
 
 def test_every_declared_edge_is_in_the_table_and_nothing_else() -> None:
-    for spec, compiled in ((m.SOURCE_MACHINE, m.SOURCE), (m.TARGET_MACHINE, m.TARGET)):
+    for spec, compiled in ((m.SOURCE_MACHINE, m.SOURCE), (m.TARGET_MACHINE, m.TARGET),
+                           (m.STAGING_MACHINE, m.STAGING)):
         guarded = {e.trigger for e in spec.edges if e.guard is not None}
         # an unguarded edge of a guarded trigger holds either way, so it sits in both tables
         declared = sum(2 if e.guard is None and e.trigger in guarded else 1 for e in spec.edges)
@@ -152,7 +153,7 @@ SPECS = {"source": m.SOURCE_MACHINE, "target": m.TARGET_MACHINE}
 
 
 def test_every_event_type_is_recorded_by_some_machine() -> None:
-    recorded = m.SOURCE_MACHINE.event_types | m.TARGET_MACHINE.event_types
+    recorded = m.SOURCE_MACHINE.event_types | m.TARGET_MACHINE.event_types | m.STAGING_MACHINE.event_types
     assert recorded == set(typing.get_args(ev.AnyEvent))
 
 
@@ -184,7 +185,8 @@ def test_the_timeline_renders_every_event(event_type: type[ev.Event]) -> None:
     from kvlifecycle.timeline import _Builder
 
     builder = _Builder()
-    builder.feed("w", "source" if event_type.__name__.startswith("Src") else "target", _sample(event_type), 1.0)
+    side = {"Src": "source", "Stg": "staging"}.get(event_type.__name__[:3], "target")
+    builder.feed("w", side, _sample(event_type), 1.0)
     assert builder.unrendered == set()
 
 

@@ -150,14 +150,15 @@ def test_race_duplicate_reordered_and_late_completions(pair) -> None:
 def test_race_lease_expiry_racing_a_heartbeat(pair) -> None:
     p, d, clock = pair
     g = handoff(p, d, "r", [1], [2])
-    clock.advance(10.0)  # exactly at expiry: the heartbeat loses, deterministically
+    clock.advance(9.0)  # D's read bound (0.9 TTL): D gives its read up before P may expire the lease
+    assert d.fail(g.transfer, "read bound reached")
+    assert [TargetState(int(s)).name for s in d.state[[2]]] == ["FREE"]  # never READY
+    clock.advance(1.0)  # exactly at expiry: a renewal D sent earlier loses, deterministically
     assert not p.heartbeat(g.transfer, g.generation)
     assert [r.reason for r in p.take_released()] == ["expired"]
     assert p.sweep() == []  # the sweep agrees: nothing left to expire
-    assert not p.consumer_done(g.transfer, g.generation)  # D's completion after expiry is refused
+    assert not p.consumer_done(g.transfer, g.generation)  # a completion after expiry is refused
     p.free("r")
-    assert d.fail(g.transfer, "source lease expired")
-    assert [TargetState(int(s)).name for s in d.state[[2]]] == ["FREE"]  # never READY
 
 
 def test_race_peer_restarted_on_same_host_port_with_new_epoch(pair) -> None:

@@ -286,15 +286,19 @@ def test_a_half_sent_frame_and_a_vanished_peer_leave_the_server_serving(server: 
     assert client(server).request(Echo("fine")) == EchoReply("FINE")
 
 
-def test_connections_past_the_limit_are_closed_and_the_rest_served(monkeypatch: pytest.MonkeyPatch,
-                                                                    server: SideChannelServer) -> None:
-    monkeypatch.setattr(sidechannel, "MAX_CONNECTIONS", 2)
-    first, second = client(server), client(server)
-    assert first.request(Echo("a")) == EchoReply("A") and second.request(Echo("b")) == EchoReply("B")
-    with raw_connection(server) as third:
-        assert third.recv(1) == b""  # closed at once
-    assert server.dropped_connections == 1
-    assert first.request(Echo("c")) == EchoReply("C")
+def test_a_connection_past_the_limit_evicts_the_longest_silent_and_everyone_is_served() -> None:
+    srv = SideChannelServer({Echo: lambda m, _p: EchoReply(m.text.upper())},
+                            limits=sidechannel.ConnectionLimits(max_connections=2))
+    try:
+        first, second = client(srv), client(srv)
+        assert first.request(Echo("a")) == EchoReply("A") and second.request(Echo("b")) == EchoReply("B")
+        with raw_connection(srv) as third:
+            third.sendall(LENGTH.pack(len(ping := encode_envelope(Ping()))) + ping)
+            assert len(read_frames(third, 1)) == 1  # admitted: first's connection, the longest silent, made room
+        assert srv.evicted_idle == 1 and srv.dropped_connections == 1 and srv.most_connections == 2
+        assert first.request(Echo("c")) == EchoReply("C")  # connected again, unseen by the caller
+    finally:
+        srv.close()
 
 
 def test_ten_thousand_junk_frames_are_counted_not_logged_one_by_one(

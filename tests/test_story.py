@@ -16,6 +16,7 @@ from test_timeline import write_logs
 from kvlifecycle.cli import main
 from kvlifecycle.cli.render import STEP_COLUMNS, Output, step_row
 from kvlifecycle.story import block_ranges, request_story, step_view, trace_logs
+from kvlifecycle.transfer_ids import load_id
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -287,7 +288,7 @@ def test_a_load_from_two_p_ranks_is_one_story(tmp_path: Path, capsys: pytest.Cap
         p.prefill_done("tp")
         grants.append(p.grant("tp"))
     d.reserve("tp", [5, 6])
-    load = "tp<-" + "+".join(g.transfer for g in grants)
+    load = load_id("tp", [g.transfer for g in grants])
     for p, g in zip(ranks, grants, strict=True):
         assert p.heartbeat(g.transfer, g.generation, peer="d0")
     d.start_load("tp", load, parts=2)

@@ -18,7 +18,7 @@ from streaming_worker import StreamWorkerProcess
 from kvlifecycle import events as ev
 from kvlifecycle.eventlog import read_events
 from kvlifecycle.replay import check, check_pair, replay
-from kvlifecycle.tools.demo import WorkerConfig
+from kvlifecycle.tools.workers import WorkerConfig
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 

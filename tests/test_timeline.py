@@ -23,7 +23,8 @@ from kvlifecycle.timeline import build_timeline, to_chrome_trace, validate_chrom
 
 def write_logs(tmp_path: Path) -> tuple[Path, Path, list[str]]:
     """A P and a D ledger with real logs: two handoffs complete (one in two parts), one load fails and falls back to
-    recompute, one lease expires and its late completion is refused, one request is cancelled mid-load."""
+    recompute, one lease expires under its read (the read outlives it) and its late completion is refused, one
+    request is cancelled mid-load."""
     clock = ManualClock(50.0)
     p_dir, d_dir = tmp_path / "p0", tmp_path / "d0"
     source = SourceLedger(64, clock=clock, worker="p0")
@@ -66,6 +67,7 @@ def write_logs(tmp_path: Path) -> tuple[Path, Path, list[str]]:
     clock.advance(0.02)
     assert source.sweep() == [grant.transfer]
     assert not source.consumer_done(grant.transfer, grant.generation)  # too late: refused, recorded
+    target.hlc.observe(source.hlc.last)  # the refusal travelled back: D ends its read after P's expiry
     target.cancel("req-c")  # in flight: the blocks free when the load settles
     target.fail(grant.transfer, "source lease expired")
 

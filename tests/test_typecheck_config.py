@@ -1,5 +1,5 @@
 """The mypy configuration keeps the core strict: only the tools and the mapped packages are merely "checked", and
-the modules whose imports go unchecked are the ones that ship no types here.
+the modules whose imports go unchecked are the ones that ship no types here, and no module has its errors ignored.
 
 The type check itself runs in scripts/test.sh (scripts/typecheck.sh), not here: its first run analyses torch."""
 
@@ -32,6 +32,15 @@ def test_strict_is_the_default_and_the_checked_set_is_exactly_the_non_core() -> 
     assert config["strict"] is True
     relaxed = _overrides_setting("disallow_untyped_defs")
     assert len(relaxed) == 1 and set(relaxed[0]) == NOT_CORE
+
+
+def test_no_module_has_its_errors_ignored() -> None:
+    """Every module is type-checked and its errors reported: no override (and not the defaults) sets
+    ``ignore_errors``, so "checked" is the weakest level anything gets."""
+    config = _mypy()
+    assert "ignore_errors" not in config
+    assert _overrides_setting("ignore_errors") == []
+    assert "ignore_errors" not in (ROOT / "pyproject.toml").read_text()
 
 
 def test_checked_still_checks_function_bodies_and_unused_ignores() -> None:

@@ -3,15 +3,13 @@ sets refuse a misspelt member; the documented spellings keep working."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import attrs
 import numpy as np
 import pytest
+from vllm_adapter_modules import load_vllm_adapter_module
 
 from kvlifecycle.choices import LoadFailurePolicy, Side, TransferMode
 from kvlifecycle.eventlog import FsyncMode, FsyncPolicy
@@ -22,17 +20,7 @@ from kvlifecycle.transport import BlockView, KVLayout, LayoutWire, MemoryKind
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _adapter_config() -> ModuleType:
-    """adapters/vllm/config.py on its own: the package's __init__ imports vLLM, the options module does not."""
-    spec = importlib.util.spec_from_file_location("kvl_vllm_config", ROOT / "adapters" / "vllm" / "config.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-config = _adapter_config()
+config = load_vllm_adapter_module("config")
 LAYOUT = {"kind": MemoryKind.DRAM, "device_id": 0, "num_blocks": 4, "base_addrs": (4096, 8192),
           "block_bytes": (256, 256)}
 

@@ -139,6 +139,7 @@ class NixlTransport(HandleQueries):
         self.busy_poll_s = float(busy_poll_s)
         self.inflight_poll_s = float(inflight_poll_s)
         self._busy_until = 0.0  # poll at busy_poll_s until then (a peer announced it is about to read from us)
+        self._wake_queued = False  # an expect_activity wake is queued: a caller that polls often adds no other
         self.call_timeout_s = float(call_timeout_s)
         try:
             self._nixl = make_agent(agent, self.backends, progress_thread=enable_prog_thread,
@@ -480,10 +481,17 @@ class NixlTransport(HandleQueries):
         """A peer is about to read from (or write to) this side: poll at ``busy_poll_s`` for a while, because
         UCX needs the target side to progress, and idle polling would add up to ``idle_poll_s`` per transfer. A
         first READ from a new peer does not complete at all until this side progresses (UCX's wire-up answer):
-        the service thread is woken now rather than at the end of its idle wait."""
+        the service thread is woken now rather than at the end of its idle wait, and drains the notifications that
+        arrived meanwhile. An engine that polls a transfer's state can call this on every poll (the wake is
+        coalesced: one queued at a time), so a notification is picked up at its poll, not up to ``busy_poll_s``
+        later."""
         self._busy_until = max(self._busy_until, time.monotonic() + seconds)
-        if not self._closed:
-            self._submit(_noop)
+        if not self._closed and not self._wake_queued:
+            self._wake_queued = True  # a lost race queues a second wake, which is harmless
+            self._submit(self._woken)
+
+    def _woken(self) -> None:
+        self._wake_queued = False
 
     def peer_epoch(self, peer: str) -> int | None:
         p = self._peers.get(peer)

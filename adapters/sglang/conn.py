@@ -50,6 +50,7 @@ from sglang.srt.runtime_context import get_device, get_parallel
 from sglang.srt.server_args import ServerArgs
 
 from kvlifecycle import envvars
+from kvlifecycle.choices import Side
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.ledger import SourceLedger, TargetLedger, open_ledger
 from kvlifecycle.protocol.bounds import min_stream_timeout
@@ -80,7 +81,7 @@ class Settings:
         """Read once, through the project's environment registry (``kvlifecycle.envvars``)."""
         return cls(
             heartbeat_s=_float(envvars.SGLANG_HEARTBEAT_S.read()),
-            peer_timeout_s=_float(envvars.SGLANG_PEER_TIMEOUT_S.read()),
+            peer_timeout_s=envvars.sglang_peer_timeout_s(),
             claim_timeout_s=_float(envvars.SGLANG_CLAIM_TIMEOUT_S.read()),
             serve_timeout_s=_float(envvars.SGLANG_SERVE_TIMEOUT_S.read()),
             write_timeout_s=_float(envvars.SGLANG_WRITE_TIMEOUT_S.read()),
@@ -169,8 +170,7 @@ class KVLifecycleKVManager(CommonKVManager):
         self.settings = Settings.from_env()
         self.kvl_kv_replicated = bool(is_mla_backend)  # before the handoff starts: its compatibility record says it
         self.kvl_epoch = new_epoch()
-        role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
-        self.kvl_role = role
+        self.kvl_side = Side.SOURCE if disaggregation_mode == DisaggregationMode.PREFILL else Side.TARGET
         self.kvl_agent = self._agent_name(args, server_args)
         if args.state_types:
             raise NotImplementedError(f"kvlifecycle SGLang backend: state pools {args.state_types} not supported yet")
@@ -190,8 +190,7 @@ class KVLifecycleKVManager(CommonKVManager):
         log_dir = os.path.join(self.settings.log_dir, f"{self.kvl_agent}.{self.kvl_epoch}") if self.settings.log_dir \
             else None
         # the ledgers span pages and aux rows (one block id space): a room's blocks are its pages, then its aux row
-        side = "source" if role == "prefill" else "target"
-        self.ledger: SourceLedger | TargetLedger = open_ledger(side, self.kv_layout.num_blocks, log_dir,
+        self.ledger: SourceLedger | TargetLedger = open_ledger(self.kvl_side, self.kv_layout.num_blocks, log_dir,
                                                                worker=self.kvl_agent)
         self.ledger_log_dir = log_dir
         self.stream_options = self.settings.stream_options(self.kv_layout.num_regions)
@@ -212,7 +211,7 @@ class KVLifecycleKVManager(CommonKVManager):
     def _agent_name(self, args: KVArgs, server_args: ServerArgs) -> str:
         """A decode's agent is new each start; a prefill rank keeps its name across restarts (its epoch changes),
         so a decode's ledger sees one peer come back under a new epoch and fails the old incarnation's loads."""
-        if self.kvl_role == "decode":
+        if self.kvl_side is Side.TARGET:
             return f"kvl-decode-{uuid.uuid4().hex[:12]}"
         return (f"kvl-prefill-{socket.gethostname()}-{server_args.disaggregation_bootstrap_port}-"
                 f"dp{getattr(args, 'system_dp_rank', 0) or 0}-tp{args.engine_rank}-pp{args.pp_rank}")
@@ -279,6 +278,7 @@ class KVLifecycleKVSender(CommonKVSender):
     (:meth:`~kvlifecycle.adapters.sglang.prefill.PrefillKVManager.p_room_status`)."""
 
     kv_mgr: PrefillKVManager
+    conclude_state: KVPoll | None  # the base class's: the room's final state once known
 
     def __init__(self, mgr: PrefillKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
@@ -316,6 +316,7 @@ class KVLifecycleKVReceiver(CommonKVReceiver):
     """D side of one room. ``poll`` is Success only once the target ledger made the pages READY_FOR_ATTENTION."""
 
     kv_mgr: DecodeKVManager
+    conclude_state: KVPoll | None  # the base class's: the room's final state once known
 
     def __init__(self, mgr: DecodeKVManager, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         # the receiver's own birth: the bound on a prefill that never appears starts here (a room record made on
@@ -417,7 +418,8 @@ class KVLifecycleKVBootstrapServer(CommonKVBootstrapServer):
         async def _json() -> dict:
             return data
 
-        request.json = _json  # type: ignore[method-assign]
+        # aiohttp is typed only where installed (the SGLang environment)
+        request.json = _json  # type: ignore[method-assign, assignment, unused-ignore]
         return await super()._handle_route_put(request)
 
     async def _handle_route_get(self, request: web.Request) -> web.Response:

@@ -12,7 +12,8 @@
 * Epochs and liveness: D reads each prefill's agent epochs off its bootstrap server (``/kvl/epochs``) every
   ``KVL_SGLANG_HEARTBEAT_S``; a rank under a new epoch fails its old incarnation's loads in the ledger
   (``peer_restarted``) and its streams end at once (SGLang #10365); a bootstrap server silent for
-  ``KVL_SGLANG_PEER_TIMEOUT_S`` fails the rooms waiting on its ranks. The streams heartbeat each prefill rank at
+  ``KVL_SGLANG_PEER_TIMEOUT_S`` fails the rooms waiting on its ranks, and its ranks are invalidated in the Consumer
+  (``invalidate_peer``: their loads and streams end, their links go). The streams heartbeat each prefill rank at
   the same rhythm (``StreamOptions``): a rank that stops answering ends D's streams, a decode P stops hearing P's.
 """
 
@@ -230,7 +231,9 @@ class DecodeKVManager(KVLifecycleKVManager):
     def d_room_status(self, room: int) -> KVPoll:
         with self._lock:
             d = self.d_rooms.get(room)
-        if d is not None and d.loading and d.transfer not in self.ledger.loads:  # the load ended
+        if d is not None and d.loading and d.transfer in self.ledger.loads:
+            self.streams.expect_notes()  # the scheduler's poll: the stream's landing note is looked for now
+        elif d is not None and d.loading:  # the load ended
             d.loading = False
             req = self.ledger.requests.get(str(room))
             if req is not None and req.state == TargetState.READY_FOR_ATTENTION:
@@ -340,6 +343,14 @@ class DecodeKVManager(KVLifecycleKVManager):
         for room in rooms:
             self._d_fail(room, reason)
         if new_epoch is not None:
-            self.ledger.peer_restarted(rank.agent, new_epoch)  # the old incarnation's loads fail in the ledger
-        self.streams.peer_lost(rank.agent, reason, before_epoch=new_epoch)
+            # restarted under the same agent name: the old incarnation's loads fail in the ledger and its streams end;
+            # its link and transport peer are replaced by the next handshake (dropping them here could drop the new
+            # incarnation's, which a room may be handshaking with right now)
+            self.ledger.peer_restarted(rank.agent, new_epoch)
+            self.streams.peer_lost(rank.agent, reason, before_epoch=new_epoch)
+        else:
+            try:  # lost: its loads and streams end now, its link and transport peer go
+                self.consumer.invalidate_peer(rank.agent, rank.epoch, reason)
+            except TimeoutError as exc:
+                logger.error("kvlifecycle: invalidating prefill %s: %s", pid, exc)
         CommonKVReceiver.disconnect_endpoint(NetworkAddress(rank.rank_ip, rank.rank_port).to_tcp())

@@ -34,7 +34,6 @@ from sglang.srt.utils.network import get_local_ip_auto
 
 from kvlifecycle.handoff import HandoffOptions, Producer
 from kvlifecycle.ledger import LedgerError, SourceLedger
-from kvlifecycle.machines import SourceState
 from kvlifecycle.streaming import StreamProducer
 
 
@@ -182,7 +181,7 @@ class PrefillKVManager(KVLifecycleKVManager):
         pages = np.asarray(kv_indices, dtype=np.int32)
         request = f"{bootstrap_room}#{len(r.chunks)}"
         try:
-            self._ledger_take(request, pages)
+            self.ledger.hold(request, pages)  # pages another live room holds are shared, the rest allocated
             self.ledger.prefill_done(request)
         except (LedgerError, ValueError) as exc:
             self.p_fail_room(bootstrap_room, f"ledger refused the chunk's pages: {exc}")
@@ -205,19 +204,6 @@ class PrefillKVManager(KVLifecycleKVManager):
         if is_last_chunk:
             self.streamer.prefill_ended(r.key)
         self.update_status(bootstrap_room, KVPoll.Transferring)
-
-    def _ledger_take(self, request: str, pages: np.ndarray) -> None:
-        """allocate the pages the ledger sees free (or cached); share the ones another live room holds."""
-        ledger = self.ledger
-        states = ledger.block_states(pages)
-        fresh = (states == SourceState.FREE) | (states == SourceState.PREFIX_CACHED)
-        if fresh.all():
-            ledger.allocate(request, pages)
-        elif not fresh.any():
-            ledger.share(request, pages)
-        else:
-            raise LedgerError(f"{int((~fresh).sum())} of the chunk's {pages.size} pages are held by another live "
-                              "room and the rest are free: mixed prefix sharing inside one chunk is not supported")
 
     def _p_housekeeping(self) -> None:
         """The bounds of rooms that wait: no reservation (bootstrap timeout), and reserved but not served."""
@@ -248,8 +234,7 @@ class PrefillKVManager(KVLifecycleKVManager):
         def free() -> None:
             for request in r.chunks:
                 try:
-                    if request in self.ledger.requests:
-                        self.ledger.free(request, cache=True)
+                    self.ledger.free_held(request, cache=True)
                 except LedgerError as exc:
                     logger.warning("kvlifecycle: releasing room %s: %s", room, exc)
 

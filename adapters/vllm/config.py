@@ -18,6 +18,8 @@ from kvlifecycle.eventlog import FsyncPolicy
 from kvlifecycle.membership.etcd import parse_endpoint
 from kvlifecycle.membership.keys import cluster_prefix
 
+from .nixl_migration import migrate_extra_config
+
 DEFAULT_SIDE_CHANNEL_PORT = 5700
 
 
@@ -137,15 +139,19 @@ class AdapterConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> AdapterConfig:
-        """The options from vLLM's ``kv_connector_extra_config``; the side-channel port, the log directory and the
-        etcd endpoints fall back to ``KVL_SIDE_CHANNEL_PORT``, ``KVL_LOG_DIR`` and ``KVL_ETCD_ENDPOINTS`` (see
-        docs/configuration.md)."""
-        extra = dict(extra or {})
+        """The options from vLLM's ``kv_connector_extra_config``; the side-channel host and port, the log directory
+        and the etcd endpoints fall back to ``KVL_SIDE_CHANNEL_HOST`` (else ``VLLM_NIXL_SIDE_CHANNEL_HOST``),
+        ``KVL_SIDE_CHANNEL_PORT`` (else ``VLLM_NIXL_SIDE_CHANNEL_PORT``), ``KVL_LOG_DIR`` and
+        ``KVL_ETCD_ENDPOINTS`` (see docs/configuration.md)."""
+        extra = migrate_extra_config(dict(extra or {}))  # NixlConnector's keys: carried over or refused in words
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for KVLifecycleConnector; "
                              f"known: {sorted(known)}")
+        env_host = envvars.SIDE_CHANNEL_HOST.read()
+        if "side_channel_host" not in extra and env_host is not None:
+            extra["side_channel_host"] = env_host
         env_port = envvars.SIDE_CHANNEL_PORT.read()
         if "side_channel_port" not in extra and env_port is not None:
             extra["side_channel_port"] = env_port

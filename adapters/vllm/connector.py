@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import AdapterConfig
 from .metadata import KVLifecycleMetadata
+from .nixl_migration import check_buffer_device, check_transfer_config
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
@@ -94,6 +95,7 @@ class KVLifecycleConnector(KVConnectorBase_V1):
         kv_config = vllm_config.kv_transfer_config
         assert kv_config is not None
         self.adapter_config = AdapterConfig.from_extra(kv_config.kv_connector_extra_config)
+        check_transfer_config(kv_config)
         check_supported_parallelism(vllm_config)
         engine_id = kv_config.engine_id or "engine"
         self._scheduler: SchedulerSide | None = None
@@ -136,6 +138,9 @@ class KVLifecycleConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
+        first = next(iter(kv_caches.values()), None)
+        if first is not None:
+            check_buffer_device(self._vllm_config.kv_transfer_config, first.device.type)
         self._worker.register_kv_caches(kv_caches)
         from .stats import KVLifecycleStats  # lazily: vLLM's metrics modules are only needed once stats flow
 

@@ -113,7 +113,9 @@ class SchedulerSide:
         """P: for each layer-wise request in this step, the blocks complete once its forward ran (a block is
         complete when all its tokens are computed; the last, partial one when the whole prompt is)."""
         cached = out.scheduled_cached_reqs
-        steps = [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+        # a cached request's new blocks are None when this step gave it none
+        steps: list[tuple[str, tuple[list[int], ...] | None, int]] = [
+            (r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs]
         steps += [(rid, cached.new_block_ids[i], cached.num_computed_tokens[i]) for i, rid in enumerate(cached.req_ids)]
         for request_id, new_blocks, computed in steps:
             entry = self._streaming.get(request_id)

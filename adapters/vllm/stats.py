@@ -100,9 +100,12 @@ class KVLifecyclePromMetrics(KVConnectorPromMetrics):
                                 "Descriptors per kvlifecycle KV cache transfer.",
                                 [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536]),
         }
-        self.histograms = {
+        # vLLM types each class as any of its metric kinds; these are a histogram's and a counter's
+        histogram_cls: Any = self._histogram_cls
+        counter_cls: Any = self._counter_cls
+        self.histograms: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
-                self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames),
+                histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames),
                 self.per_engine_labelvalues)
             for key, (name, doc, buckets) in spec.items()
         }
@@ -114,9 +117,9 @@ class KVLifecyclePromMetrics(KVConnectorPromMetrics):
             "num_refusals": ("vllm:kvlifecycle_num_refusals",
                              "Commands the kvlifecycle ledgers refused (each is an event in the log)."),
         }
-        self.counters = {
+        self.counters: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
-                self._counter_cls(name=name, documentation=doc, labelnames=labelnames), self.per_engine_labelvalues)
+                counter_cls(name=name, documentation=doc, labelnames=labelnames), self.per_engine_labelvalues)
             for key, (name, doc) in counters.items()
         }
 

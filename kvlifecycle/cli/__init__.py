@@ -13,6 +13,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvlifecycle.cli.arguments import USER_ERRORS, OneLineErrorParser, describe_user_error, validate_numbers
+
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "demo": ("kvlifecycle.tools.demo",
@@ -35,7 +37,10 @@ VERBS: dict[str, tuple[str, str]] = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``only``, just that verb's module is imported (a verb never pays for another's imports)."""
-    parser = argparse.ArgumentParser(prog="kvlifecycle", description=__doc__.splitlines()[0])
+    from kvlifecycle._version import __version__
+
+    parser = OneLineErrorParser(prog="kvlifecycle", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvlifecycle {__version__}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for verb, (module_name, help_text) in VERBS.items():
         verb_parser = sub.add_parser(verb, help=help_text, description=help_text)
@@ -43,6 +48,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(module_name)
         module.add_arguments(verb_parser)
+        validate_numbers(verb_parser)
         verb_parser.set_defaults(_run=module.run)
     return parser
 
@@ -52,7 +58,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     verb = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=verb if verb in VERBS else "")
     args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # a verb's refusal in words: one line, the usage-error status
+            print(exc.code if exc.code.startswith("kvlifecycle") else f"kvlifecycle {args.verb}: {exc.code}",
+                  file=sys.stderr)
+            return 2
+        raise
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as a Unix filter does
+        from kvlifecycle.cli.render import stdout_closed
+
+        return stdout_closed()
+    except USER_ERRORS as exc:
+        print(f"kvlifecycle {args.verb}: {describe_user_error(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def render() -> str:
     from kvlifecycle.machines import (
         SOURCE_MACHINE,
+        STAGING_MACHINE,
         TARGET_MACHINE,
         edges_table_markdown,
         events_table_markdown,
@@ -29,6 +30,7 @@ def render() -> str:
     for spec, title in (
         (SOURCE_MACHINE, "Source block (prefill side)"),
         (TARGET_MACHINE, "Target block (decode side)"),
+        (STAGING_MACHINE, "Host staging slot (prefill side's host pool)"),
     ):
         parts += [f"## {title}", "", "```mermaid", to_mermaid(spec).rstrip(), "```", "", edges_table_markdown(spec),
                   events_table_markdown(spec)]

@@ -1,7 +1,8 @@
 """``kvlifecycle explain LOG [LOG ...]``: for every violation, request that did not end, block pinned past its
 lease and load that never completed, the shortest chain of events that leads to it and one sentence.
 
-Exit codes as ``replay --check``: 0 nothing found, 1 findings, 2 the input could not be read or is impossible.
+Exit codes as ``replay --check``: 0 nothing found, 1 findings, 2 the input could not be read or is impossible. Work
+left open at the end of a torn log or of a log cut by ``--until`` is listed as in flight, and is no finding.
 """
 
 from __future__ import annotations
@@ -31,29 +32,38 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from kvlifecycle.explain import explain_logs, finding_view
+    from kvlifecycle.explain import explain_logs, finding_view, split_in_flight
 
     try:
         trace, findings = explain_logs(args.logs, **(args.until.until_kwargs() if args.until else {}))
     except BAD_INPUT_ERRORS as exc:
         return input_error("explain", exc)
-    views = [finding_view(trace, f) for f in findings]
+    faults, open_work = split_in_flight(findings)
+    views = [finding_view(trace, f) for f in faults]
+    in_flight = [finding_view(trace, f) for f in open_work]
     workers = ", ".join(trace.logs)
     if args.json:
         print(json.dumps({"t0": trace.t0, "workers": list(trace.logs), "events": len(trace.steps),
-                          "findings": views, "ok": not views}, indent=2))
+                          "findings": views, "in_flight": in_flight, "ok": not views}, indent=2))
         return 1 if views else 0
     from kvlifecycle.cli.render import STEP_COLUMNS, Output, iso, step_row
 
     out = Output()
     if not views:
-        out.line(f"nothing to explain in {len(trace.steps)} events of {workers}: every request ended, every lease "
-                 "and load settled, and the invariants hold", "green")
-        return 0
-    out.line(f"{len(views)} finding(s) in {len(trace.steps)} events of {workers} "
-             f"(times in ms since {iso(trace.t0)})", "bold")
+        settled = "every request ended, every lease and load settled" if not in_flight else \
+            f"{len(in_flight)} piece(s) of work were in flight where the log stops (below)"
+        out.line(f"nothing to explain in {len(trace.steps)} events of {workers}: {settled}, and the invariants hold",
+                 "green")
+    else:
+        out.line(f"{len(views)} finding(s) in {len(trace.steps)} events of {workers} "
+                 f"(times in ms since {iso(trace.t0)})", "bold")
     for n, view in enumerate(views, start=1):
         out.line()
         out.line(f"{n}. [{view['rule']}] {view['sentence']}", "bold yellow")
         out.table(STEP_COLUMNS, [step_row(s) for s in view["chain"]], indent=4)
-    return 1
+    if in_flight:
+        out.line()
+        out.line(f"in flight where the log stops ({len(in_flight)}; not findings):", "bold")
+        for view in in_flight:
+            out.line(f"  - {view['sentence']}")
+    return 1 if views else 0

@@ -9,6 +9,8 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
+from kvlifecycle.cli.arguments import port
+
 if TYPE_CHECKING:
     from kvlifecycle.membership import EtcdOptions
 
@@ -24,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--etcd-cluster", default="default", metavar="NAME",
                         help="the cluster name of the etcd keys (default 'default')")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks one)")
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000; 0 picks one)")
     parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
                         help="seconds to wait for an upstream connection (default 10)")
     parser.add_argument("--prefill-timeout", type=float, default=600.0, metavar="S",
@@ -33,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest silence while streaming a decode answer (default 600)")
     parser.add_argument("--layerwise", nargs="+", action="extend", default=[], metavar="HOST:PORT",
                         help="layer-wise streaming: each prefill server's kvlifecycle side channel, in --prefill order")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="the proxy's log level (default INFO)")
 
 
 def run(args: argparse.Namespace) -> int:

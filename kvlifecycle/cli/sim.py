@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", metavar="LIST",
                         help="comma-separated faults to inject (default all): drop, duplicate, reorder, slow, "
                              "partition, post_fail, handle_fail, duplicate_completion, cancel, expiry, p_restart, "
-                             "d_crash, drift")
+                             "d_crash, drift, disk")
     parser.add_argument("--workers", type=_workers, metavar="SPEC", help="cluster shape, e.g. P=2+1,D=2 (default)")
     parser.add_argument("--steps", type=int, metavar="N", help="scheduler steps per seed before the drain")
     parser.add_argument("--out", type=Path, default=Path("kvl-sim-failures"), metavar="DIR",
@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-shrink", action="store_true", help="write the failing run's full trace, unshrunk")
     parser.add_argument("--require-coverage", action="store_true",
                         help="exit 1 when an edge or fault was exercised by no seed")
-    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout (the table and failures go to stderr)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,23 +78,25 @@ def run(args: argparse.Namespace) -> int:
         repro += ["--steps", str(args.steps)]
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)
 
+    text = sys.stderr if args.json else sys.stdout  # with --json, stdout holds the one JSON object alone
+
     def said(failure) -> None:
-        print(f"FAIL seed {failure.seed}: {failure.first}")
-        print(f"  reproduce: {failure.reproduce}")
+        print(f"FAIL seed {failure.seed}: {failure.first}", file=text)
+        print(f"  reproduce: {failure.reproduce}", file=text)
         if failure.trace:
-            print(f"  shrunk trace ({failure.shrunk_steps} of {failure.steps} steps): {failure.trace}")
+            print(f"  shrunk trace ({failure.shrunk_steps} of {failure.steps} steps): {failure.trace}", file=text)
             print(f"  logs: {failure.logs}  (kvlifecycle replay --check {failure.logs}/*; "
-                  f"kvlifecycle timeline {failure.logs}/*)")
+                  f"kvlifecycle timeline {failure.logs}/*)", file=text)
 
     summary = run_many(seeds, config, out=args.out, cli_args=quote_args(repro), do_shrink=not args.no_shrink,
                        on_failure=said)
-    print(f"{'count':>8}  edge / fault")
+    print(f"{'count':>8}  edge / fault", file=text)
     for count, name in coverage_rows(summary):
-        print(f"{count:>8}  {name}")
+        print(f"{count:>8}  {name}", file=text)
     data = summary.to_json()
     print(f"seeds {summary.seeds}, violations {summary.violations}, leaks {summary.leaks}, "
           f"known findings {dict(summary.known)}, unexercised {len(data['unexercised'])}, "
-          f"{data['seeds_per_s']} seeds/s ({data['seeds_per_cpu_s']} per CPU second)")
+          f"{data['seeds_per_s']} seeds/s ({data['seeds_per_cpu_s']} per CPU second)", file=text)
     if args.json:
         data.pop("coverage")
         print(json.dumps({**data, "coverage": dict(summary.coverage)}, sort_keys=True))

@@ -23,8 +23,7 @@ from kvlifecycle.membership.keys import Member, MemberKey, MemberState, Role
 from kvlifecycle.membership.watcher import PeerWatcher
 
 if TYPE_CHECKING:
-    from kvlifecycle.handoff import Consumer
-    from kvlifecycle.producer import Producer  # not through kvlifecycle.handoff: its module __getattr__ reads as Any
+    from kvlifecycle.handoff import Consumer, Producer
 
 log = logging.getLogger("kvlifecycle.membership")
 

@@ -27,8 +27,7 @@ from kvlifecycle.membership.watcher import PeerWatcher
 
 if TYPE_CHECKING:
     from kvlifecycle.control import GrantReply
-    from kvlifecycle.handoff import Consumer
-    from kvlifecycle.producer import Producer  # not through kvlifecycle.handoff: its module __getattr__ reads as Any
+    from kvlifecycle.handoff import Consumer, Producer
 
 log = logging.getLogger("kvlifecycle.membership")
 

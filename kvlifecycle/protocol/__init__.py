@@ -1,6 +1,6 @@
 """The handoff's protocol decisions as a deterministic core: state + message + now in, a decision out. No threads,
-sockets or wall clock live here, so that the threaded runtime (:mod:`kvlifecycle.producer`,
-:mod:`kvlifecycle.handoff`) and the simulator (:mod:`kvlifecycle.sim`) drive the same rules.
+sockets or wall clock live here, so that the threaded runtime (:mod:`kvlifecycle.handoff.producer`,
+:mod:`kvlifecycle.handoff.consumer`) and the simulator (:mod:`kvlifecycle.sim`) drive the same rules.
 
 - :mod:`.writes`: P's book of the WRITEs it accepted for pushes (one per part; none outlives its lease; a lease
   with a write in flight is released only once the write settled).

@@ -1,5 +1,5 @@
 """P's protocol decisions over its ledger: what a renewal, a hand-back, a push request, a polled write and a
-consumer's notification do, and what a service step sweeps. The threaded :class:`kvlifecycle.producer.Producer`
+consumer's notification do, and what a service step sweeps. The threaded :class:`kvlifecycle.handoff.Producer`
 and the simulator's P both call this one class; they differ only in plumbing (sockets and a service thread, or
 messages and scheduler steps). Not thread-safe: the Producer serialises its calls under its lock."""
 

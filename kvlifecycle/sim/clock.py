@@ -24,6 +24,10 @@ class NodeClock:
     def now(self) -> float:
         return self.offset + self.global_clock.now() * (1.0 + self.drift)
 
+    def global_at(self, local: float) -> float:
+        """The global time at which this clock reads ``local``."""
+        return (local - self.offset) / (1.0 + self.drift)
+
     def hlc(self, skew_s: float = 0.0) -> HybridLogicalClock:
         """A hybrid logical clock over the simulated wall time (ms) with this node's NTP-sized skew, never the
         system clock. (Monotonic clocks of different hosts share no origin; their wall clocks agree to ms.)"""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvlifecycle import events as ev
+from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.machines import SOURCE_MACHINE, TARGET_MACHINE, MachineSpec, SourceState, TargetState
 
 
@@ -67,7 +68,8 @@ _REFUSAL_FAULTS = {
 class LedgerWatch:
     """Listens to one ledger incarnation (see the module docstring)."""
 
-    def __init__(self, ledger, coverage: Counter[str], on_ready: Callable[[str], None] | None = None) -> None:
+    def __init__(self, ledger: SourceLedger | TargetLedger, coverage: Counter[str],
+                 on_ready: Callable[[str], None] | None = None) -> None:
         self.ledger, self.coverage, self.on_ready = ledger, coverage, on_ready
         self.index = _INDEX[ledger.side]
         self.prev = ledger.state
@@ -119,12 +121,14 @@ class LedgerWatch:
         if isinstance(event, ev.TgtLayersLanded):
             self.coverage[_SELF_LOOPS["layer_landed"]] += 1
         elif isinstance(event, ev.TgtPartDone):
+            assert isinstance(ledger, TargetLedger)  # a target event comes from a target ledger
             load = ledger.loads.get(event.transfer)
             if load is not None:
                 self.coverage[_SELF_LOOPS["part_done"]] += 1
         elif isinstance(event, ev.TgtCancelled):
-            req = ledger.requests.get(event.request)
-            if req is not None and req.cancel_pending:
+            assert isinstance(ledger, TargetLedger)
+            cancelled = ledger.requests.get(event.request)
+            if cancelled is not None and cancelled.cancel_pending:
                 self.coverage[_SELF_LOOPS["cancel"]] += 1
         elif isinstance(event, ev.SrcGranted):
             blocks = ledger.requests[event.request].blocks

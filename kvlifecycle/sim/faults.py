@@ -26,7 +26,11 @@ ENGINE = ("allocator_reuse", "clock_drift", "push", "pull", "tp_handles", "prefi
 STREAMS = ("stream", "stream_declined", "stream_write_fail", "stream_cancel_d", "stream_cancel_p", "stream_p_crash",
            "stream_timeout", "stream_timeout_held", "stream_window_closed", "stream_d_silent")
 
-ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE + STREAMS
+# a worker's disk while it runs (sim/storage.py): ENOSPC, EIO (each sometimes after a short write), short writes,
+# failed fsyncs, and the disk coming back
+STORAGE = ("enospc", "eio", "short_write", "fsync_fail", "disk_back")
+
+ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE + STREAMS + STORAGE
 
 # What --faults may switch off (the rest are observations of the run, not injections).
 INJECTABLE = {
@@ -43,6 +47,7 @@ INJECTABLE = {
     "p_restart": ("p_restart",),
     "d_crash": ("d_crash",),
     "drift": ("drift",),
+    "disk": STORAGE,
 }
 
 

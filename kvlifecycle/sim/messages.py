@@ -1,16 +1,19 @@
-"""The control messages the simulated workers exchange, one dataclass each (the side channel's request/reply
-pairs, and the grant a proxy carries from P to D). They mirror the Producer/Consumer messages field for field."""
+"""What the simulated network carries besides the side channel's calls (:mod:`kvlifecycle.sim.peers`): the grant a
+proxy carries from P to D, and transport notifications."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlifecycle.transport import Notification, PeerMetadata
+from kvlifecycle.choices import TransferMode
+from kvlifecycle.control import GrantReply
+from kvlifecycle.transport import Notification
 
 
 @dataclass(frozen=True, slots=True)
 class GrantInfo:
-    """A published grant of one P rank (``GrantReply``)."""
+    """A published grant of one P rank, as the checks know it (what a ``GrantReply`` says, and the allocation epoch
+    and TP position of its blocks)."""
 
     request: str
     transfer: str
@@ -31,58 +34,9 @@ class GrantInfo:
 class GrantArrived:
     """P -> D through the proxy: what vLLM carries in ``kv_transfer_params``."""
 
-    grant: GrantInfo
-    mode: str  # pull | push
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """A side-channel request; the reply names ``call``."""
-
-    call: int
-    body: object
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    call: int
-    ok: bool
-    detail: str = ""
-    meta: PeerMetadata | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class GetMeta:
-    agent: str
-    epoch: int
-    meta: PeerMetadata | None
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    transfer: str
-    generation: int
-    agent: str
-    hlc: int
-
-
-@dataclass(frozen=True, slots=True)
-class LoadFailed:
-    transfer: str
-    generation: int
-    reason: str
-    hlc: int
-
-
-@dataclass(frozen=True, slots=True)
-class PushRequest:
-    transfer: str
-    generation: int
-    agent: str
-    epoch: int
-    blocks: tuple[int, ...]
-    target_request: str
-    part: int
+    grant: GrantInfo  # what the checks know of it
+    mode: TransferMode
+    reply: GrantReply  # what D's engine hands the Consumer
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ cluster to quiescence; the checks run after every step and at the end.
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 import tempfile
@@ -15,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvlifecycle.choices import LoadFailurePolicy
 from kvlifecycle.machines import TargetState
 from kvlifecycle.sim import checks
-from kvlifecycle.sim.world import DWorker, SimConfig, World, d_phase, p_phase
+from kvlifecycle.sim.streams import Loss
+from kvlifecycle.sim.world import DWorker, PPhase, PWorker, RequestMode, SimConfig, World, d_phase, p_phase
 
 Step = tuple[Any, ...]
 
@@ -53,7 +56,7 @@ class Simulation:
         self.violations: list[str] = []
         self.known: list[str] = []
         self._post_failures = 0
-        self.requests: dict[str, tuple[int, str, int, str]] = {}  # request -> (group, d, blocks, mode)
+        self.requests: dict[str, tuple[int, str, int, RequestMode]] = {}  # request -> (group, d, blocks, mode)
         self.keep_trace = keep_trace
         self.trace: list[tuple[int, Step, tuple[Any, ...]]] = []
         self._seen = {id(w): 0 for w in self.world.watches}
@@ -74,7 +77,7 @@ class Simulation:
         self.violations += checks.tag_check(self.world, d, request)
 
     # -- choosing ---------------------------------------------------------------------------------------------------
-    def _p_requests(self, phase: str) -> list[str]:
+    def _p_requests(self, phase: PPhase) -> list[str]:
         out = []
         for request, (group, *_rest) in self.requests.items():
             for w in self.world.groups[group]:
@@ -90,15 +93,15 @@ class Simulation:
         if len(self.requests) < cfg.max_requests:
             menu.append(("arrive", 3))
         phases = {pr.phase for w in world.p for pr in w.requests.values()}  # every P request is one of ours
-        if "allocated" in phases:
+        if PPhase.ALLOCATED in phases:
             menu.append(("prefill", 3))
-        if "prefilled" in phases:
+        if PPhase.PREFILLED in phases:
             menu.append(("grant", 3))
-        if "granted" in phases:
+        if PPhase.GRANTED in phases:
             menu.append(("regrant", 0.3))
-        if "prefilled" in phases:
+        if PPhase.PREFILLED in phases:
             menu.append(("p_local", 0.3))
-        if "streaming" in phases:
+        if PPhase.STREAMING in phases:
             menu.append(("layer", 5))
         if any(d.arrivals for d in world.d):
             menu.append(("admit", 4))
@@ -174,9 +177,9 @@ class Simulation:
         layer), ``share`` (a prefix-cache hit takes cached blocks), or plain."""
         world = self.world
         members = world.groups[group % len(world.groups)]
-        mode = "push" if push and len(members) == 1 else "pull"
-        if mode == "push" and how == "stream":
-            mode = "stream"
+        mode = RequestMode.PUSH if push and len(members) == 1 else RequestMode.PULL
+        if mode is RequestMode.PUSH and how == "stream":
+            mode = RequestMode.STREAM
         request = f"r{len(self.requests)}"
         if how == "share" and len(members) == 1 and members[0].share_cached(request, nblocks):
             self.requests[request] = (group % len(world.groups), world.d[d % len(world.d)].name, nblocks, mode)
@@ -187,48 +190,48 @@ class Simulation:
         self.requests[request] = (group % len(world.groups), dw.name, nblocks, mode)
         for w in members:
             w.allocate(request, nblocks, mode)
-        if mode == "stream":
+        if mode is RequestMode.STREAM:
             dw.stream_wanted[request] = members[0].name
 
-    def _group_of(self, request: str) -> list:
+    def _group_of(self, request: str) -> list[PWorker]:
         return self.world.groups[self.requests[request][0]]
 
     def _do_prefill(self, pick: int) -> None:
-        todo = self._p_requests("allocated")
+        todo = self._p_requests(PPhase.ALLOCATED)
         if todo:
             request = todo[pick % len(todo)]
             for w in self._group_of(request):
-                if w.requests.get(request) is not None and w.requests[request].phase == "allocated":
+                if w.requests.get(request) is not None and w.requests[request].phase is PPhase.ALLOCATED:
                     w.prefill(request)
 
-    def _do_grant(self, pick: int, phase: str = "prefilled") -> None:
+    def _do_grant(self, pick: int, phase: PPhase = PPhase.PREFILLED) -> None:
         todo = self._p_requests(phase)
         if todo:
             request = todo[pick % len(todo)]
             _, d, _, mode = self.requests[request]
             for w in self._group_of(request):
                 if w.requests.get(request) is not None and w.requests[request].phase == phase:
-                    w.grant(request, d, _grant_mode(mode))
+                    w.grant(request, d, mode.granted_as())
 
     def _do_p_local(self, pick: int) -> None:
         """The request finished on P alone (no handoff): its READY blocks are freed or cached."""
-        todo = self._p_requests("prefilled")
+        todo = self._p_requests(PPhase.PREFILLED)
         if todo:
             request = todo[pick % len(todo)]
             for w in self._group_of(request):
-                if w.requests.get(request) is not None and w.requests[request].phase == "prefilled":
+                if w.requests.get(request) is not None and w.requests[request].phase is PPhase.PREFILLED:
                     w.ledger.free(request, cache=pick % 2 == 1)
 
     def _do_regrant(self, pick: int) -> None:
-        self._do_grant(pick, "granted")
+        self._do_grant(pick, PPhase.GRANTED)
 
     def _do_layer(self, pick: int) -> None:
-        todo = [(w, r) for w in self.world.p for r, pr in w.requests.items() if pr.phase == "streaming"]
+        todo = [(w, r) for w in self.world.p for r, pr in w.requests.items() if pr.phase is PPhase.STREAMING]
         if todo:
             w, request = todo[pick % len(todo)]
             w.stream_layer(request)
 
-    def _do_stream_ask(self, pick: int, loss: str) -> None:
+    def _do_stream_ask(self, pick: int, loss: Loss) -> None:
         todo = [(d, r) for d in self.world.d for r in d.stream_wanted]
         if todo:
             d, request = todo[pick % len(todo)]
@@ -287,7 +290,7 @@ class Simulation:
         w = self.world.node(node)
         if w is None:
             return
-        if node in self.world.p_by_name:
+        if isinstance(w, PWorker):
             w.service(cache=cache)
         else:
             w.service()
@@ -295,15 +298,49 @@ class Simulation:
     def _do_advance(self, dt: float) -> None:
         if self.config.prompt_jobs:  # P's service thread starts a queued push within ms, never a lease later
             for w in self.world.p:
-                w.core.run_jobs()
-        self.world.clock.advance(dt)
+                w.run_jobs()
+        for d in self.world.d:  # D's service loop wakes at a job (a call's answer) within ms, never a lease later
+            if not d.consumer._jobs.empty():
+                d.service()
+        self._advance_to(self.world.clock.now() + dt)
         if self.config.transfer_deadline_s is not None and self.world.fabric.expire(self.config.transfer_deadline_s):
             self.world.exercise("handle_fail")
         for w in self.world.p:  # P's service thread cancels the writes of a closed window within ms of its end
-            if w.streams.deadlines():
+            closed, silent = w.streams.deadlines()
+            if closed:
                 self.world.exercise("stream_window_closed")
-        for d in self.world.d:  # D's service thread checks its reads' lease deadlines within ms of them
-            d.core.deadlines()
+            if silent:
+                self.world.exercise("stream_d_silent")
+        for d in self.world.d:  # D's service loop wakes within ms of the time moving (its idle poll)
+            d.service()
+
+    def _advance_to(self, end: float) -> None:
+        """Move time to ``end``, stopping at every D read bound on the way to run D's deadline check there: D's
+        service thread never sleeps past its nearest read bound (``Consumer.poll_interval``), so a read is
+        cancelled at its bound, not when the scheduler next looks (P may expire the lease 10 % of a TTL later)."""
+        clock, world = self.world.clock, self.world
+        serviced: set[tuple[str, float]] = set()  # each bound is checked once (a bound still there is not moved)
+        while True:
+            stops: list[tuple[float, float, PWorker | DWorker]] = [
+                (d.clock.global_at(bound), bound, d) for d in world.d
+                if (bound := min(d.consumer.read_bound(), d.streams.next_beat())) < float("inf")
+                and (d.name, bound) not in serviced]
+            stops += [(w.clock.global_at(bound), bound, w) for w in world.p
+                      if (bound := w.streams.next_deadline()) < float("inf") and (w.name, bound) not in serviced]
+            at, bound, w = min(stops, key=lambda stop: stop[0], default=(end, 0.0, None))
+            if w is None or at >= end:
+                break
+            serviced.add((w.name, bound))
+            clock.set(max(clock.now(), at + 1e-6))  # a µs past the bound, as the real loop polls within a ms
+            if isinstance(w, DWorker):
+                w.service()
+                continue
+            closed, silent = w.streams.deadlines()
+            if closed:
+                world.exercise("stream_window_closed")
+            if silent:
+                world.exercise("stream_d_silent")
+        clock.set(max(clock.now(), end))
 
     def _do_cancel_p(self, pick: int) -> None:
         live = [r for r in self.requests if any(r in w.requests for w in self._group_of(r))]
@@ -311,7 +348,7 @@ class Simulation:
             return
         request = live[pick % len(live)]
         for w in self._group_of(request):
-            if request in w.ledger.requests and w.requests[request].mode == "stream":
+            if request in w.ledger.requests and w.requests[request].mode is RequestMode.STREAM:
                 self.world.exercise(f"cancel_p:{p_phase(w, request)}")
                 w.abort_stream(request)  # the engine frees through the stream's release, never eagerly
             elif request in w.ledger.requests:
@@ -320,7 +357,7 @@ class Simulation:
                 if w.ledger.cancel(request) or not shared:  # a prefix hit's blocks stay the cache's until it ends
                     w.release_eagerly(request)
                 req = w.ledger.requests.get(request)
-                if req is not None and not req.leases and w.requests[request].phase == "granted":
+                if req is not None and not req.leases and w.requests[request].phase is PPhase.GRANTED:
                     w.ledger.free(request)  # already released: the engine frees at once
 
     def _do_cancel_d(self, pick: int) -> None:
@@ -381,13 +418,14 @@ class Simulation:
     def drain_round(self) -> bool:
         world, cfg = self.world, self.config
         world.network.heal()
-        for w in [*world.p, *world.d]:
+        for w in world.workers():
             w.transport._fail_posts = 0
         for _ in range(10_000):
             msg = world.network.take(0)
             if msg is None:
                 break
             world.deliver(msg)
+            world.reconcile()
         while world.fabric.in_flight:
             world.fabric.complete(0)
         for w in world.p:
@@ -400,11 +438,11 @@ class Simulation:
         for request in list(self.requests):
             for w in self._group_of(request):
                 pr = w.requests.get(request)
-                if pr is not None and pr.phase == "allocated":
+                if pr is not None and pr.phase is PPhase.ALLOCATED:
                     w.prefill(request)
-                elif pr is not None and pr.phase == "prefilled":
-                    w.grant(request, self.requests[request][1], _grant_mode(self.requests[request][3]))
-                while pr is not None and pr.phase == "streaming":
+                elif pr is not None and pr.phase is PPhase.PREFILLED:
+                    w.grant(request, self.requests[request][1], self.requests[request][3].granted_as())
+                while pr is not None and pr.phase is PPhase.STREAMING:
                     w.stream_layer(request)
         for d in world.d:
             for request in list(d.arrivals):
@@ -415,10 +453,25 @@ class Simulation:
                 if req.state == TargetState.READY_FOR_ATTENTION:
                     d.ledger.finish(request)
             for request in d.waiting_reserved():
-                if d.policy == "recompute":
+                if d.policy is LoadFailurePolicy.RECOMPUTE:
                     d.ledger.local_fill(request)
                 else:
                     d.ledger.cancel(request)
+        world.reconcile()  # what ended above is known ended before a late grant of it arrives
+        for _ in range(20):  # every call made above is answered before time moves (its timeout is shorter)
+            if not world.network.in_flight and all(d.consumer._jobs.empty() for d in world.d):
+                break
+            for _ in range(10_000):
+                msg = world.network.take(0)
+                if msg is None:
+                    break
+                world.deliver(msg)
+                world.reconcile()
+            for w in world.p:
+                w.service()
+            for d in world.d:
+                d.service()
+            world.reconcile()
         world.reconcile()
         quiet = (not world.network.in_flight and not world.fabric.in_flight
                  and not any(w.ledger.requests or w.busy() for w in world.p)
@@ -438,12 +491,6 @@ class Simulation:
         self.trace.append((index, step, tuple(new)))
 
 
-def _grant_mode(mode: str) -> str:
-    """A stream-mode request that took the post-prefill path is granted for a push (its D may hold a declined
-    stream's reservation for it)."""
-    return "push" if mode == "stream" else mode
-
-
 def _same_load(world: World, x: Any, y: Any) -> bool:
     for d in world.d:
         for _request, grants, _epoch in d.expect.values():
@@ -455,6 +502,18 @@ def _same_load(world: World, x: Any, y: Any) -> bool:
 
 def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_trace: bool,
              keep_logs: Path | None) -> RunResult:
+    # the runtime logs every fault it meets (warnings): thousands a run; the checks say what matters
+    runtime_log = logging.getLogger("kvlifecycle")
+    level = runtime_log.level
+    runtime_log.setLevel(logging.CRITICAL)
+    try:
+        return _run(config, seed, steps, keep_trace=keep_trace, keep_logs=keep_logs)
+    finally:
+        runtime_log.setLevel(level)
+
+
+def _run(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_trace: bool,
+         keep_logs: Path | None) -> RunResult:
     root = _tmp_root()
     sim = Simulation(config, seed, root, keep_trace=keep_trace)
     executed: list[Step] = []
@@ -491,9 +550,14 @@ def _execute(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_tra
             if not sim.violations and not sim.known:
                 leaks = checks.quiescence_checks(sim.world)
         sim.world.close()
-        dirs = [w.dir for w in [*sim.world.p, *sim.world.d]]
+        dirs = [w.dir for w in sim.world.workers()]
         if not sim.violations and not leaks and not sim.known:
-            sim.violations += checks.log_checks((w.dir, bool(w.watch.events)) for w in [*sim.world.p, *sim.world.d])
+            try:
+                sim.violations += checks.log_checks((w.dir, bool(w.watch.events)) for w in sim.world.workers())
+                sim.violations += checks.acknowledged_checks((w.dir, w.ledger.incarnation, w.watch.events)
+                                                             for w in sim.world.workers())
+            except Exception as exc:  # a log that cannot be read back (corrupt): a finding, not a crash
+                sim.violations.append(f"logs: {type(exc).__name__}: {exc}")
         out_dirs: list[Path] = []
         if keep_logs is not None:
             keep_logs.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
 """The simulated cluster: P workers (in TP groups) and D workers, each a real ledger with its event log in a
 directory, a simulated transport over tagged memory, an engine (allocator, prefill, frees, finishes, prefix-cache
-hits) and the protocol core of :mod:`kvlifecycle.sim.protocol_driver`, plus the real layer-wise stream code of
+hits) and the real runtime: P runs :class:`~kvlifecycle.handoff.Producer` and D runs
+:class:`~kvlifecycle.handoff.Consumer` (the simulated clock, side channel and transport injected through their
+constructors' seams, their service loops turned by the scheduler), plus the real layer-wise stream code of
 :mod:`kvlifecycle.sim.streams` (D reserves before P computes; P's chunked prefill posts each layer); one network,
 one fabric, one global clock.
 
@@ -20,19 +22,28 @@ from typing import Any
 
 import numpy as np
 
+from kvlifecycle.choices import Choice, LoadFailurePolicy, TransferMode
 from kvlifecycle.clock import ManualClock
+from kvlifecycle.control import GrantReply
+from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
+from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.ledger import BlockBusyError, SourceLedger, TargetLedger
 from kvlifecycle.machines import SourceState, TargetState
+from kvlifecycle.sidechannel import SideChannelError
 from kvlifecycle.sim import storage
 from kvlifecycle.sim.clock import NodeClock
 from kvlifecycle.sim.coverage import LedgerWatch
 from kvlifecycle.sim.memory import tag_bytes
 from kvlifecycle.sim.messages import GrantArrived, GrantInfo, NoteMsg
-from kvlifecycle.sim.network import Network
-from kvlifecycle.sim.protocol_driver import ConsumerCore, ProducerCore, deliver
-from kvlifecycle.sim.streams import Loss, SimClient, SimStreamConsumer, SimStreamProducer, StreamLink, reset_stream_ids
+from kvlifecycle.sim.network import Message, Network
+from kvlifecycle.sim.peers import PeerReply, PeerRequest, SideChannels, SimPeerCalls, serve
+from kvlifecycle.sim.streams import Loss, SimStreamConsumer, SimStreamProducer, reset_stream_ids
 from kvlifecycle.sim.transport import SimFabric, SimTransport, sim_layout
 from kvlifecycle.streaming import StreamOptions
+from kvlifecycle.transport import Notification
+
+HEADS = 2  # KV heads of the simulated model: a TP-2 group's ranks hold one each
+RESTART_S = 0.05  # a crashed D's process is up again this long after (its first handshakes follow)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +72,37 @@ class SimConfig:
         return not self.faults or fault in self.faults
 
 
+class RequestMode(Choice):
+    """How a simulated request's KV reaches D."""
+
+    PULL = "pull"
+    PUSH = "push"
+    STREAM = "stream"  # layer-wise if D's reservation is here when the prefill begins, else the post-prefill push
+
+    def granted_as(self) -> TransferMode:
+        """The grant's mode: a stream-mode request that took the post-prefill path is granted for a push (its D may
+        hold a declined stream's reservation for it)."""
+        return TransferMode.PUSH if self is RequestMode.STREAM else TransferMode(self.value)
+
+
+class PPhase(Choice):
+    """Where a simulated P request is: allocated, prefilled, granted; a stream: allocated, streaming, streamed
+    (or aborted)."""
+
+    ALLOCATED = "allocated"
+    PREFILLED = "prefilled"
+    GRANTED = "granted"
+    STREAMING = "streaming"
+    STREAMED = "streamed"
+    ABORTED = "aborted"
+
+
 @dataclass(slots=True)
 class PRequest:
     blocks: np.ndarray
-    phase: str  # allocated | prefilled | granted; a stream: allocated | streaming | streamed (| aborted)
+    phase: PPhase
     d: str = ""
-    mode: str = "pull"  # pull | push | stream (layer-wise if D's reservation is here when the prefill begins)
+    mode: RequestMode = RequestMode.PULL
     grants: int = 0
     cursor: int = 0  # a stream: the (chunk, layer) passes computed so far
 
@@ -77,8 +113,10 @@ class PWorker:
         cfg = world.config
         self.clock = NodeClock(world.clock, drift=world.drift(name))
         self.dir = world.root / name
+        # a rank of a TP group holds its heads of every block: block_bytes / ranks
+        self.block_bytes = cfg.block_bytes // ranks
         self.layout, self.regions = sim_layout(world.fabric, regions=cfg.regions, blocks=cfg.p_blocks,
-                                               block_bytes=cfg.block_bytes)
+                                               block_bytes=self.block_bytes)
         self.boots = 0
         self.requests: dict[str, PRequest] = {}
         self.free_list: list[int] = list(range(cfg.p_blocks - 1, -1, -1))
@@ -90,7 +128,8 @@ class PWorker:
         ledger = SourceLedger(cfg.p_blocks, worker=self.name, clock=self.clock, hlc=self.clock.hlc(self.clock.drift),
                               default_ttl_s=cfg.ttl_s)
         ledger.incarnation = self.world.incarnation(self.name, self.boots)
-        ledger.log, torn = storage.reopen(self.dir, ledger.header())
+        self.log, torn = storage.reopen(self.dir, ledger.header(), self.world.disk(self.name, self.boots))
+        ledger.log = self.log
         if torn:
             self.world.exercise("torn_tail")
         self.ledger = ledger
@@ -98,13 +137,16 @@ class PWorker:
         self.world.watches.append(self.watch)
         self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots)
         self.transport.register(self.layout)
-        self.core = ProducerCore(ledger, self.transport, self.world.sender(self.name))
-        self.streams = SimStreamProducer(self.core, layers=cfg.regions, options=self.world.stream_options)
+        self.producer = Producer(ledger, self.transport, self.world.compat(self.ranks), tp_rank=self.rank,
+                                 options=self.world.handoff_options,
+                                 side_channel=self.world.channels.server_for(self.name), thread=False)
+        self.streams = SimStreamProducer(self.producer, layers=cfg.regions, options=self.world.stream_options)
 
     def crash(self, tear: float | None) -> None:
         if self.streams.busy():
             self.world.exercise("stream_p_crash")
         self.world.fabric.fail_to(self.name, f"{self.name} crashed")
+        assert self.ledger.log is not None  # boot() opened it
         storage.crash(self.ledger.log, tear)
         self.transport.close()
         self.world.network.forget_node(self.name, keep=lambda payload: isinstance(payload, NoteMsg))
@@ -117,7 +159,7 @@ class PWorker:
         self.boot()
 
     # -- engine -----------------------------------------------------------------------------------------------------
-    def allocate(self, request: str, n: int, mode: str = "pull") -> bool:
+    def allocate(self, request: str, n: int, mode: RequestMode = RequestMode.PULL) -> bool:
         if len(self.free_list) < n:
             return False
         blocks = np.array(self.free_list[-n:][::-1], dtype=np.int32)
@@ -129,7 +171,7 @@ class PWorker:
         del self.free_list[-n:]
         if any(int(b) in self.world.recently_freed.get(self.name, set()) for b in blocks):
             self.world.exercise("allocator_reuse")
-        self.requests[request] = PRequest(blocks, "allocated", mode=mode)
+        self.requests[request] = PRequest(blocks, PPhase.ALLOCATED, mode=mode)
         return True
 
     def share_cached(self, request: str, n: int) -> bool:
@@ -144,7 +186,7 @@ class PWorker:
         for b in blocks:
             self.free_list.remove(b)
         self.world.exercise("prefix_share")
-        self.requests[request] = PRequest(np.array(blocks, dtype=np.int32), "allocated")
+        self.requests[request] = PRequest(np.array(blocks, dtype=np.int32), PPhase.ALLOCATED)
         return True
 
     def release_eagerly(self, request: str) -> None:
@@ -162,25 +204,25 @@ class PWorker:
 
     def prefill(self, request: str) -> None:
         req = self.requests[request]
-        if req.mode == "stream":
+        if req.mode is RequestMode.STREAM:
             if self.streams.begin(request):  # D's reservation is here: each layer leaves as computed
-                req.phase = "streaming"
+                req.phase = PPhase.STREAMING
                 self.world.exercise("stream")
                 return
             # the simulated prefill that does not stream is one step: it ends here, so a reservation arriving
             # later is declined (a reservation joining a prefill under way is not simulated)
             self.streams.prefill_ended(request)
-            req.mode = "push"  # the post-prefill path
+            req.mode = RequestMode.PUSH  # the post-prefill path
         for r in range(len(self.regions)):
             self._compute(req, request, r, req.blocks)
         self.ledger.prefill_done(request)
-        req.phase = "prefilled"
+        req.phase = PPhase.PREFILLED
 
     def _compute(self, req: PRequest, request: str, region: int, blocks: np.ndarray) -> None:
         epoch = self.ledger.requests[request].epoch
         for b in blocks.tolist():
             self.regions[region][b] = tag_bytes(self.index, region, self.transport.epoch, b, epoch,
-                                                self.world.config.block_bytes)
+                                                self.block_bytes)
 
     def stream_passes(self, req: PRequest) -> list[tuple[int, int]]:
         """A streaming prefill's (blocks complete, layer) passes: chunked in two for more than one block (the
@@ -201,7 +243,7 @@ class PWorker:
         req.cursor += 1
         if req.cursor == len(passes):
             self.ledger.prefill_done(request)
-            req.phase = "streamed"
+            req.phase = PPhase.STREAMED
             self.streams.release(request, lambda: self._free_streamed(request))
 
     def _free_streamed(self, request: str) -> None:
@@ -211,9 +253,9 @@ class PWorker:
     def abort_stream(self, request: str) -> None:
         """The engine aborts a stream-mode request: no further layer; P's ledger drops it once its writes settled."""
         req = self.requests[request]
-        if req.phase in ("streaming", "streamed"):
+        if req.phase in (PPhase.STREAMING, PPhase.STREAMED):
             self.world.exercise("stream_cancel_p")
-        req.phase = "aborted"  # the engine computes no further layer of it
+        req.phase = PPhase.ABORTED  # the engine computes no further layer of it
         self.streams.cancel(request)
         self.streams.release(request, lambda: self._cancel_settled(request))
 
@@ -221,21 +263,23 @@ class PWorker:
         if request in self.ledger.requests:
             self.ledger.cancel(request)
 
-    def grant(self, request: str, d: str, mode: str) -> GrantInfo:
+    def grant(self, request: str, d: str, mode: TransferMode) -> GrantInfo:
         req = self.requests[request]
-        g = self.ledger.grant(request, consumers=1, ttl_s=self.world.config.ttl_s)
-        info = GrantInfo(g.request, g.transfer, g.generation, g.worker, tuple(g.block_ids.tolist()), g.consumers,
-                         g.ttl_s, self.transport.agent, self.transport.epoch, g.epoch, self.rank, self.ranks)
-        self.core.publish(info)
-        req.phase, req.d, req.mode = "granted", d, mode
+        reply = self.producer.grant(request, consumers=1, ttl_s=self.world.config.ttl_s)
+        lease = self.ledger.leases[reply.transfer]
+        info = GrantInfo(reply.request, reply.transfer, reply.generation, reply.worker, tuple(reply.block_ids),
+                         reply.consumers, reply.ttl_s, self.transport.agent, self.transport.epoch,
+                         lease.epoch, self.rank, self.ranks)
+        req.phase, req.d, req.mode = PPhase.GRANTED, d, RequestMode(mode.value)
         req.grants += 1
-        self.world.network.send(self.name, d, GrantArrived(info, mode), self.world.clock.now())
+        self.world.network.send(self.name, d, GrantArrived(info, mode, reply), self.world.clock.now())
         return info
 
     def service(self, cache: bool = False) -> None:
         if self.streams.step():
             self.world.exercise("stream_d_silent")
-        self.core.service()
+        with self.log.runtime_loop():
+            self.producer.step_once()
         for released in self.ledger.take_released():
             req = self.ledger.requests.get(released.request)
             if req is not None and not req.leases:
@@ -246,21 +290,27 @@ class PWorker:
         for request in [r for r in self.requests if r not in self.ledger.requests]:
             self._give_back(self.requests.pop(request).blocks.tolist())
 
+    def run_jobs(self) -> None:
+        """P's service thread starts its queued pushes (it polls every ms)."""
+        while not self.producer._jobs.empty():
+            self.producer._jobs.get_nowait()()
+
     def busy(self) -> bool:
-        return self.core.busy() or self.streams.busy()
+        return bool(self.producer._pushes) or not self.producer._jobs.empty() or self.streams.busy()
 
 
 @dataclass(slots=True)
 class Arrival:
     grants: dict[int, GrantInfo] = field(default_factory=dict)
+    replies: dict[int, GrantReply] = field(default_factory=dict)
     ranks: int = 1
-    mode: str = "pull"
+    mode: TransferMode = TransferMode.PULL
     since: float = 0.0
     reserved: bool = False  # into a declined stream's reservation (no new one)
 
 
 class DWorker:
-    def __init__(self, world: World, name: str, policy: str) -> None:
+    def __init__(self, world: World, name: str, policy: LoadFailurePolicy) -> None:
         self.world, self.name, self.policy = world, name, policy
         cfg = world.config
         self.clock = NodeClock(world.clock, drift=world.drift(name))
@@ -274,6 +324,8 @@ class DWorker:
         self.stream_wanted: dict[str, str] = {}  # request -> the P that computes it (D may ask it to stream)
         self.fallback: set[str] = set()  # declined streams: the post-prefill path fills the same reservation
         self.free_list: list[int] = list(range(cfg.d_blocks - 1, -1, -1))
+        self.reconnect: list[PWorker] = []  # the P ranks a restarted D handshakes with once it is up
+        self.up_at = 0.0
         self.boot()
 
     def boot(self) -> None:
@@ -282,7 +334,8 @@ class DWorker:
         ledger = TargetLedger(cfg.d_blocks, worker=self.name, clock=self.clock, hlc=self.clock.hlc(self.clock.drift),
                               failure_policy=self.policy)
         ledger.incarnation = zlib.crc32(f"{self.name}/{self.boots}".encode())
-        ledger.log, torn = storage.reopen(self.dir, ledger.header())
+        self.log, torn = storage.reopen(self.dir, ledger.header(), self.world.disk(self.name, self.boots))
+        ledger.log = self.log
         if torn:
             self.world.exercise("torn_tail")
         self.ledger = ledger
@@ -290,24 +343,35 @@ class DWorker:
         self.world.watches.append(self.watch)
         self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots)
         self.transport.register(self.layout)
-        cfg = self.world.config
-        self.core = ConsumerCore(ledger, self.transport, self.world.sender(self.name), block_bytes=cfg.block_bytes,
-                                 request_timeout_s=cfg.ttl_s / 4, load_timeout_s=cfg.ttl_s * 5)
-        self.streams = SimStreamConsumer(self.core, self._stream_link, options=self.world.stream_options)
+        world, options = self.world, self.world.handoff_options
 
-    def _stream_link(self, agent: str) -> StreamLink | None:
-        link = self.core.links.get(agent)
-        if link is None or link.plan is None:
-            return None
-        world = self.world
-        p = world.p_by_name[agent]
-        return StreamLink(agent, link.epoch, SimClient(lambda msg: p.streams.serve(msg),
-                                                       lambda: not world.network.cut(self.name, agent),
-                                                       lambda: world.rpc_loss))
+        def peer_calls(post: Any) -> SimPeerCalls:
+            self.calls = SimPeerCalls(post, node=self.name, channels=world.channels, now=self.clock.now)
+            return self.calls
+
+        self.consumer = Consumer(ledger, self.transport, world.compat(1), options=options, clock=self.clock.now,
+                                 peer_calls=peer_calls,
+                                 side_channel=world.channels.client_for(self.name, options.request_timeout_s),
+                                 thread=False)
+        self.streams = SimStreamConsumer(self.consumer, options=world.stream_options)
+
+    def connect(self, p: PWorker) -> bool:
+        """The engine's thread handshakes with ``p`` (a blocking call: partitioned or lost, it fails)."""
+        try:
+            self.consumer.connect(p.name, push=True)
+        except SideChannelError:
+            return False
+        return True
+
+    def linked(self, p: PWorker, epoch: int = 0) -> bool:
+        link = self.consumer.links.get(p.name)
+        return link is not None and link.epoch >= epoch
 
     def crash(self, tear: float | None) -> None:
-        known = [(link.agent, self.world.p_by_name[link.agent]) for link in self.core.links.values()]
+        known = [self.world.p_by_name[address] for address in self.consumer.links]
+        self.calls.close()
         self.world.fabric.fail_to(self.name, f"{self.name} crashed")
+        assert self.ledger.log is not None  # boot() opened it
         storage.crash(self.ledger.log, tear)
         self.transport.close()
         self.world.network.forget_node(self.name, keep=lambda payload: isinstance(payload, NoteMsg))
@@ -322,8 +386,8 @@ class DWorker:
         for region in self.regions:
             region[:] = 0
         self.boot()
-        for agent, p in known:  # a restarted D handshakes again: P releases the leases its old self claimed
-            self.core.connect(agent, p.rank, p.ranks, push=True)
+        # a restarted D handshakes again once its process is up (P then releases the leases its old self claimed)
+        self.reconnect, self.up_at = known, self.world.clock.now() + RESTART_S
 
     def _on_ready(self, request: str) -> None:
         self.world.on_ready(self, request)
@@ -335,19 +399,31 @@ class DWorker:
         if g.request in self.fallback and self.ledger.requests.get(g.request) is not None \
                 and self.ledger.requests[g.request].state == TargetState.RESERVED:
             self.fallback.discard(g.request)  # a declined stream: the grant fills the same reservation
-            self.arrivals[g.request] = Arrival({g.rank: g}, g.ranks, msg.mode, self.world.clock.now(), reserved=True)
+            self.arrivals[g.request] = Arrival({g.rank: g}, {g.rank: msg.reply}, g.ranks, msg.mode,
+                                               self.world.clock.now(), reserved=True)
             return
         if g.request in self.ledger.requests or g.request in self.world.d_ended.get(self.name, set()):
             return  # a duplicate of a grant already admitted (or of a request already gone)
         arrival = self.arrivals.setdefault(g.request, Arrival(ranks=g.ranks, mode=msg.mode,
                                                               since=self.world.clock.now()))
         arrival.grants[g.rank] = g
+        arrival.replies[g.rank] = msg.reply
+
+    def up(self) -> bool:
+        """The process is up (a restarted D's engine acts only once it is)."""
+        return self.world.clock.now() >= self.up_at
 
     def admit(self, request: str) -> bool:
         arrival = self.arrivals.get(request)
-        if arrival is None or len(arrival.grants) < arrival.ranks:
+        if arrival is None or len(arrival.grants) < arrival.ranks or not self.up():
             return False
         n = len(arrival.grants[0].block_ids)
+        grants = [arrival.grants[r] for r in range(arrival.ranks)]
+        peers = [self.world.p_by_name[g.agent] for g in grants]
+        if not all(self.linked(p, g.agent_epoch) or self.connect(p) for p, g in zip(peers, grants, strict=True)):
+            return False  # the engine tries again later (a handshake failed)
+        if not all(self.linked(p, g.agent_epoch) for p, g in zip(peers, grants, strict=True)):
+            return False
         if arrival.reserved:  # a declined stream's reservation, if it still waits
             del self.arrivals[request]
             reserved = self.ledger.requests.get(request)
@@ -361,13 +437,15 @@ class DWorker:
             blocks = np.array([self.free_list.pop() for _ in range(n)], dtype=np.int32)
             epoch = self.ledger.reserve(request, blocks)
             self.blocks[request] = blocks
-        grants = [arrival.grants[r] for r in range(arrival.ranks)]
         self.world.exercise(arrival.mode)
         if len(grants) > 1:
             self.world.exercise("tp_handles")
-        transfer = grants[0].transfer if len(grants) == 1 else f"{request}<-" + "+".join(g.transfer for g in grants)
+        replies = [(p.name, arrival.replies[r]) for r, p in enumerate(peers)]
+        if arrival.mode is TransferMode.PUSH:
+            transfer = self.consumer.request_push(request, replies[0][1], address=replies[0][0])
+        else:
+            transfer = self.consumer.pull(request, replies)
         self.expect[transfer] = (request, grants, epoch)
-        self.core.start(request, grants, arrival.mode)
         return True
 
     def ask_stream(self, request: str) -> None:
@@ -379,8 +457,10 @@ class DWorker:
         if p is None or request in self.ledger.requests or request not in p.requests:
             self.stream_wanted.pop(request, None)
             return
-        if self._stream_link(p.name) is None:
-            self.core.connect(p.name, p.rank, p.ranks, push=True)
+        if not self.up():
+            return
+        if p.name not in self.consumer.links:
+            self.connect(p)
             return
         pr = p.requests[request]
         if len(self.free_list) < pr.blocks.size:
@@ -409,7 +489,13 @@ class DWorker:
             self.ledger.cancel(request)
 
     def service(self) -> None:
-        self.core.service()
+        if self.reconnect and self.world.clock.now() >= self.up_at:
+            known, self.reconnect = self.reconnect, []
+            for p in known:
+                self.connect(p)
+        self.calls.expire()
+        with self.log.runtime_loop():
+            self.consumer.step_once()
         self.streams.step()  # its heartbeats; a P silent for the peer timeout ends D's streams (rare: not counted)
         world = self.world
 
@@ -425,7 +511,8 @@ class DWorker:
         self.ledger.commit()
 
     def busy(self) -> bool:
-        return self.core.busy() or self.streams.busy()
+        return bool(self.consumer.pending()) or not self.consumer._jobs.empty() or self.calls.busy() \
+            or self.streams.busy()
 
     def give_up(self, request: str) -> None:
         """The engine stops waiting for a request whose grants did not all arrive (never reserved here)."""
@@ -439,7 +526,7 @@ class DWorker:
 
     def waiting_reserved(self) -> list[str]:
         """Requests RESERVED with no load in flight (a load failed under policy recompute, or was abandoned)."""
-        loading = {load.request for load in self.core.loads.values()}
+        loading = {load.request for load in self.consumer._loads.values()}
         return [r for r, req in self.ledger.requests.items()
                 if req.state == TargetState.RESERVED and r not in loading]
 
@@ -454,6 +541,10 @@ class World:
         reset_stream_ids()
         self.clock = ManualClock(1000.0)
         self.network = Network()
+        self.channels = SideChannels(self.network, self.clock.now,
+                                     reachable=lambda a, b: not self.network.cut(a, b), loss=lambda: self.rpc_loss)
+        self.handoff_options = HandoffOptions(request_timeout_s=config.ttl_s / 4, load_timeout_s=config.ttl_s * 5,
+                                              unit_bytes=config.block_bytes // HEADS, probe=False)
         self.fabric = SimFabric(note_sink=self._note, now=self.clock.now)
         self.coverage: Counter[str] = Counter()
         self.watches: list[LedgerWatch] = []
@@ -472,10 +563,16 @@ class World:
                 index += 1
         self.p_by_name = {w.name: w for w in self.p}
         self.groups = [[w for w in self.p if w.group == g] for g in range(len(config.p_groups))]
-        self.d = [DWorker(self, f"D{i}", "fail" if i % 2 == 0 else "recompute") for i in range(config.d_workers)]
+        self.d = [DWorker(self, f"D{i}", LoadFailurePolicy.FAIL if i % 2 == 0 else LoadFailurePolicy.RECOMPUTE)
+                  for i in range(config.d_workers)]
         self.d_by_name = {w.name: w for w in self.d}
         if drift:
             self.exercise("clock_drift")
+
+    def compat(self, tp_size: int) -> CompatInfo:
+        """What every worker runs: one model of :data:`HEADS` KV heads, one token per block; ``tp_size`` ranks."""
+        return CompatInfo(model_id="sim", dtype="bfloat16", num_layers=self.config.regions, num_kv_heads=HEADS,
+                          head_size=16, block_size=1, kv_layout="HND", tp_size=tp_size)
 
     def incarnation(self, name: str, boots: int) -> int:
         """A worker's incarnation (in its transfer ids): new on every start, reproducible from the seed."""
@@ -486,27 +583,42 @@ class World:
             return 0.0
         return ((zlib.crc32(f"{self.seed}/{name}".encode()) % 2001) - 1000) * 1e-6  # within ±1000 ppm
 
+    def disk(self, name: str, boots: int) -> storage.FaultyDisk | None:
+        """A worker's disk for one boot: seeded storage faults, unless the run switched them off."""
+        if not self.config.allows("disk"):
+            return None
+        return storage.FaultyDisk(f"{self.seed}/{name}/{boots}", self.exercise)
+
     def exercise(self, fault: str) -> None:
         self.coverage[f"fault: {fault}"] += 1
 
     def sender(self, node: str) -> Callable[[str, object], None]:
         return lambda dst, payload: self.network.send(node, dst, payload, self.clock.now())
 
-    def _note(self, sender: str, receiver: str, note) -> None:
+    def _note(self, sender: str, receiver: str, note: Notification) -> None:
         self.network.send(sender, receiver, NoteMsg(note), self.clock.now())
 
     def node(self, name: str) -> PWorker | DWorker | None:
         return self.p_by_name.get(name) or self.d_by_name.get(name)
 
-    def deliver(self, msg) -> None:
+    def deliver(self, msg: Message) -> None:
         node = self.node(msg.dst)
         if node is None:
             return
-        if isinstance(msg.payload, GrantArrived):
+        payload = msg.payload
+        if isinstance(payload, GrantArrived):
             assert isinstance(node, DWorker)
-            node.on_grant(msg.payload)
-            return
-        deliver(node.core, msg.src, msg.payload)
+            node.on_grant(payload)
+        elif isinstance(payload, NoteMsg):
+            node.transport.inbox.append((msg.src, payload.note))
+        elif isinstance(payload, PeerRequest):
+            reply = serve(payload, self.channels.servers.get(msg.dst))
+            if reply is not None:
+                self.network.send(msg.dst, msg.src, reply, self.clock.now())
+        elif isinstance(payload, PeerReply):
+            payload.calls.arrived(payload.call, payload.outcome, msg.src)
+        else:  # pragma: no cover - the world sends nothing else
+            raise TypeError(f"unexpected message {payload!r}")
 
     def on_ready(self, d: DWorker, request: str) -> None:
         if self.on_ready_hook is not None:
@@ -518,12 +630,16 @@ class World:
         for d in self.d:
             d.reconcile()
 
+    def workers(self) -> list[PWorker | DWorker]:
+        return [*self.p, *self.d]
+
     def ledgers(self) -> list[SourceLedger | TargetLedger]:
         return [w.ledger for w in self.p] + [d.ledger for d in self.d]
 
     def close(self) -> None:
-        for w in [*self.p, *self.d]:
+        for w in self.workers():
             w.ledger.commit()
+            assert w.ledger.log is not None  # boot() opened it
             w.ledger.log.close()
 
 
@@ -533,7 +649,7 @@ def p_phase(w: PWorker, request: str) -> str:
     if req is None:
         return "after"
     if not req.leases:
-        return "after" if w.requests.get(request) and w.requests[request].phase == "granted" else "before_grant"
+        return "after" if w.requests.get(request) and w.requests[request].phase is PPhase.GRANTED else "before_grant"
     lease = w.ledger.leases[req.leases[0]]
     if not lease.claimed:
         return "granted"
@@ -553,4 +669,4 @@ def d_phase(d: DWorker, request: str) -> str:
             TargetState.READY_FOR_ATTENTION: "ready"}.get(TargetState(req.state), "")
 
 
-__all__ = ["DWorker", "PWorker", "SimConfig", "SourceState", "World", "d_phase", "p_phase"]
+__all__ = ["DWorker", "PPhase", "PWorker", "RequestMode", "SimConfig", "SourceState", "World", "d_phase", "p_phase"]

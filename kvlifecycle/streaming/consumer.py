@@ -98,6 +98,9 @@ class StreamConsumer:
     def __init__(self, consumer: Any, *, options: StreamOptions | None = None) -> None:
         self._init_state(consumer, options=options)
         consumer.note_sinks.append(self._on_note)
+        # the Consumer's invalidate_peer ends this streamer's parts from that peer too (its epochs up to the lost one)
+        consumer.peer_lost_sinks.append(
+            lambda agent, epoch, reason: self.peer_lost(agent, reason, before_epoch=epoch + 1))
         # A layer's note is on T_visible's path: the transport wakes the Consumer that dispatches notes when one
         # arrives (else found at its next idle poll, up to 5 ms later), and, while a stream is under way, polls
         # the network at its busy rhythm (``expect_activity``) rather than its idle one
@@ -225,6 +228,14 @@ class StreamConsumer:
         for stream in gone:
             self._settle(stream, reason)
         return len(gone)
+
+    def expect_notes(self) -> None:
+        """An engine that polls a streaming request's state (SGLang's receiver) calls this at each poll: while a
+        stream is under way the transport looks for its notes now, not at its next busy poll (up to a millisecond
+        later on NIXL), so a landed stream is seen at the engine's next poll. One coalesced wake of the transport's
+        service thread; nothing waits."""
+        if self._streams:
+            self._keep_transport_busy()
 
     def pending(self) -> int:
         """Parts of streams not settled yet."""

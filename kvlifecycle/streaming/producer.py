@@ -102,6 +102,11 @@ class DeviceLayerReady(Protocol):
     def __call__(self, timeout_s: float, /) -> bool: ...
 
 
+# The shortest slice of a host wait for a layer: a window whose writes its transport cannot cancel (they stay in
+# flight past it) makes the wait go on in slices this long, not spin.
+WINDOW_CHECK_S = 0.001
+
+
 def _noop() -> None:
     pass
 
@@ -162,7 +167,7 @@ class _Stream:
 class StreamProducer:
     """Streams the layers of the requests whose D reservation arrived before their prefill began.
 
-    Beside a :class:`~kvlifecycle.producer.Producer`: serves its stream messages on the producer's side channel and
+    Beside a :class:`~kvlifecycle.handoff.Producer`: serves its stream messages on the producer's side channel and
     writes through each D's push path (the producer's transport, or its fast path), to the D agents that
     handshook with push metadata."""
 
@@ -525,7 +530,7 @@ class StreamProducer:
         if ready is not None and after is None:
             wait_s = min(self.options.stream_timeout_s, stream.window.left(self._now()))
             try:
-                written = ready(wait_s)
+                written = self._wait_for_layer(ready, wait_s)
             except Exception as exc:  # the engine's callable (a device error, say): this stream fails, not the thread
                 self._halt(stream, f"waiting for layer {layer} failed: {exc!r}")
                 return
@@ -538,6 +543,26 @@ class StreamProducer:
         with stream.posting:
             if not stream.stopping:
                 self._post_layer_unguarded(stream, layer, src, after)
+
+    def _wait_for_layer(self, ready: LayerReady, wait_s: float) -> bool:
+        """Wait on the host, at most ``wait_s``, for a layer's KV; meanwhile every other stream's window still closes
+        on time (its writes in flight cancelled at its end): one stream's wait for its layer must not keep another's
+        writes past its window. Waits in slices that end at the nearest window deadline of writes in flight."""
+        end = self._now() + wait_s
+        while True:
+            now = self._now()
+            due = [s.window.deadline for s in list(self._streams.values()) if s.writes]
+            if ready(max(min([end - now, *(d - now for d in due)]), WINDOW_CHECK_S)):
+                return True
+            if self._now() >= end:
+                return False
+            self._close_due_windows()
+
+    def _close_due_windows(self) -> None:
+        now = self._now()
+        for stream in list(self._streams.values()):
+            if stream.writes and stream.window.closed(now):
+                self._close_window(stream)
 
     def _post_layer_unguarded(self, stream: _Stream, layer: int, src: np.ndarray, after: object | None) -> None:
         lo, hi = int(stream.sent[layer]), int(src.size)
@@ -578,9 +603,8 @@ class StreamProducer:
                 stream.stopping = reason
 
     def _poll(self) -> None:
+        self._close_due_windows()
         for stream in list(self._streams.values()):
-            if stream.writes and stream.window.closed(self._now()):
-                self._close_window(stream)
             still, via = [], stream.path.transport
             for write in stream.writes:
                 status = via.poll(write.handle)

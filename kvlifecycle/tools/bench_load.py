@@ -8,8 +8,8 @@ settled) p50/p99, each process's peak and current RSS at the start, the middle a
 nothing may grow per request), how every request ended on each side, and both event logs replayed and checked at
 quiescence (``replay --check --quiescent``, called as a library).
 
-The worker processes are :class:`kvlifecycle.tools.demo.WorkerProcess` with a few batch commands added
-(:class:`LoadWorker`), so one pipe round trip starts or reaps many requests.
+The worker processes are :class:`kvlifecycle.tools.workers.WorkerProcess` running :class:`LoadWorker` (the handoff
+worker with a few batch commands), so one pipe round trip starts or reaps many requests.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlifecycle.tools.demo import WORKER_MAX_LIFETIME_S, BlockPool, WorkerConfig, WorkerProcess, _Worker
+from kvlifecycle.cli.arguments import non_negative_int
+from kvlifecycle.tools.workers import WORKER_MAX_LIFETIME_S, BlockPool, HandoffWorker, WorkerConfig, WorkerProcess
 
 SETTLE_TIMEOUT_S = 120.0  # after the last request started: every load settles and every lease ends by then
 LOAD_TTL_S = 2.0  # a lease D never claims (D cancelled first) holds P's blocks this long
@@ -35,12 +36,14 @@ LOAD_TTL_S = 2.0  # a lease D never claims (D cancelled first) holds P's blocks 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=10_000, help="requests in all (pull and push alternate)")
     parser.add_argument("--inflight", type=int, default=64, help="requests in flight at most")
-    parser.add_argument("--blocks-per-request", type=int, default=4)
-    parser.add_argument("--regions", type=int, default=4)
+    parser.add_argument("--blocks-per-request", type=int, default=4, help="blocks each request hands off")
+    parser.add_argument("--regions", type=int, default=4, help="KV regions per side")
     parser.add_argument("--blocks", type=int, default=1024, help="blocks per region (each side's pool)")
-    parser.add_argument("--block-bytes", type=int, default=1024)
-    parser.add_argument("--cancel-every", type=int, default=500, help="every Nth request is cancelled (0: none)")
-    parser.add_argument("--expire-every", type=int, default=700, help="every Nth request's lease expires (0: none)")
+    parser.add_argument("--block-bytes", type=int, default=1024, help="bytes per block per region")
+    parser.add_argument("--cancel-every", type=non_negative_int, default=500,
+                        help="every Nth request is cancelled (0: none)")
+    parser.add_argument("--expire-every", type=non_negative_int, default=700,
+                        help="every Nth request's lease expires (0: none)")
     parser.add_argument("--keep", default=None, help="keep the event logs in this directory")
 
 
@@ -56,11 +59,11 @@ def _rss_kib() -> dict[str, int]:
     return out
 
 
-class LoadWorker(_Worker):
-    """A demo worker with batch commands: grant many, start many, reap what settled or was released."""
+class LoadWorker(HandoffWorker):
+    """The handoff worker with batch commands: grant many, start many, reap what settled or was released."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        super().__init__(dataclasses.replace(cfg, side=cfg.side.removeprefix("load-")))
+        super().__init__(cfg)
         self._request_of: dict[str, str] = {}  # D: load transfer -> request
         self._started: dict[str, float] = {}  # D: request -> when the load was asked for
         self._settled: collections.deque[tuple[str, float]] = collections.deque()
@@ -199,8 +202,8 @@ def drive(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
     common = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes, "ttl_s": LOAD_TTL_S,
               "fsync": "never", "max_lifetime_s": WORKER_MAX_LIFETIME_S + 0.1 * args.requests}
-    p = WorkerProcess(WorkerConfig("load-producer", "p0", log_dir=str(logs / "p0"), seed=11, **common))
-    d = WorkerProcess(WorkerConfig("load-consumer", "d0", log_dir=str(logs / "d0"), **common))
+    p = WorkerProcess(WorkerConfig("producer", "p0", log_dir=str(logs / "p0"), seed=11, **common), LoadWorker)
+    d = WorkerProcess(WorkerConfig("consumer", "d0", log_dir=str(logs / "d0"), **common), LoadWorker)
     plan = _Plan(args.cancel_every, args.expire_every)
     per = args.blocks_per_request
     src_pool, dst_pool = BlockPool(args.blocks), BlockPool(args.blocks)

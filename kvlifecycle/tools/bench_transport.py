@@ -27,11 +27,14 @@ from kvlifecycle.tools.progress import progress
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=21, help="transfers per side (first one included)")
-    parser.add_argument("--regions", type=int, default=64)
-    parser.add_argument("--blocks", type=int, default=128)
-    parser.add_argument("--block-bytes", type=int, default=16384)
+    parser.add_argument("--regions", type=int, default=64, help="KV regions per side")
+    parser.add_argument("--blocks", type=int, default=128, help="blocks per region")
+    parser.add_argument("--block-bytes", type=int, default=16384, help="bytes per block per region")
     parser.add_argument("--idle-seconds", type=float, default=2.0, help="how long to sample idle CPU")
     parser.add_argument("--keep", default=None, help="keep the event logs in this directory")
+    parser.add_argument("--verify", choices=["none", "sample", "all"], default="none",
+                        help="also time a kvlifecycle pair with per-block digests on (P digests, D re-reads what "
+                             "landed), in the same run: verify_ratio = verified / unverified time")
 
 
 class RawWorker:
@@ -48,7 +51,7 @@ class RawWorker:
         self._L = L
         gen = torch.Generator().manual_seed(cfg.seed)
         shape = (cfg.blocks, cfg.block_bytes)
-        if cfg.side == "raw_producer":
+        if cfg.side == "producer":
             self.kv = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(cfg.regions)]
         else:
             self.kv = [torch.zeros(shape, dtype=torch.uint8) for _ in range(cfg.regions)]
@@ -62,7 +65,7 @@ class RawWorker:
         self.notifs = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        if cfg.side == "raw_producer":  # P must progress (notifications, UCX over tcp) while D reads
+        if cfg.side == "producer":  # P must progress (notifications, UCX over tcp) while D reads
             self._thread = threading.Thread(target=self._poll_notifs, daemon=True)
             self._thread.start()
 
@@ -144,7 +147,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlifecycle.tools.demo import WorkerConfig, WorkerProcess
+    from kvlifecycle.tools.workers import WorkerConfig, WorkerProcess
 
     iters = max(3, args.iterations)
     size = {"regions": args.regions, "blocks": args.blocks, "block_bytes": args.block_bytes}
@@ -153,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     workers: list[WorkerProcess] = []
     with progress("bench transport", iters + 2, json_output=args.json) as tick:
         try:
-            rp = WorkerProcess(WorkerConfig("raw_producer", "raw-p", seed=11, **size))
-            rd = WorkerProcess(WorkerConfig("raw_consumer", "raw-d", **size))
+            rp = WorkerProcess(WorkerConfig("producer", "raw-p", seed=11, **size), RawWorker)
+            rd = WorkerProcess(WorkerConfig("consumer", "raw-d", **size), RawWorker)
             kp = WorkerProcess(WorkerConfig("producer", "kvl-p", seed=11, log_dir=str(logs / "p"), fsync="10ms",
                                             **size))
             kd = WorkerProcess(WorkerConfig("consumer", "kvl-d", log_dir=str(logs / "d"), fsync="10ms", **size))
@@ -162,9 +165,22 @@ def run(args: argparse.Namespace) -> int:
             rd.call("connect", rp.hello["blob"], rp.hello["layout"])
             addr = kp.hello["address"]
             kd.call("connect", addr)
+            verifying = args.verify != "none"
+            if verifying:  # the same pair with digests on, timed in the same loop
+                vp = WorkerProcess(WorkerConfig("producer", "ver-p", seed=11, verify=args.verify, **size))
+                vd = WorkerProcess(WorkerConfig("consumer", "ver-d", verify=args.verify, **size))
+                workers += [vp, vd]
+                vd.call("connect", vp.hello["address"])
             raw: list[dict[str, Any]] = []
             kvl: list[dict[str, Any]] = []
+            ver: list[dict[str, Any]] = []
             for i in range(iters):
+                if verifying:
+                    vgrant = vp.call("alloc_grant", f"bench-{i}", blocks)
+                    ver.append(vd.call("bench_one", f"bench-{i}", vp.hello["address"], vgrant, blocks))
+                    deadline = time.monotonic() + 30
+                    while not vp.call("free_released") and time.monotonic() < deadline:
+                        time.sleep(0.001)
                 grant = kp.call("alloc_grant", f"bench-{i}", blocks)
                 if i % 2:  # alternate which side goes first, so an ordering effect cancels out
                     raw.append(rd.call("bench_one", blocks))
@@ -177,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
                 while not kp.call("free_released") and time.monotonic() < deadline:
                     time.sleep(0.001)
             exact = (rp.call("digest", blocks) == rd.call("digest", blocks)
-                     and kp.call("digest", blocks) == kd.call("digest", blocks))
+                     and kp.call("digest", blocks) == kd.call("digest", blocks)
+                     and (not verifying or vp.call("digest", blocks) == vd.call("digest", blocks)))
             idle_off = kp.call("idle_cpu", args.idle_seconds)
             idle_raw_d = rd.call("idle_cpu", args.idle_seconds)
             tick("idle CPU, progress thread on")
@@ -226,8 +243,13 @@ def run(args: argparse.Namespace) -> int:
         "idle_cpu_prog_thread_off": idle_off,
         "idle_cpu_prog_thread_on": idle_on,
         "idle_cpu_raw_agent": idle_raw_d,
-        "all_ok": all(r["ok"] for r in raw + kvl) and exact,
+        "all_ok": all(r["ok"] for r in raw + kvl + ver) and exact,
     }
+    if ver:
+        ver_s = float(np.median([r["wall_s"] for r in ver[1:]]))
+        result.update({"verify": args.verify, "verify_s": ver_s, "verify_ratio": ver_s / kvl_s,
+                       "verify_gbps": nbytes / ver_s / 1e9, "verified_parts": ver[-1]["verified"]})
+        result["all_ok"] = result["all_ok"] and (args.verify == "sample" or ver[-1]["verified"] == len(ver))
     if args.json:
         print(json.dumps(result))
     else:
@@ -244,5 +266,9 @@ def run(args: argparse.Namespace) -> int:
               f"(target ≤ 2×; raw {result['raw_first_over_steady']:.2f}×)")
         print(f"  idle worker CPU    prog thread off {idle_off * 100:.1f}% of a core, on {idle_on * 100:.1f}% "
               f"(raw agent, off: {idle_raw_d * 100:.1f}%)")
+        if ver:
+            print(f"  verified ({args.verify})     median {result['verify_s'] * 1e3:8.2f} ms  "
+                  f"({result['verify_gbps']:.2f} GB/s), verify_ratio {result['verify_ratio']:.3f} "
+                  f"(verified / unverified kvlifecycle, same run)")
         print(f"  bytes exact        {'yes' if result['all_ok'] else 'NO'}")
     return 0 if result["all_ok"] else 1

@@ -7,7 +7,8 @@ per process, NIXL logs noisily, and a wedged transport must not hang the doctor.
 
 Exit status: 0 when every measured default path reaches ``--min-ratio`` of its ceiling; 1 when one does not, or a
 default path cannot transfer at all (each with the known fix as a hint); 2 when NIXL is not installed.
-With ``--etcd``, the etcd checks of :mod:`kvlifecycle.tools.doctor_etcd` run instead.
+With ``--etcd``, the etcd checks of :mod:`kvlifecycle.tools.doctor_etcd` run instead; with ``--log-dir``, the
+event-log directory checks of :mod:`kvlifecycle.tools.doctor_log`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DEFAULT_TLS_VARIANTS = ("default", "tcp", "sm", "default+eh=none")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mib", type=float, default=16.0, help="bytes moved per probe transfer (default 16)")
     parser.add_argument("--block-kib", type=int, default=64, help="bytes per descriptor (default 64 KiB)")
-    parser.add_argument("--tls", default=",".join(DEFAULT_TLS_VARIANTS),
+    parser.add_argument("--ucx-tls", "--tls", dest="tls", default=",".join(DEFAULT_TLS_VARIANTS),
                         help="UCX_TLS variants to probe, comma-separated; 'default' leaves UCX_TLS as it is; "
                              "'+eh=none' sets the UCX backend's ucx_error_handling_mode "
                              f"(default {','.join(DEFAULT_TLS_VARIANTS)})")
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prog-thread-check", action="store_true",
                         help="skip the check that NIXL's UCX progress thread spins a core")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--extras", action="store_true",
+                        help="only list which of the package's extras are installed and what each missing one enables")
     parser.add_argument("--etcd", metavar="ENDPOINTS",
                         help="check these etcd endpoints (comma-separated host:port) and list the P and D "
                              "registrations there, instead of the NIXL probes (see kvlifecycle.tools.doctor_etcd)")
@@ -46,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the cluster name of the etcd keys (default 'default')")
     parser.add_argument("--etcd-timeout", type=float, default=2.0, metavar="S",
                         help="bound on each etcd call (default 2)")
+    parser.add_argument("--log-dir", metavar="DIR",
+                        help="check this event-log directory instead: readable, its writer, free space, and "
+                             "whether it can be written now (see kvlifecycle.tools.doctor_log)")
 
 
 # --- results ---------------------------------------------------------------------------------------------------
@@ -594,6 +600,9 @@ def render(report: Report) -> str:
     hints = [f"  hint ({c['check']}): {c['hint']}" for c in report.checks if c["hint"] and c["status"] != "OK"]
     if hints:
         parts.append("\n".join(hints))
+    from kvlifecycle.tools.extras import extras_status, render_extras
+
+    parts.append(render_extras(extras_status()))
     parts.append(f"doctor {'FAILED' if report.failed() else 'OK'} in {report.elapsed_s:.1f} s")
     return "\n\n".join(parts)
 
@@ -601,13 +610,23 @@ def render(report: Report) -> str:
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
+    from kvlifecycle.tools.extras import extras_status, render_extras
+
+    if args.extras:
+        rows = extras_status()
+        print(json.dumps({"extras": rows}, indent=2) if args.json else render_extras(rows))
+        return 0
+    if getattr(args, "log_dir", None):
+        from kvlifecycle.tools.doctor_log import run as run_log
+
+        return run_log(args)
     if args.etcd:
         from kvlifecycle.tools.doctor_etcd import run as run_etcd
 
         return run_etcd(args)
     if importlib.util.find_spec("nixl") is None:
-        print("kvlifecycle doctor: NIXL is not installed (pip install 'kvlifecycle[transports]', nixl==1.5.1)",
-              file=sys.stderr)
+        print("kvlifecycle doctor: NIXL is not installed (pip install 'kvlifecycle[transports]', nixl==1.5.1); "
+              "`kvlifecycle doctor --extras` lists what is", file=sys.stderr)
         return 2
     report = collect(args)
     if args.json:
@@ -615,6 +634,7 @@ def run(args: argparse.Namespace) -> int:
         for row, path in zip(payload["paths"], report.paths, strict=True):
             row["ratio"] = path.ratio
         payload["failed"] = report.failed()
+        payload["extras"] = extras_status()
         print(json.dumps(payload, indent=2))
     else:
         print(render(report))

@@ -24,22 +24,16 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvlifecycle.tools.proxy_errors import ProxyError
+
+__all__ = ["PDProxy", "ProxyConfig", "ProxyError", "Upstream", "serve"]
+
 log = logging.getLogger("kvlifecycle.proxy")
 
 PD_ROUTES = ("/v1/completions", "/v1/chat/completions")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "upgrade"}
-
-
-class ProxyError(Exception):
-    """An upstream failure with the HTTP status and message the client should see."""
-
-    def __init__(self, status: int, message: str, kind: str = "upstream_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +251,27 @@ class PDProxy:
         self._next_prefill = _prefill_order(len(prefill), len(decode))
         self._next_decode = itertools.cycle(range(max(len(decode), 1)))
 
+    # -- what the layer-wise mode (kvlifecycle.tools.proxy_layerwise) builds its requests from -----------------------
+    def next_prefill(self) -> int:
+        """The index of the prefill server the next request goes to (round-robin, spread over the decode servers)."""
+        return next(self._next_prefill)
+
+    async def open_decode(self) -> tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection to the next decode server that answers; :class:`ProxyError` if none does."""
+        return await self._open("decode", self.config.decode, self._next_decode)
+
+    async def post_prefill(self, index: int, path: str, body: dict[str, object],
+                           request_id: str) -> dict[str, object]:
+        """``body`` posted to prefill server ``index`` (no other: its side channel is the one D was told), its JSON
+        answer returned; :class:`ProxyError` for any failure."""
+        return await self._post_json("prefill", (self.config.prefill[index],), itertools.cycle([0]), path, body,
+                                     request_id)
+
+    async def relay_decode(self, path: str, body: dict[str, object], request_id: str, client: asyncio.StreamWriter,
+                           decode: tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
+        """Send ``body`` over ``decode`` and relay D's answer to ``client``; True once it went through whole."""
+        return await self._stream_decode(path, body, request_id, client, decode)
+
     async def start(self, host: str, port: int) -> int:
         self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_HEADER_BYTES)
         return self._server.sockets[0].getsockname()[1]
@@ -328,8 +343,9 @@ class PDProxy:
         # Reach a decode server first: with none up, P must not prefill and pin blocks that nobody will read.
         decode = await self._open("decode", self.config.decode, self._next_decode)
         try:
+            served_by: list[Upstream] = []
             prefill = await self._post_json("prefill", self.config.prefill, self._next_prefill, path,
-                                            prefill_body, request_id)
+                                            prefill_body, request_id, served_by)
             params = prefill.get("kv_transfer_params")
             if not isinstance(params, dict):
                 raise ProxyError(502, "prefill server answered without kv_transfer_params: is it started with a "
@@ -339,7 +355,31 @@ class PDProxy:
         except BaseException:
             decode[2].close()
             raise
-        await self._stream_decode(path, decode_body, request_id, writer, decode)
+        await self._stream_decode(path, decode_body, request_id, writer, decode,
+                                  granted_by=f"prefill server {served_by[0]}")
+
+    async def _decode_failed(self, upstream: Upstream, reader: asyncio.StreamReader, data: bytes, request_id: str,
+                             body: dict[str, object], granted_by: str) -> ProxyError:
+        """D answered a 5xx: its error, and where the handoff's cause is (D's log line carries the request id)."""
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError, OSError):
+            while len(data) < 8192:  # D was asked to close after its answer: read to its end, bounded
+                more = await asyncio.wait_for(reader.read(8192), self.config.decode_idle_timeout_s)
+                if not more:
+                    break
+                data += more
+        code = data[9:12]
+        status = int(code) if code.isdigit() else 502
+        answer = data.partition(b"\r\n\r\n")[2][:2000].decode(errors="replace").strip()
+        with contextlib.suppress(ValueError, LookupError, TypeError):
+            answer = str(json.loads(answer)["error"]["message"])  # vLLM's error object: its message alone
+        params = body.get("kv_transfer_params")
+        remote = params.get("remote_request_id") if isinstance(params, dict) else None
+        return ProxyError(status, f"decode server {upstream} answered {status} for request {request_id} after "
+                                  f"{granted_by} granted its KV{f' (as {remote})' if remote else ''}: "
+                                  f"{answer or '(no body)'}. A failed KV load is the usual cause; vLLM passes no "
+                                  f"connector reason to the client: the decode server's log line 'KV load of "
+                                  f"...{request_id}... failed' or '... not started' names it (docs/troubleshooting.md)",
+                          "kv_load_failed")
 
     async def _open(self, side: str, servers: Sequence[Upstream],
                     order: Iterator[int]) -> tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]:
@@ -371,8 +411,11 @@ class PDProxy:
         return head.encode() + payload
 
     async def _post_json(self, side: str, servers: Sequence[Upstream], order: Iterator[int], path: str,
-                         body: dict[str, object], request_id: str) -> dict[str, object]:
+                         body: dict[str, object], request_id: str,
+                         served_by: list[Upstream] | None = None) -> dict[str, object]:
         upstream, reader, writer = await self._open(side, servers, order)
+        if served_by is not None:
+            served_by.append(upstream)
         try:
             writer.write(self._request_bytes(upstream, path, body, request_id))
             await writer.drain()
@@ -402,8 +445,10 @@ class PDProxy:
 
     async def _stream_decode(self, path: str, body: dict[str, object], request_id: str,
                              client: asyncio.StreamWriter,
-                             decode: tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
-        """Relay D's answer to the client; True once it went through whole."""
+                             decode: tuple[Upstream, asyncio.StreamReader, asyncio.StreamWriter],
+                             granted_by: str = "prefill server") -> bool:
+        """Relay D's answer to the client; True once it went through whole. A server error from D before any byte
+        went out is answered with what the proxy knows of the handoff (vLLM passes no connector reason on)."""
         upstream, reader, writer = decode
         idle = self.config.decode_idle_timeout_s
         try:
@@ -426,6 +471,8 @@ class PDProxy:
                     if first:
                         raise ProxyError(502, f"decode server {upstream} closed the connection without answering")
                     return end.whole_at_eof
+                if first and data[:10] in (b"HTTP/1.1 5", b"HTTP/1.0 5"):
+                    raise await self._decode_failed(upstream, reader, data, request_id, body, granted_by)
                 first = False
                 client.write(data)
                 await client.drain()

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from kvlifecycle.tools.proxy import ProxyError
+from kvlifecycle.tools.proxy_errors import ProxyError
 
 if TYPE_CHECKING:
     from kvlifecycle.tools.proxy import PDProxy
@@ -58,8 +57,8 @@ async def _until_eof(reader: asyncio.StreamReader) -> None:
 
 async def _handoff(proxy: PDProxy, path: str, body: dict[str, object], request_id: str,
                    writer: asyncio.StreamWriter, answered: asyncio.Event) -> None:
-    index = next(proxy._next_prefill)
-    prefill, side = proxy.config.prefill[index], proxy.config.layerwise[index]
+    index = proxy.next_prefill()
+    side = proxy.config.layerwise[index]
     host, _, port = side.rpartition(":")
     key = f"stream-{uuid.uuid4().hex}"
     decode_body = dict(body)
@@ -70,8 +69,8 @@ async def _handoff(proxy: PDProxy, path: str, body: dict[str, object], request_i
     prefill_body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True,
                                                                         "do_remote_prefill": False, STREAM_KEY: key})
     prefill_body.pop("stream_options", None)
-    decode = await proxy._open("decode", proxy.config.decode, proxy._next_decode)
-    relay = asyncio.ensure_future(proxy._stream_decode(path, decode_body, request_id, writer, decode))
+    decode = await proxy.open_decode()
+    relay = asyncio.ensure_future(proxy.relay_decode(path, decode_body, request_id, writer, decode))
 
     def on_relayed(done: asyncio.Future[bool]) -> None:
         if not done.cancelled() and done.exception() is None and done.result():
@@ -79,7 +78,7 @@ async def _handoff(proxy: PDProxy, path: str, body: dict[str, object], request_i
 
     relay.add_done_callback(on_relayed)
     try:
-        await proxy._post_json("prefill", (prefill,), itertools.cycle([0]), path, prefill_body, request_id)
+        await proxy.post_prefill(index, path, prefill_body, request_id)
     except ProxyError as exc:
         if exc.status != 502:  # P answered an error: D's request is cancelled (its stream then settles)
             relay.cancel()

@@ -18,6 +18,8 @@ hold exactly its heads of the prefill's pages (``--page-size 1`` for differing T
 
 Scenarios (``--scenario``):
   transfer   ``--rooms`` rooms after one warm-up room (the benchmark's; also plain correctness)
+  serial     the transfer rooms one at a time (the benchmark's small-room mode): the decode opens a room only once
+             the one before it succeeded and reports each room's latency, from making its receiver to its Success
   suite      transfer rooms + abort by decode before metadata, abort by decode after metadata (P holds the send
              until D's abort went out), abort by prefill, and a room no decode ever claims (bootstrap timeout)
   restart    prefill: serve ``--rooms`` rooms, then crash (``os._exit``) holding one bootstrapped room;
@@ -226,10 +228,18 @@ class Side:
     def aux_views(self) -> list:
         return [b.view(self.torch.uint8).reshape(b.shape[0], -1) for b in self.aux]
 
+    def prepare_aux(self, rooms: list[int]) -> None:
+        """Draw the aux rows of ``rooms`` ahead: a room's send then only copies them (a row's random draw would
+        otherwise sit inside every room's timed path, the same for both backends)."""
+        self._aux_ready = {room: [self.torch.from_numpy(self.plan.aux_row_bytes(i, room, v.shape[1]))
+                                  for i, v in enumerate(self.aux_views())] for room in rooms}
+
     def fill_aux(self, room: int) -> None:
         row = self.plan.aux_src[room]
+        ready = getattr(self, "_aux_ready", {}).get(room)
         for i, v in enumerate(self.aux_views()):
-            v[row] = self.torch.from_numpy(self.plan.aux_row_bytes(i, room, v.shape[1]))
+            v[row] = ready[i] if ready is not None else self.torch.from_numpy(self.plan.aux_row_bytes(i, room,
+                                                                                                        v.shape[1]))
 
     def close(self) -> None:
         close = getattr(self.mgr, "close", None)
@@ -251,7 +261,7 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
     side = Side(args, plan)
     Sender = side.get("SENDER")
     ids = plan.room_ids
-    if args.scenario == "transfer":
+    if args.scenario in ("transfer", "serial"):
         order = ids["warmup"] + ids["transfer"]
     elif args.scenario == "suite":
         order = ids["warmup"] + ids["transfer"] + ids["abort_d"] + ids["abort_d_meta"] + ids["abort_p"] + \
@@ -264,6 +274,7 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
         order = []  # the decode is refused at registration: the prefill only serves the bootstrap
     else:
         raise SystemExit(f"prefill has no part in scenario {args.scenario!r}")
+    side.prepare_aux(order)
     hold_file = Path(args.sync_dir) / "abort_d_meta.sent" if args.sync_dir else None
     result: dict[str, Any] = {"role": "prefill", "backend": args.backend, "rooms": {}, "pid": os.getpid(),
                               "log_dir": getattr(side.mgr, "ledger_log_dir", None),
@@ -273,14 +284,19 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
     reserved_at_send: dict[int, int] = {}
     done: dict[int, dict] = {}
     t_first_send: float | None = None
-    timed = set(ids["transfer"]) if args.scenario == "transfer" else set()
+    timed = set(ids["transfer"]) if args.scenario in ("transfer", "serial") else set()
     deadline = time.monotonic() + args.deadline
     active = list(order[:1])  # the warm-up room first, alone
     queue = list(order[1:])
+    # serial: the senders of the next two rooms wait for their decode (as the rooms of a scheduler's bootstrap queue
+    # do), not every room's at once: polling many idle senders would take the shared cores from the one room timed
+    window = 2 if args.scenario == "serial" else len(order)
     while (active or queue) and time.monotonic() < deadline:
-        if not active or (active == order[:1] and order[0] in done):
-            active = [r for r in active if r not in done] + queue
-            queue = []
+        if not active or (active == order[:1] and order[0] in done) or \
+                (args.scenario == "serial" and len(active) < window and queue and order[0] in done):
+            active = [r for r in active if r not in done]
+            take = max(window - len(active), 0)
+            active, queue = active + queue[:take], queue[take:]
         for room in list(active):
             if room in done:
                 continue
@@ -394,7 +410,7 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
                     continue
                 state = r.poll()
                 if state in (KVPoll.Success, KVPoll.Failed):
-                    reason = ""
+                    seen, reason = time.monotonic(), ""  # before clear(): the room's time ends at its Success
                     if state == KVPoll.Failed:
                         acked = None
                         if room in aborted and hasattr(r, "is_abort_release_safe"):
@@ -407,7 +423,7 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
                         acked = None
                         r.clear()
                     done[room] = {"status": "success" if state == KVPoll.Success else "failed",
-                                  "reason": reason, "t": time.monotonic(), "abort_acked": acked}
+                                  "reason": reason, "t": seen, "abort_acked": acked}
             time.sleep(0.0005)
 
     receivers: dict[int, Any] = {}
@@ -471,7 +487,16 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
             result["malformed_answers"] = refusals  # the side channel's answers, as the sender heard them
             result["foreign_sent"] = 1
         timed = ids["transfer"]
-        for room in timed:
+        if args.scenario == "serial":
+            latencies = []
+            for room in timed:  # one room at a time: the next once this one concluded
+                t_open = time.monotonic()
+                receivers[room] = open_room(room)
+                settle(receivers, done)
+                if done.get(room, {}).get("status") == "success":
+                    latencies.append(done[room]["t"] - t_open)
+            result["room_latencies_s"] = latencies
+        for room in (r for r in timed if r not in receivers):
             receivers[room] = open_room(room)
         if args.scenario == "suite":
             for room in ids["abort_d"]:
@@ -489,7 +514,7 @@ def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
             for room in ids["crash"]:
                 receivers[room] = open_room(room)
         settle(receivers, done)
-        if args.scenario == "transfer" and all(done.get(r, {}).get("status") == "success" for r in timed):
+        if args.scenario in ("transfer", "serial") and all(done.get(r, {}).get("status") == "success" for r in timed):
             result["t_all_success"] = max(done[r]["t"] for r in timed)
         if args.scenario == "restart":
             # the restarted prefill serves the next rooms: the new epoch must be picked up, not the dead one
@@ -542,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     ap.add_argument("--backend", default="kvlifecycle")
-    ap.add_argument("--scenario", choices=("transfer", "suite", "restart", "never", "silent", "refused"),
+    ap.add_argument("--scenario", choices=("transfer", "serial", "suite", "restart", "never", "silent", "refused"),
                     default="transfer")
     ap.add_argument("--port", type=int, required=True, help="bootstrap port (127.0.0.1)")
     ap.add_argument("--absent-port", type=int, default=1, help="scenario never: where no prefill listens")

@@ -1,8 +1,8 @@
-"""A P or D worker inside a host namespace, with membership commands: the demo's worker (kvlifecycle.tools.demo)
+"""A P or D worker inside a host namespace, with membership commands: the handoff worker (kvlifecycle.tools.workers)
 plus registration, draining and D's etcd-fed directory.
 
 The test process starts it as ``ip netns exec <ns> python host_worker.py <fd> <config hex>`` (see
-:class:`HostWorker`); commands travel over the inherited socket ``fd`` exactly as over the demo's pipe.
+:class:`HostWorker`); commands travel over the inherited socket ``fd`` exactly as over the harness's pipe.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from typing import Any
 
 import msgspec
 
-from kvlifecycle.tools.demo import COMMAND_TIMEOUT_S, WorkerConfig, WorkerProcess, _Worker, worker_main
+from kvlifecycle.tools.workers import COMMAND_TIMEOUT_S, HandoffWorker, WorkerConfig, WorkerProcess, worker_main
 
 HERE = Path(__file__).resolve().parent
 # a start imports torch and NIXL: on a loaded 2-core machine that has taken over a minute
 START_TIMEOUT_S = max(COMMAND_TIMEOUT_S, 180.0)
 
 
-class MemberWorker(_Worker):
-    """Commands a multi-host test needs beyond the demo's."""
+class MemberWorker(HandoffWorker):
+    """Commands a multi-host test needs beyond the handoff worker's."""
 
     presence: Any = None
     directory: Any = None
@@ -163,11 +163,13 @@ class _PopenProcess:
 class HostWorker(WorkerProcess):
     """A :class:`WorkerProcess` whose process runs inside ``host`` (its namespace), NIXL over UCX TCP on its veth."""
 
-    def __init__(self, host: Any, cfg: WorkerConfig, *, log: Path, start_timeout_s: float = START_TIMEOUT_S) -> None:
+    def __init__(self, host: Any, cfg: WorkerConfig, *, log: Path, start_timeout_s: float = START_TIMEOUT_S,
+                 script: Path = HERE / "host_worker.py") -> None:
+        """``script``: the worker's module (one with a ``main`` like this one's, for more commands)."""
         parent, child = socket.socketpair()
         self.cfg, self.host = cfg, host
         env = {**os.environ, **host.ucx_env()}
-        argv = [sys.executable, str(HERE / "host_worker.py"), str(child.fileno()),
+        argv = [sys.executable, str(script), str(child.fileno()),
                 msgspec.msgpack.encode(asdict(cfg)).hex()]
         try:
             popen = host.popen(argv, env=env, log=log, pass_fds=[child.fileno()])

@@ -18,7 +18,7 @@ import pytest
 from host_worker import HostWorker
 
 from kvlifecycle.replay import check, check_pair, replay
-from kvlifecycle.tools.demo import WorkerConfig
+from kvlifecycle.tools.workers import WorkerConfig
 
 pytestmark = [pytest.mark.multihost, pytest.mark.nixl, pytest.mark.slow]
 

@@ -165,7 +165,11 @@ def test_losing_one_p_rank_of_a_two_part_load_fails_it_and_the_other_rank_releas
         assert transfer in tl.loads
         assert cons.invalidate_peer(links[0].agent, links[0].epoch) == [transfer]
         assert tl.stats["failed"] == 1 and [lk.agent for lk in cons.links.values()] == [links[1].agent]
-        # the surviving rank was told (LoadFailed) and released its lease now, not at its TTL
+        # the surviving rank was told (LoadFailed, sent off D's service thread) and released its lease now, not at
+        # its TTL (30 s): a bounded wait for the message's answer
+        deadline = time.monotonic() + 10
+        while grants[1].transfer in ledgers[1].leases and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert grants[1].transfer not in ledgers[1].leases
         assert [r.reason for r in ledgers[1].take_released()] == ["failed"]
         assert grants[0].transfer in ledgers[0].leases  # the lost one was not waited for

@@ -5,7 +5,6 @@ that record what the membership asked of them. The real vLLM P and D on two host
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,11 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import etcd_harness as eh
 import pytest
+from vllm_adapter_modules import load_vllm_adapter_module
 
 from kvlifecycle.membership import EtcdOptions, EtcdSession, MemberState, Role
 from kvlifecycle.membership.instances import Instance, routable_instances
@@ -30,16 +30,7 @@ ADAPTER = Path(__file__).resolve().parents[2] / "adapters" / "vllm"
 TTL_S = 2
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"kvl_vllm_{name}", ADAPTER / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-config_module, membership_module = _load("config"), _load("membership")
+config_module, membership_module = load_vllm_adapter_module("config"), load_vllm_adapter_module("membership")
 WorkerMembership = membership_module.WorkerMembership
 
 

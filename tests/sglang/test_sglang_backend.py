@@ -223,3 +223,14 @@ def test_restart_logs_replay_clean_and_record_the_epoch_change(restart: h.PairRu
     assert kinds.count("PeerEpochChanged") == 2  # first sight of prefill #1, then #2
     failed = [e for e in target.events if type(e).__name__ == "TgtLoadFailed"]
     assert len(failed) == 1 and failed[0].reason.startswith("peer_restarted")
+
+
+def test_serial_rooms_each_land_byte_exact_one_at_a_time_with_a_latency_each(tmp_path: Path) -> None:
+    """The benchmark's small-room mode (driver scenario ``serial``): every room succeeds, its bytes are P's, and the
+    decode reports one latency per room (the rooms go one at a time, so one missing would mean one never landed)."""
+    run = h.run_pair(tmp_path, "serial", extra=["--rooms", "6", "--aux-rows", "40"])
+    d = run.results["decode"]
+    assert all(_room(d, offset)["status"] == "success" for offset in range(7)), d["rooms"]
+    assert d["bytes_equal"] is True and d["untouched_ok"] is True
+    assert len(d["room_latencies_s"]) == 6
+    assert all(t > 0 for t in d["room_latencies_s"])

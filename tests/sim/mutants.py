@@ -1,5 +1,5 @@
-"""Mutants of the ledgers and of the protocol driver that the simulation must catch: each is a function that
-patches one rule away (through pytest's ``monkeypatch``)."""
+"""Mutants of the ledgers and of the runtime (the Consumer, the protocol core) that the simulation must catch: each
+is a function that patches one rule away (through pytest's ``monkeypatch``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlifecycle import events as ev
+from kvlifecycle.eventlog import EventLog
+from kvlifecycle.handoff import Consumer
 from kvlifecycle.layer_progress import LayerProgress
 from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.protocol import PushWrites, RenewalClock
-from kvlifecycle.protocol.bounds import WriteWindow
-from kvlifecycle.sim.protocol_driver import ConsumerCore
+from kvlifecycle.protocol.bounds import READ_DEADLINE_FRACTION, WriteWindow
 from kvlifecycle.sim.world import World
 from kvlifecycle.streaming import StreamProducer
 
@@ -45,17 +46,17 @@ def completion_applied_twice(mp: Any) -> None:
         self._record(ev.TgtPartDone(hlc, at, transfer, part))
         return True
 
-    def consumer_part_done(self: ConsumerCore, load: Any, part: int) -> None:
+    def consumer_part_done(self: Consumer, load: Any, part: int) -> None:
         for _ in range(2):
             if load.transfer in self.ledger.loads:
                 self.ledger.part_done(load.transfer, part)
         load.done.add(part)
-        if len(load.done) == len(load.parts):
-            self.loads.pop(load.transfer, None)
+        if load.complete:
+            self._loads.pop(load.transfer, None)
 
     mp.setattr(TargetLedger, "_on_part_done", on_part_done)
     mp.setattr(TargetLedger, "part_done", part_done)
-    mp.setattr(ConsumerCore, "_part_done", consumer_part_done)
+    mp.setattr(Consumer, "_part_done", consumer_part_done)
 
 
 def ready_before_last_handle(mp: Any) -> None:
@@ -84,14 +85,33 @@ def released_under_its_write(mp: Any) -> None:
 
 def push_timeout_fails_the_load(mp: Any) -> None:
     """D takes a PushRequest without an answer for a failure and frees its blocks (P's write may be landing)."""
-    import kvlifecycle.sim.protocol_driver as driver
+    import kvlifecycle.protocol.consumer as rules
 
-    mp.setattr(driver, "on_push_unanswered", lambda: "fail")
+    mp.setattr(rules, "on_push_unanswered", lambda: "fail")
 
 
 def read_outlives_its_lease(mp: Any) -> None:
     """D trusts a read for as long as it runs, however long ago P last renewed its lease."""
     mp.setattr(RenewalClock, "outlived", lambda self, now: False)
+
+
+def read_deadline_over_the_latest_part(mp: Any) -> None:
+    """A load's read bound is taken over its latest-renewed part instead of its earliest: a part whose renewals
+    stopped reaching its P rank is read past that lease's bound while a sibling's lease is fresh."""
+    mp.setattr(RenewalClock, "deadline", lambda self: max(
+        (sent + ttl * READ_DEADLINE_FRACTION for sent, ttl in self.renewed.values()), default=float("inf")))
+
+
+def consumer_fail_keeps_its_handles(mp: Any) -> None:
+    """The real ``Consumer._fail`` forgets its read handles instead of releasing them: a failed load's reads stay
+    posted and land after its blocks were freed."""
+    original = Consumer._fail
+
+    def fail(self: Consumer, load: Any, reason: str, **how: Any) -> None:
+        load.handles.clear()
+        original(self, load, reason, **how)
+
+    mp.setattr(Consumer, "_fail", fail)
 
 
 def stream_ready_after_first_layer_batch(mp: Any) -> None:
@@ -116,6 +136,11 @@ def stream_written_past_its_window(mp: Any) -> None:
     mp.setattr(WriteWindow, "closed", lambda self, now: False)
 
 
+def retry_appends_after_a_partial_frame(mp: Any) -> None:
+    """A write that failed part way is not cut back: the retry appends the whole batch after the partial frame."""
+    mp.setattr(EventLog, "_cut_back", lambda self, fd, size: None)
+
+
 MUTANTS: dict[str, Callable[[Any], None]] = {
     "epoch check skipped": epoch_check_skipped,
     "release on lease expiry skipped": release_on_expiry_skipped,
@@ -125,7 +150,10 @@ MUTANTS: dict[str, Callable[[Any], None]] = {
     "a lease released under its write": released_under_its_write,
     "a push timeout fails the load": push_timeout_fails_the_load,
     "a read outlives its lease": read_outlives_its_lease,
+    "the read deadline over the latest part": read_deadline_over_the_latest_part,
+    "Consumer._fail keeps its handles": consumer_fail_keeps_its_handles,
     "a stream READY after its first layer batch": stream_ready_after_first_layer_batch,
     "a stream's source released under its writes": stream_released_under_its_writes,
     "a stream written past its window": stream_written_past_its_window,
+    "retry appends after a partial frame": retry_appends_after_a_partial_frame,
 }

@@ -1,15 +1,15 @@
 """D's launch and service duties (``kvlifecycle.protocol.launch``), the decisions the Consumer and the simulated D
-both take: claims in part order before the start, what a claim's answer means, what a step owes a load first."""
+takes (the simulator runs the Consumer itself): claims in part order before the start, what a claim's answer means,
+what a step owes a load first."""
 
 from __future__ import annotations
 
-from kvlifecycle import handoff
+from kvlifecycle.handoff import consumer
 from kvlifecycle.protocol.launch import NOT_RESERVED, LoadLaunch, beat_every
-from kvlifecycle.sim import protocol_driver
 
 
-def test_both_runtimes_loads_are_the_core_class() -> None:
-    assert issubclass(handoff._Load, LoadLaunch) and issubclass(protocol_driver.Load, LoadLaunch)
+def test_the_consumers_loads_are_the_core_class() -> None:
+    assert issubclass(consumer._Load, LoadLaunch)
 
 
 def test_every_lease_is_claimed_in_order_before_the_start() -> None:

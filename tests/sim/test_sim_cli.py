@@ -10,16 +10,17 @@ import pytest
 from planted import _fail_without_releasing_handles
 
 from kvlifecycle.cli import main
-from kvlifecycle.sim.protocol_driver import ConsumerCore
+from kvlifecycle.handoff import Consumer
 
 
-def test_json_summary_is_the_last_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_json_is_the_whole_of_stdout_and_the_table_goes_to_stderr(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
     assert main(["sim", "--seeds", "3", "--json", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    data = json.loads(out[-1])
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
     assert data["seeds"] == 3 and data["violations"] == 0 and data["leaks"] == 0
     assert {"unexercised", "seeds_per_s", "coverage", "known_findings"} <= set(data)
-    assert any("target: RESERVED -> LOADING (start_load)" in line for line in out)  # the coverage table
+    assert "target: RESERVED -> LOADING (start_load)" in captured.err  # the coverage table
 
 
 def test_unknown_fault_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,12 +32,13 @@ def test_planted_failure_prints_its_reproducer_and_a_shrunk_trace(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Plant a bug (a failed load leaves its sibling handles posted), find it, shrink it, and open its logs."""
-    monkeypatch.setattr(ConsumerCore, "_fail", _fail_without_releasing_handles)
+    monkeypatch.setattr(Consumer, "_fail", _fail_without_releasing_handles)
     out_dir = tmp_path / "failures"
-    # seeds 13-16: the bug fails 15 alone, a short run that shrinks quickly (each failing seed is shrunk)
-    code = main(["sim", "--start", "13", "--seeds", "4", "--out", str(out_dir), "--json"])
-    lines = capsys.readouterr().out.strip().splitlines()
-    data = json.loads(lines[-1])
+    # seeds 10-13: the bug fails 11 alone (each failing seed is shrunk)
+    code = main(["sim", "--start", "10", "--seeds", "4", "--out", str(out_dir), "--json"])
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    lines = captured.err.strip().splitlines()
     assert code == 1 and data["failing_seeds"]
     seed = data["failing_seeds"][0]
     failure = data["failures"][0]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from planted import _fail_without_releasing_handles, plant_handle_leak
 
+from kvlifecycle.handoff import Consumer
 from kvlifecycle.sim.parallel import chunked
-from kvlifecycle.sim.protocol_driver import ConsumerCore
 from kvlifecycle.sim.report import Summary, run_many
 from kvlifecycle.sim.world import SimConfig
 
@@ -31,16 +31,16 @@ def test_two_workers_give_the_summary_of_one_process() -> None:
 def test_failing_seeds_come_back_in_order_with_their_reproducer_and_shrunk_trace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ConsumerCore, "_fail", _fail_without_releasing_handles)  # here, where failures are shrunk
-    seeds = [13, 14, 15, 16, 32, 33]  # the planted bug fails 15 and 32 (short runs, quick to shrink)
+    monkeypatch.setattr(Consumer, "_fail", _fail_without_releasing_handles)  # here, where failures are shrunk
+    seeds = [10, 11, 12, 30, 31, 32]  # the planted bug fails 11 and 31
     one = run_many(seeds, SimConfig(), out=tmp_path / "one", cli_args="--faults x")
     said: list[int] = []
     two = run_many(seeds, SimConfig(), out=tmp_path / "two", cli_args="--faults x", jobs=2,
                    worker_init=plant_handle_leak, on_failure=lambda failure: said.append(failure.seed))
-    assert [f.seed for f in one.failures] == [f.seed for f in two.failures] == said == [15, 32]
+    assert [f.seed for f in one.failures] == [f.seed for f in two.failures] == said == [11, 31]
     assert [(f.first, f.reproduce, f.steps, f.shrunk_steps) for f in two.failures] == \
         [(f.first, f.reproduce, f.steps, f.shrunk_steps) for f in one.failures]
-    assert two.failures[0].reproduce == "kvlifecycle sim --seed 15 --faults x"
+    assert two.failures[0].reproduce == "kvlifecycle sim --seed 11 --faults x"
     for mine, theirs in zip(two.failures, one.failures, strict=True):  # shrunk from the steps the worker sent back
         assert mine.shrunk_steps is not None and mine.shrunk_steps < mine.steps
         assert Path(str(mine.trace)).read_text() == Path(str(theirs.trace)).read_text()

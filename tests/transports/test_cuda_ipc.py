@@ -143,7 +143,7 @@ two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices: torc
 @two_gpus
 @pytest.mark.gpu
 class TestCudaIpcTwoGpuConformance(VramPair, TransportConformance):
-    """Issue 8: the suite with ``a`` on GPU 0 and ``b`` on GPU 1 of one process: each reaches the other's memory
+    """Two GPUs: the suite with ``a`` on GPU 0 and ``b`` on GPU 1 of one process: each reaches the other's memory
     through peer access (turned on at ``add_peer``), every copy crossing the link."""
 
     devices = (0, 1)
@@ -164,7 +164,7 @@ def _nixl_or_skip() -> Any:
 @pytest.mark.gpu
 @pytest.mark.nixl
 class TestNixlVramConformance(VramPair, TransportConformance):
-    """Issue 3: the NIXL transport's conformance suite with VRAM regions (UCX on one GPU)."""
+    """The NIXL transport's conformance suite with VRAM regions (UCX on one GPU)."""
 
     def make_transport(self, name: str) -> Any:
         return _nixl_or_skip()(name)
@@ -398,7 +398,7 @@ def test_two_process_pull_is_byte_exact_and_notifies(local_zero: Any) -> None:
 @two_gpus
 @pytest.mark.gpu
 def test_two_processes_on_two_gpus_pull_and_push_byte_exact(local_zero: Any) -> None:
-    """Issue 8: D here on GPU 0, P in its own process on GPU 1. D pulls P's blocks across the link, P pushes into
+    """Two GPUs: D here on GPU 0, P in its own process on GPU 1. D pulls P's blocks across the link, P pushes into
     D's, both byte-exact, with the notifications; the mapping is IPC with lazy peer access."""
     t, tensors = local_zero
     peer = PeerProcess(t, seed=23, fill="random", device=1)
@@ -686,7 +686,7 @@ def test_selection_picks_cuda_ipc_on_one_node_and_reports_the_self_test(caplog: 
         p.close()
 
 
-# --- the generic handoff picks the fast path (issue 7, selection) ----------------------------------------------------
+# --- the generic handoff picks the fast path (selection) --------------------------------------------------------------
 
 _HANDOFF_COMPAT = dict(model_id="m", dtype="bfloat16", num_layers=REGIONS, num_kv_heads=2, head_size=16, block_size=1,
                        kv_layout="NHD")

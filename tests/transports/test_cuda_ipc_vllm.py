@@ -147,7 +147,7 @@ def test_vllm_worker_side_moves_gpu_kv_through_cuda_ipc(
     p_blocks, d_blocks = (40, 2, 17, 33, 5, 61), (0, 1, 2, 3, 4, 5)
     outer, order = KV_FORMS[form]
     with vllm_or_stubs(monkeypatch):
-        from kvlifecycle.adapters.vllm.worker import describe_kv_caches
+        from kvlifecycle.adapters.vllm.kv_caches import describe_kv_caches
 
         kv = describe_kv_caches(p_caches, shape["num_blocks"])
         assert (kv.layout.kind, kv.kv_outer, kv.kv_layout) == (MemoryKind.VRAM, outer, order)

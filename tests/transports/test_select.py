@@ -33,6 +33,8 @@ def test_verify_and_probe_with_real_nixl(caplog: pytest.LogCaptureFixture) -> No
     suffix = time.monotonic_ns()
     a, b = NixlTransport(f"sel-a-{suffix}"), NixlTransport(f"sel-b-{suffix}")
     ta, tb = HostBuffers("random"), HostBuffers("zeros")
+    seen: list[tuple[select.Selection, object]] = []
+    listener = lambda sel, probe: seen.append((sel, probe))  # noqa: E731
     try:
         a.register(ta.layout)
         b.register(tb.layout)
@@ -42,8 +44,7 @@ def test_verify_and_probe_with_real_nixl(caplog: pytest.LogCaptureFixture) -> No
         with pytest.raises(BackendUnavailableError):
             select.verify_backend(b, select.Selection("nixl", "GDS", MemoryKind.DRAM, MemoryKind.DRAM,
                                                       Locality.SAME_NODE, "not loaded"))
-        seen = []
-        select.add_listener(lambda sel, probe: seen.append((sel, probe)))
+        select.add_listener(listener)
         with caplog.at_level(logging.WARNING, logger="kvlifecycle.transports.select"):
             result = select.probe_and_report(b, peer, s, floor_gbps=1e9)  # an unreachable floor: must warn
         assert result is not None and result.bytes > 0 and result.backend == "UCX"
@@ -51,7 +52,7 @@ def test_verify_and_probe_with_real_nixl(caplog: pytest.LogCaptureFixture) -> No
         assert seen and seen[-1][1] is result
         assert all(int(tb.blocks(r, range(BLOCKS)).sum()) == 0 for r in range(REGIONS))  # the probe never touches KV
     finally:
-        select._listeners.clear()
+        select.remove_listener(listener)
         a.close()
         b.close()
 

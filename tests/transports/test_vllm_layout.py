@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,11 +33,11 @@ NB, BS, HEADS, HD = 16, 4, 2, 8
 
 @pytest.fixture
 def worker(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The adapter's worker module, imported against vLLM or its stubs."""
+    """The adapter's worker and KV-cache modules as one namespace, imported against vLLM or its stubs."""
     with vllm_or_stubs(monkeypatch):
-        from kvlifecycle.adapters.vllm import worker
+        from kvlifecycle.adapters.vllm import kv_caches, worker
 
-        yield worker
+        yield SimpleNamespace(**{**vars(worker), **vars(kv_caches)})
 
 
 def flash_caches(layers: list[int], *, dtype: torch.dtype = torch.bfloat16, hnd: bool = False) -> dict[str, Any]:

@@ -234,6 +234,35 @@ def test_block_size_mismatch_is_refused_at_handshake(cluster: Cluster) -> None:
     assert summary["stats"].get("failed", 0) >= 1
 
 
+def test_a_failed_load_reaches_the_client_through_the_proxy_with_where_its_cause_is(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """kv_load_failure_policy fail: vLLM answers D's failed load with its generic 500; the proxy's error names the
+    decode and prefill servers and the request id, and D's log line with that id names the cause."""
+    proxy = h.proxy_process(h.free_port(), [cluster.prefill.url], [cluster.decode_bs64.url], tmp_path)
+    try:
+        proxy.start()
+        proxy.wait_ready(60)
+        request_id = "kvl-failed-load-test"
+        status, answer = h.post_json(proxy.port, "/v1/completions",
+                                     h.completion_body(h.prompt_of_length(64, offset=3777), MAX_TOKENS),
+                                     timeout_s=180, headers={"X-Request-Id": request_id})
+    finally:
+        proxy.stop()
+    assert status == 500, answer
+    error = answer["error"]
+    assert error["type"] == "kv_load_failed", error
+    message = error["message"]
+    assert f"decode server {cluster.decode_bs64.url}" in message and f"prefill server {cluster.prefill.url}" in message
+    assert request_id in message and "KV load of" in message, message
+    deadline = time.monotonic() + 30.0
+    lines: list[str] = []
+    while time.monotonic() < deadline and not lines:
+        lines = [line for line in cluster.decode_bs64.log_path.read_text(errors="replace").splitlines()
+                 if "KV load of" in line and request_id in line]
+        time.sleep(0.2)
+    assert lines and "block size" in lines[-1].replace("_", " "), lines
+
+
 def test_block_size_mismatch_with_policy_recompute_prefills_on_decode(cluster: Cluster) -> None:
     """Same refusal, policy recompute: D prefills the prompt itself; the answer is still the right one, and D's
     ledger gave the refused reservation back (vLLM reallocates for the local prefill)."""

@@ -15,8 +15,8 @@ Why it is shaped this way:
   complete, never earlier. The caller releases a source lease only then, so the P allocator cannot hand a block
   out while a kernel still reads it.
 - At connect the peer runs a self-test: it copies the exporter's probe buffer (a pattern derived from its agent
-  epoch) through the mapping with the same kernel and compares the bytes. :func:`select_same_node` uses this to
-  choose this transport or fall back to NIXL.
+  epoch) through the mapping with the same kernel and compares the bytes. :class:`CudaIpcPath` takes a peer only
+  when it passes, and the selector falls back to NIXL otherwise.
 - A peer in the same process is reached by address (CUDA cannot IPC-open a handle in the exporting process).
 - A D process that dies while mapped leaves P's memory untouched; P reclaims its pinned blocks by lease expiry.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from .options import HOST_IDS_DEFAULT, REGION_GROUP_HOST_IDS, CudaIpcOptions
-from .selection import Choice, cuda_ipc_possible, select_same_node
+from .selection import Choice, CudaIpcPath, SplitCudaIpcPath, cuda_ipc_possible, select_same_node
 from .wire import NAME, PROBE_BYTES, AllocationWire, CudaIpcBlob, node_identity, probe_pattern
 
 __all__ = [
@@ -46,7 +46,9 @@ __all__ = [
     "CudaDriver",
     "CudaIpcBlob",
     "CudaIpcOptions",
+    "CudaIpcPath",
     "CudaIpcTransport",
+    "SplitCudaIpcPath",
     "cuda_ipc_possible",
     "node_identity",
     "probe_pattern",

@@ -20,16 +20,16 @@ from .table import print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--regions", type=int, default=64)
+    parser.add_argument("--regions", type=int, default=64, help="KV regions (layers × K/V) per side")
     parser.add_argument("--blocks", type=int, default=256, help="blocks per region in the large request")
     parser.add_argument("--small-blocks", type=int, default=16, help="blocks per region in the small request")
-    parser.add_argument("--block-kib", type=int, default=32)
+    parser.add_argument("--block-kib", type=int, default=32, help="KiB per block per region")
     parser.add_argument("--pool-blocks", type=int, default=2048, help="blocks per region in each side's pool")
     parser.add_argument("--reps", type=int, default=20, help="repetitions per timed figure (median reported)")
     parser.add_argument("--pipeline", type=int, default=8, help="requests in flight in the pipelined e2e run")
-    parser.add_argument("--nixl-reps", type=int, default=3)
-    parser.add_argument("--no-nixl", action="store_true")
-    parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--nixl-reps", type=int, default=3, help="repetitions of the NIXL figures")
+    parser.add_argument("--no-nixl", action="store_true", help="skip the NIXL figures")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end handoff runs")
     parser.add_argument("--no-ab", action="store_true",
                         help="skip the second e2e run with the Python post (the compiled post's A/B, same run)")
     parser.add_argument("--sweep", action="store_true", help="also time kernel variants (chunk bytes, warps)")

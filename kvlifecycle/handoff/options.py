@@ -1,4 +1,4 @@
-"""How a :class:`~kvlifecycle.producer.Producer` or :class:`~kvlifecycle.handoff.Consumer` runs: one frozen,
+"""How a :class:`~kvlifecycle.handoff.Producer` or :class:`~kvlifecycle.handoff.Consumer` runs: one frozen,
 validated options value both sides take."""
 
 from __future__ import annotations
@@ -9,12 +9,17 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvlifecycle import validators as v
+from kvlifecycle.digest import VerifyMode
 
 if TYPE_CHECKING:
-    from kvlifecycle.handoff import PeerLink
+    from kvlifecycle.handoff.links import PeerLink
     from kvlifecycle.transport import ProbeResult
 
 __all__ = ["HandoffOptions"]
+
+
+def _verify_mode(value: object) -> VerifyMode:
+    return VerifyMode.parse(value, "verify")
 
 
 @attrs.frozen(kw_only=True)
@@ -42,3 +47,8 @@ class HandoffOptions:
     # a load that never started (claim refused: P's lease was already gone): the engine learns it here — the
     # ledger has no load to fail, the reservation was cancelled (policy "fail") or kept for recompute
     on_abandoned: Callable[[str, str], None] | None = attrs.field(default=None, validator=v.callback)
+    # per-block digests (kvlifecycle.digest): P digests the transfers this chooses, D checks every grant that
+    # carries digests before its part is done. Off by default: docs/performance.md has its measured cost
+    verify: VerifyMode = attrs.field(default=VerifyMode.NONE, converter=_verify_mode)
+    # how long D keeps a block whose bytes failed their digest out of any reservation (the default TTL)
+    quarantine_s: float = attrs.field(default=30.0, validator=v.number)

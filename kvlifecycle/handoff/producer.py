@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvlifecycle.block_mapping import BlockMappingError, map_blocks
 from kvlifecycle.claims import TOKEN_BYTES, ClaimBook
 from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFailed, PushRequest
-from kvlifecycle.handoff_options import HandoffOptions
+from kvlifecycle.digest import BlockDigester, BlockDigests, should_digest, slice_view
+from kvlifecycle.handoff.block_mapping import BlockMappingError, map_blocks
+from kvlifecycle.handoff.options import HandoffOptions
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
@@ -34,7 +35,7 @@ from kvlifecycle.handshake import (
 from kvlifecycle.ledger import SourceLedger
 from kvlifecycle.path_selection import PRIMARY_PATH, PathSelector, PushPath
 from kvlifecycle.protocol.producer import Answer, ProducerProtocol
-from kvlifecycle.sidechannel import Ack, SideChannelRefused, SideChannelServer
+from kvlifecycle.sidechannel import Ack, Handler, SideChannelRefused, SideChannelServer
 from kvlifecycle.transport import (
     Notification,
     PeerMetadata,
@@ -56,6 +57,7 @@ PEERS_KEPT = 4096  # D agents whose TP size is remembered (far more decode ranks
 # agent has progressed the wire-up, so the data plane wakes and polls tightly for a while (not longer: on shared
 # cores a tight poll takes CPU from the engines; past it the idle rhythm still progresses the wire-up)
 WIRE_UP_ACTIVITY_S = 2.0
+Handlers = dict[type, Handler]  # the side channel's handler of each message type
 
 
 # --- Producer -----------------------------------------------------------------------------------------------------
@@ -83,14 +85,28 @@ class Producer:
         options: HandoffOptions = _DEFAULT_OPTIONS,
         fast_transport: Transport | None = None,
         path_selector: PathSelector = PRIMARY_PATH,
+        side_channel: Callable[[Handlers], SideChannelServer] | None = None,
+        thread: bool = True,
+        digester: BlockDigester | None = None,
+        slice_bytes: int = 0,
     ) -> None:
-        """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
+        """``digester``: reads P's blocks for their digests (``transports.digest_host.HostDigester`` over DRAM);
+        with ``options.verify`` choosing a transfer, its grant is answered with a digest per block and per head
+        slice of its consumers (``slice_bytes``: the bytes of a block of the first region group that the slices
+        divide; 0: one digest of each whole block), computed on the side-channel thread when D first asks.
+
+        ``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
         ``transport``; its metadata travels in the handshake reply next to ``transport``'s, and the notifications
         of reads through it are drained like ``transport``'s. At a push handshake, ``path_selector`` (the one a
         Consumer takes: the transports' ``SameNodeSelector`` picks the fast path when both sides hold VRAM on one
         node and the self-test passes) picks the transport of P's writes into that D; the default keeps every
-        write on ``transport``."""
+        write on ``transport``.
+
+        The simulator's seams (the defaults are the real ones): ``side_channel`` makes the server of the handlers
+        (the real one listens on ``options.host``/``port``); ``thread`` False: no service thread; the caller turns
+        the loop with :meth:`step_once`."""
         self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
+        self.digester, self.slice_bytes = digester, slice_bytes
         self.fast_transport = fast_transport
         self.path_selector = path_selector
         self.options = options
@@ -111,21 +127,22 @@ class Producer:
         self._failed_consumers: dict[tuple[str, int], tuple[set[int], str]] = {}  # (transfer, gen) -> failed, why
         self.protocol = ProducerProtocol(ledger)  # P's decisions (kvlifecycle.protocol), called under _lock
         self.claims = ClaimBook()  # per-claim tokens: only a lease's claimant may renew, fail or complete it
-        self.server = SideChannelServer(
-            {
-                GetMeta: self._on_get_meta,
-                GetGrant: self._on_get_grant,
-                Heartbeat: self._on_heartbeat,
-                PushRequest: self._on_push,
-                LoadFailed: self._on_load_failed,
-            },
-            host=options.host,
-            port=options.port,
-            secret=options.secret,
-            name=f"side-{transport.agent}",
+        handlers: Handlers = {
+            GetMeta: self._on_get_meta,
+            GetGrant: self._on_get_grant,
+            Heartbeat: self._on_heartbeat,
+            PushRequest: self._on_push,
+            LoadFailed: self._on_load_failed,
+        }
+        self.server = (
+            SideChannelServer(handlers, host=options.host, port=options.port, secret=options.secret,
+                              name=f"side-{transport.agent}")
+            if side_channel is None
+            else side_channel(handlers)
         )
         self._thread = threading.Thread(target=self._serve, name=f"producer-{transport.agent}", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     @property
     def address(self) -> str:
@@ -272,11 +289,27 @@ class Producer:
             reply = self.grants.get(msg.request)
             ended = self._ended.get(msg.request)
         if reply is not None:
-            return reply
+            return self._with_digests(msg.request, reply)
         if ended is not None:  # final, unlike ``unknown_request`` (not published yet): the client stops waiting
             raise SideChannelRefused("grant_ended", f"the lease of {msg.request!r} ({ended}) ended (completed, "
                                      "failed or expired): its grant is no longer published")
         raise SideChannelRefused("unknown_request", f"no grant published for {msg.request!r}")
+
+    def _with_digests(self, request: str, reply: GrantReply) -> GrantReply:
+        """``reply`` with P's digests of its blocks when verification chooses its transfer (computed once, here on
+        the side-channel thread: the bytes are final since the grant, and the engine's thread never waits)."""
+        if reply.digests is not None or self.digester is None or \
+                not should_digest(self.options.verify, reply.transfer):
+            return reply
+        blocks = np.asarray(reply.block_ids, dtype=np.int64)
+        slices = max(reply.consumers, 1) if self.slice_bytes else 1
+        views = [slice_view(self.slice_bytes, slices, c) for c in range(slices)] if self.slice_bytes else [(0, 0)]
+        values = np.stack([self.digester.digests(blocks, offset=o, length=n) for o, n in views])
+        digested = msgspec.structs.replace(reply, digests=BlockDigests.of(values))
+        with self._lock:
+            if self.grants.get(request) is reply:  # still this grant: every later ask gets the same digests
+                self.grants[request] = digested
+        return digested
 
     def _check_claim(self, transfer: str, generation: int, token: bytes, *, consumer: int | None = None,
                      unclaimed_ok: bool = False) -> str:
@@ -510,21 +543,36 @@ class Producer:
             except Exception:
                 log.exception("producer job failed")
             try:
-                if self._pushes:
-                    self._poll_pushes()
-                self._drain()
-                for key in list(self._failed_consumers):
-                    self._fail_when_settled(key)
-                with self._lock:  # a lease expired under its write waits for the write's cancel
-                    self.protocol.sweep()
-                if len(self.claims):
-                    self.claims.prune(self._lease_is_live)
-                self.ledger.commit()
+                self._step()
             except Exception:
                 log.exception("producer service step failed")
 
+    def _step(self) -> None:
+        if self._pushes:
+            self._poll_pushes()
+        self._drain()
+        for key in list(self._failed_consumers):
+            self._fail_when_settled(key)
+        with self._lock:  # a lease expired under its write waits for the write's cancel
+            self.protocol.sweep()
+        if len(self.claims):
+            self.claims.prune(self._lease_is_live)
+        self.ledger.commit()
+
+    def step_once(self) -> None:
+        """One turn of the service loop without waiting (the simulator's scheduler turns it): every queued job,
+        then a step."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            job()
+        self._step()
+
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        if self._thread.is_alive():
+            self._thread.join(10)
         self.server.close()
         self.ledger.commit()

@@ -1,30 +1,14 @@
-"""Producer (P) and Consumer (D): a ledger tied to a transport and a side channel. This module holds the Consumer
-(the options both sides take are in :mod:`kvlifecycle.handoff_options`, their block pairing in
-:mod:`kvlifecycle.block_mapping`); the Producer is in :mod:`kvlifecycle.producer` (importable
-from here too), the control messages in :mod:`kvlifecycle.control`, the claim tokens in :mod:`kvlifecycle.claims`,
-D's messages about a grant before its claim in :mod:`kvlifecycle.unclaimed`. The two send and serve every
-side-channel message: an engine's adapter calls them and reads the ledgers' events, nothing below.
+"""Consumer (D): fetches grants and holds them until their claim, handshakes with P ranks, pulls (or asks for
+pushes), heartbeats leases and settles its ledger. The flow and the threads are described in
+:mod:`kvlifecycle.handoff`.
 One concept, longer than most: D's side of the handoff (handshake, claims, loads, heartbeats, its service
 thread), which shares one lock and one table of peer links.
-
-Flow (pull, the vLLM way): P's engine allocates and prefills (``SourceLedger.allocate`` / ``prefill_done``), then
-:meth:`Producer.grant` pins the blocks under a lease and publishes a :class:`GrantReply`. D reserves target blocks
-(``TargetLedger.reserve``) and calls :meth:`Consumer.pull`: D claims the lease with a heartbeat (P answers with a
-per-claim token, :mod:`kvlifecycle.claims`), the load starts in D's ledger, D posts one READ for all regions, and
-its completion notification (carrying the token) tells P (``consumer_done``); the last consumer releases the
-lease. Renewals, failures and push requests carry the token too: only the claimant ends its claim. Push (the SGLang
-way): :meth:`Consumer.request_push` asks P to WRITE into D's blocks; P's completion is P's ``consumer_done`` and a
-notification to D (``part_done``), which D takes only with its claim's token. Failures travel both ways (a failed
-write tells D; a failed read tells P) and every end goes through the ledgers' one release path.
-
-Threads: the caller (an engine's scheduler) only touches ledgers and queues. Each side runs one service thread
-that claims, posts, polls, drains notifications, heartbeats, sweeps expired leases and commits the log; the
-transport's own thread does the NIXL calls; the side channel has its thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import queue
@@ -37,18 +21,22 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvlifecycle.block_mapping import BlockMappingError, map_blocks
+from kvlifecycle.choices import TransferModeName
 from kvlifecycle.claims import TOKEN_BYTES
 from kvlifecycle.clock import StepTimer
-from kvlifecycle.control import REPLY_TYPES as _CONTROL_REPLIES
-from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFailed, PushRequest
-from kvlifecycle.handoff_options import HandoffOptions
+from kvlifecycle.control import Claimed, GrantReply, Heartbeat, LoadFailed, PushRequest
+from kvlifecycle.digest import BlockDigester, DigestError, VerifyMode, expected_digests, mismatched
+from kvlifecycle.handoff.block_mapping import BlockMappingError, map_blocks
+from kvlifecycle.handoff.held_grants import RENEWALS_PER_TTL, GrantCountError, HeldGrants
+from kvlifecycle.handoff.links import REPLY_TYPES, PeerLink, compat_fields
+from kvlifecycle.handoff.options import HandoffOptions
+from kvlifecycle.handoff.peer_calls import PeerCalls
+from kvlifecycle.handoff.unclaimed_grants import UnclaimedGrants
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
     EpochTracker,
     GetMeta,
-    HandshakePlan,
     MalformedHandshakeError,
     MetaReply,
     check_meta_reply,
@@ -56,15 +44,15 @@ from kvlifecycle.handshake import (
     scale_view,
 )
 from kvlifecycle.ledger import TargetLedger
-from kvlifecycle.path_selection import PRIMARY_PATH, PathChoice, PathSelector
-from kvlifecycle.producer import Producer
+from kvlifecycle.path_selection import PRIMARY_PATH, PathSelector
 from kvlifecycle.protocol import consumer as rules  # D's decisions, shared with the simulator
-from kvlifecycle.protocol.launch import LoadLaunch, beat_every
+from kvlifecycle.protocol.launch import LaunchStep, LoadLaunch, beat_every
 from kvlifecycle.sidechannel import Ack, SideChannelClient, SideChannelError, SideChannelRefused
+from kvlifecycle.transfer_ids import load_id, refused_load_id
 from kvlifecycle.transport import (
+    BlockView,
     Notification,
     PeerMetadata,
-    PreparedPlan,
     ProbeResult,
     TransferHandle,
     Transport,
@@ -72,79 +60,42 @@ from kvlifecycle.transport import (
     XferOp,
     XferStatus,
 )
-from kvlifecycle.unclaimed import UnclaimedGrants
-from kvlifecycle.untrusted import RateLimitedLog, check_msgpack
+from kvlifecycle.untrusted import RateLimitedLog
 
-__all__ = [  # the handoff's public names, wherever they are defined (Producer: kvlifecycle.producer)
-    "REPLY_TYPES",
-    "Ack",
-    "BlockMappingError",
-    "Claimed",
-    "Consumer",
-    "GetGrant",
-    "GrantReply",
-    "HandoffOptions",
-    "Heartbeat",
-    "LoadFailed",
-    "PeerLink",
-    "Producer",
-    "PushRequest",
-    "SideChannelError",  # what the Consumer's calls raise when P does not answer, or refuses (SideChannelRefused)
-    "SideChannelRefused",
-    "compat_fields",
-    "map_blocks",
-]
+__all__ = ["Consumer"]
 
 log = logging.getLogger("kvlifecycle.handoff")
 
 
-REPLY_TYPES = (MetaReply, *_CONTROL_REPLIES)
 
-_Scalar = str | int | float | bool | None
-_fields_decoder = msgspec.msgpack.Decoder(list[tuple[str, _Scalar, _Scalar]])
-
-
-def compat_fields(detail: bytes) -> list[tuple[str, object, object]]:
-    """The (field, D's value, P's value) list P attached to its compat refusal; [] if it attached none usable."""
-    try:
-        check_msgpack(detail, max_depth=3)
-        return [(name, mine, theirs) for name, mine, theirs in _fields_decoder.decode(detail)]
-    except Exception:  # an older or hostile peer: the message still says what differs
-        return []
-
-
-# --- Consumer -----------------------------------------------------------------------------------------------------
+HELD_RENEWAL_S = 1.0  # a held grant's renewal waits this long for P's answer (on the peer's worker)
+HAND_BACK_TIMEOUT_S = 1.0  # a LoadFailed's wait for P's answer (on the peer's worker, not the service thread)
 
 
 def _noop() -> None:
     pass
 
 
-@dataclass(slots=True)
-class PeerLink:
-    """D's view of one P rank after a handshake."""
+def _ignore_reply(_reply: Any, _sent: float) -> None:
+    pass
 
-    address: str
-    agent: str
-    epoch: int
-    plan: HandshakePlan
-    prepared: PreparedPlan  # the descriptor lists for this P rank's read
-    client: SideChannelClient
-    probe: ProbeResult | None = None
-    data: Transport | None = None  # the transport that moves this link's bytes (None: the Consumer's own)
-    data_peer: str = ""  # P's name on ``data`` ("" : ``agent``)
-    choice: PathChoice | None = None  # why ``data`` was chosen and what its self-test measured
+
+def _ignore_error(_exc: Exception) -> None:
+    pass
 
 
 @dataclass(slots=True)
 class _Load(LoadLaunch):  # its launch, progress and duties are the protocol core's, shared with the simulator
     request: str
     transfer: str  # D ledger's transfer id
-    mode: str  # pull | push
+    mode: TransferModeName
     parts: list[tuple[PeerLink, GrantReply, int]]  # (link, grant, part index)
     handles: dict[int, TransferHandle] = field(default_factory=dict)  # part -> handle
     via: dict[int, Transport] = field(default_factory=dict)  # part -> the transport that owns its handle
     tokens: dict[int, bytes] = field(default_factory=dict)  # part -> P's claim token for it
+    blocks: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))  # D's reserved blocks
+    mapped: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # part -> (local, remote)
+    handed_back: set[int] = field(default_factory=set)  # push given up: the parts whose P released
 
 
 class Consumer:
@@ -161,13 +112,30 @@ class Consumer:
         options: HandoffOptions = HandoffOptions(),
         fast_transport: Transport | None = None,
         path_selector: PathSelector = PRIMARY_PATH,
+        clock: Callable[[], float] = time.monotonic,
+        peer_calls: Callable[[Callable[[Callable[[], None]], None]], PeerCalls] | None = None,
+        side_channel: Callable[[str], SideChannelClient] | None = None,
+        thread: bool = True,
+        digester: BlockDigester | None = None,
     ) -> None:
-        """``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
+        """``digester``: reads D's landed blocks for their digests (``transports.digest_host.HostDigester`` over
+        DRAM); with ``options.verify`` not ``none``, every part whose grant carries digests is checked before its
+        ``part_done``, and a mismatch fails the load (:meth:`_verified`).
+
+        ``fast_transport``: a same-node fast path (CUDA IPC) registered over the same KV regions as
         ``transport``. At connect, ``path_selector`` picks the path of each P rank's reads (the transports'
         ``SameNodeSelector``: the fast path when both sides hold VRAM on one node and the self-test passes); the
         default keeps every read on ``transport``. For pushes the fast path's metadata goes to P in the handshake,
-        whose own path selector picks where its writes go; their notifications are drained from both transports."""
+        whose own path selector picks where its writes go; their notifications are drained from both transports.
+
+        The simulator's seams (the defaults are the real ones): ``clock`` (the monotonic clock of bounds and
+        timeouts), ``peer_calls`` (makes the off-loop caller of P from the job queue's ``put``), ``side_channel``
+        (makes the client of a P address), ``thread`` False: no service thread; the caller turns the loop with
+        :meth:`step_once`."""
         self.ledger, self.transport, self.compat, self.tp_rank = ledger, transport, compat, tp_rank
+        self.digester = digester
+        self.verified_parts = 0  # parts whose landed bytes matched P's digests
+        self.unverified_parts = 0  # parts loaded without a check (no digests sent, a block-size split)
         self.fast_transport = fast_transport
         self.path_selector = path_selector
         self.options = options
@@ -181,10 +149,17 @@ class Consumer:
         self.note_sinks: list[Callable[[str, Notification], None]] = []
         self._log_forged = RateLimitedLog(log)
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._now = clock
+        self._client_for = side_channel
+        self._calls = (PeerCalls(self._jobs.put, name=f"consumer-{transport.agent}") if peer_calls is None
+                       else peer_calls(self._jobs.put))  # side-channel calls, off-loop
         self._lock = threading.RLock()
         self._settled = threading.Condition(self._lock)  # notified whenever a load leaves ``_loads``
         self._stop = threading.Event()
         self._unclaimed = UnclaimedGrants(secret=options.secret, timeout_s=options.request_timeout_s)
+        self._held = HeldGrants()  # grants of requests whose loads have not started (announced ones renewed)
+        # (agent, epoch, reason) -> None, told after invalidate_peer: a layer-wise stream's parts end there too
+        self.peer_lost_sinks: list[Callable[[str, int, str], object]] = []
         self._wakeful = False
         # while any of these says so, the service loop polls at its busy rhythm whatever the transports' wake-ups
         # (a stream's notes arriving on a fast path that wakes nobody)
@@ -195,7 +170,8 @@ class Consumer:
             # a fast path without listeners completes only when polled: keep the tight rhythm then
             self._wakeful = fast_transport is None or hasattr(fast_transport, "add_completion_listener")
         self._thread = threading.Thread(target=self._serve, name=f"consumer-{transport.agent}", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     # -- handshake --------------------------------------------------------------------------------------------------
     def connect(self, address: str, *, push: bool = True) -> PeerLink:
@@ -211,6 +187,8 @@ class Consumer:
                 else SideChannelClient(
                     address, REPLY_TYPES, secret=self.options.secret, timeout_s=self.options.request_timeout_s
                 )
+                if self._client_for is None
+                else self._client_for(address)
             )
         me: PeerMetadata | None = self.transport.local_metadata() if push else None
         fast_me = self._fast_meta() if push else None  # P's path selector may pick it for its writes
@@ -330,23 +308,28 @@ class Consumer:
         """The control plane declared P agent ``agent`` gone up to ``epoch`` (its etcd lease expired, or its key was
         deleted): at once, its loads fail per the ledger's failure policy, its links and transport peer are dropped,
         and whatever it still sends (late notifications) matches no load and is ignored. The other P ranks of a
-        failed multi-part load are told (``LoadFailed``); the lost one is not waited for. Runs on the service thread;
-        returns the D transfer ids it failed. A later :meth:`connect` to a new incarnation works as usual. Never call
-        it from the service thread (an ``on_abandoned`` hook): it waits for that thread."""
+        failed multi-part load are told (``LoadFailed``, sent on their workers, not waited for); nothing more is
+        said to the lost one, and a launch whose claim is out is abandoned. Runs on the service thread, which no
+        peer's silence holds up; returns the D transfer ids it failed. A later :meth:`connect` to a new incarnation
+        works as usual. Never call it from the service thread (an ``on_abandoned`` hook): it waits for that thread."""
         done: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
 
         def lost(link: PeerLink) -> bool:
             return link.agent == agent and link.epoch <= epoch
 
-        def job() -> None:  # loads started before this job have been launched (claimed, live) or abandoned
+        def job() -> None:  # runs at once: nothing on the service thread waits on a peer
             with self._lock:
-                loads = [ld for ld in self._loads.values() if ld.live and any(lost(lk) for lk, _, _ in ld.parts)]
+                hit = [ld for ld in self._loads.values() if any(lost(lk) for lk, _, _ in ld.parts)]
+                loads = [ld for ld in hit if ld.live]
+                launching = [ld for ld in hit if not ld.live]  # a claim may be out: the launch ends here
                 links = [self.links.pop(addr) for addr in [a for a, lk in self.links.items() if lost(lk)]]
                 for load in loads:
                     load.failed = True
                     self._loads.pop(load.transfer, None)
                 self._settled.notify_all()
             why = f"{reason}: {agent} epoch {epoch}"
+            for load in launching:  # the claimed leases of other P ranks are handed back
+                self._abandon(load, why)
             for load in loads:
                 for part, handle in load.handles.items():
                     with contextlib.suppress(TransportError):
@@ -355,8 +338,9 @@ class Consumer:
                     self.ledger.fail(load.transfer, why)
                 for link, grant, part in load.parts:  # the other P ranks of a multi-part load release now
                     if not lost(link):
-                        with contextlib.suppress(SideChannelError):
-                            self._load_failed(load, link, grant, part, why)
+                        self._tell_failed(load, link, grant, part, why)
+            for link in links:
+                self._calls.drop_queued(link.address, why)  # nothing more is said to a lost peer
             for link in links:
                 for data, peer in {(self.transport, link.agent), (link.data or self.transport,
                                                                    link.data_peer or link.agent)}:
@@ -364,8 +348,8 @@ class Consumer:
                         data.remove_peer(peer)
                     except TransportError as exc:
                         log.info("removing lost peer %s from %s: %s", agent, data.name, exc)
-            # a load started meanwhile still holds a link: its launch (queued behind this job) runs before the close
-            self._jobs.put(lambda: [link.client.close() for link in links])
+            for link in links:  # on the peer's worker, after the call in flight there (a close waits for it)
+                self._calls.submit(link.address, link.client.close, on_reply=_ignore_reply, on_error=_ignore_error)
             log.warning("peer %s (epoch <= %d) invalidated (%s): %d load(s) failed, %d link(s) dropped",
                         agent, epoch, reason, len(loads), len(links))
             done.put([load.transfer for load in loads])
@@ -375,6 +359,9 @@ class Consumer:
             return done.get(timeout=timeout_s)
         except queue.Empty as exc:
             raise TimeoutError(f"invalidating {agent} did not finish in {timeout_s}s") from exc
+        finally:
+            for sink in self.peer_lost_sinks:
+                sink(agent, epoch, reason)
 
     # -- before the claim (the engine's thread): grants held while blocks are reserved -------------------------------
     def fetch_grant(self, address: str, request: str, *, wait_s: float = 0.0) -> GrantReply:
@@ -413,10 +400,122 @@ class Consumer:
         if req is not None and req.transfer is not None:
             self.ledger.fail(req.transfer, reason)
         elif req is not None:
-            transfer = f"{first.transfer if first is not None else request}/refused-by-d"
+            transfer = refused_load_id(first.transfer if first is not None else request)
             self.ledger.start_load(request, transfer, generation=first.generation if first else 0)
             self.ledger.fail(transfer, reason)
         self.hand_back(grants, reason, consumer=consumer)
+
+    # -- a load from its grants to its start (the engine's thread) -----------------------------------------------
+    def announce(self, request: str, remote: str, addresses: Sequence[str], *, wait_s: float = 0.0) -> int:
+        """The P ranks at ``addresses`` hold P's request ``remote`` for D's ``request``, whose blocks the engine
+        has not reserved yet: fetch each grant now (waiting up to ``wait_s`` for P to publish it) and keep its lease
+        alive, renewed from the service thread, until :meth:`load`, :meth:`skip` or :meth:`forget_grants`. A grant
+        not published yet is asked for again by :meth:`load`. Returns how many grants are held."""
+        held = 0
+        for address in addresses:
+            try:
+                grant = self._held_grant(request, remote, address, wait_s)
+            except SideChannelError as exc:
+                log.warning("request %s: no grant from %s yet (%s); asked again when its load starts", request,
+                            address, exc)
+                continue
+            self._held.put(request, address, grant, renew=True)
+            held += 1
+        self._jobs.put(_noop)  # the service thread's next step renews them
+        return held
+
+    def load(self, request: str, remote: str, addresses: Sequence[str], *, push: bool = False,
+             wait_s: float = 0.0) -> str | None:
+        """Load ``request`` (reserved in the ledger) from P's request ``remote`` on the P ranks at ``addresses``, in
+        part order: every rank's grant first (held ones reused), so that a refusal by one reaches all of them; a
+        handshake with each rank not linked yet or restarted; each grant counted for this D's TP plan
+        (:class:`GrantCountError`); then :meth:`pull` or :meth:`request_push`. Anything that stops it before its
+        start fails it in the ledger and hands every fetched grant back (:meth:`fail_unstarted`): returns None then
+        (the ledger's failure event says why), else D's transfer id. Blocks the calling thread, bounded by the
+        timeouts, never the service thread."""
+        grants: list[tuple[str, GrantReply]] = []
+        try:
+            for address in addresses:
+                grants.append((address, self._held_grant(request, remote, address, wait_s)))
+            for address, grant in grants:
+                link = self.links.get(address)
+                if link is None or link.epoch != grant.epoch:  # first contact, or P restarted on this address
+                    link = self.connect(address, push=push)
+                self._check_grant_count(link, remote, grant)
+            if push:
+                return self.request_push(request, grants[0][1], address=grants[0][0])
+            return self.pull(request, grants)
+        except Exception as exc:  # every load must settle: one that cannot start fails now, in the ledger
+            expected_refusal = isinstance(exc, (CompatMismatchError, SideChannelError, TransportError, ValueError))
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("request %s: handoff refused: %s", request, reason, exc_info=not expected_refusal)
+            self.fail_unstarted(request, grants, reason, consumer=self._index_on(grants))
+            return None
+        finally:
+            self._held.drop(request)  # the claim's heartbeat takes over (or nothing is left to renew)
+
+    @staticmethod
+    def _check_grant_count(link: PeerLink, remote: str, grant: GrantReply) -> None:
+        """P's lease counts as many consumers as D ranks read that P rank: fewer would release it at the first
+        one's completion while another still reads, more would pin it until expiry."""
+        expected = link.plan.consumers_per_p_rank
+        if grant.consumers != expected:
+            raise GrantCountError(
+                f"P rank at {link.address} granted {remote} for {grant.consumers} consumer(s), but this D rank's "
+                f"TP plan makes {expected}: P must count the D ranks of this D's TP size")
+
+    def skip(self, request: str, remote: str, addresses: Sequence[str], reason: str = "not needed by D", *,
+             wait_s: float = 0.0) -> None:
+        """D will load nothing of P's request ``remote`` into ``request`` (a full local prefix hit, or no blocks):
+        the P ranks at ``addresses`` release now rather than at lease expiry. A grant that cannot be fetched is
+        left to expire."""
+        grants: list[tuple[str, GrantReply]] = []
+        for address in addresses:
+            try:
+                grants.append((address, self._held_grant(request, remote, address, wait_s)))
+            except SideChannelError as exc:
+                log.info("could not release %s on %s: %s (its lease will expire)", remote, address, exc)
+        self._held.drop(request)
+        self.hand_back(grants, reason, consumer=self._index_on(grants))
+
+    def forget_grants(self, request: str) -> None:
+        """The engine dropped ``request`` before its load: its grants are no longer renewed (their leases expire)."""
+        self._held.drop(request)
+
+    def _held_grant(self, request: str, remote: str, address: str, wait_s: float) -> GrantReply:
+        grant = self._held.get(request, address)
+        if grant is None:
+            grant = self.fetch_grant(address, remote, wait_s=wait_s)
+            self._held.put(request, address, grant, renew=False)
+        return grant
+
+    def _index_on(self, grants: Sequence[tuple[str, GrantReply]]) -> int:
+        """This D rank's consumer index on the leases of ``grants`` (from the handshake plan, else the grant's
+        count: D ranks sharing one P rank are its consumers 0..r-1)."""
+        if not grants:
+            return 0
+        address, grant = grants[0]
+        link = self.links.get(address)
+        return self._consumer_index(link) if link is not None else self.tp_rank % max(grant.consumers, 1)
+
+    def _renew_held(self, now: float) -> None:
+        """Renew the announced grants' leases that are due, on the peers' workers (never on this thread)."""
+        for request, held in self._held.due(now):
+            address, grant = held.address, held.grant
+            self._calls.submit(
+                address, functools.partial(self._unclaimed.keep_alive, address, grant, timeout_s=HELD_RENEWAL_S),
+                on_reply=functools.partial(self._held_renewed, request, address),
+                on_error=functools.partial(self._held_unanswered, request, address),
+                key=("renew held", request, address), expires_s=grant.ttl_s / RENEWALS_PER_TTL)
+
+    def _held_renewed(self, request: str, address: str, ack: Ack, _sent: float) -> None:
+        if not ack.ok and self._held.get(request, address) is not None:
+            log.warning("lease of %s is gone on %s: %s", request, address, ack.detail)
+            self._held.stop_renewing(request, address)
+
+    @staticmethod
+    def _held_unanswered(request: str, address: str, exc: Exception) -> None:
+        log.info("renewing the lease of %s on %s failed: %s", request, address, exc)
 
     # -- loads ------------------------------------------------------------------------------------------------------
     def pull(
@@ -430,8 +529,14 @@ class Consumer:
         """Ask P to WRITE the granted blocks into ``request``'s reserved blocks. Non-blocking."""
         return self._start(request, grant, address, "push")
 
-    def _start(self, request: str, grants: Any, address: str | None, mode: str) -> str:
-        pairs = [(address, grants)] if isinstance(grants, GrantReply) else list(grants)
+    def _start(self, request: str, grants: Sequence[tuple[str, GrantReply]] | GrantReply, address: str | None,
+               mode: TransferModeName) -> str:
+        if isinstance(grants, GrantReply):
+            if address is None:
+                raise ValueError("one grant needs its P address (address=...)")
+            pairs = [(address, grants)]
+        else:
+            pairs = list(grants)
         parts = [(self.links[addr], grant, i) for i, (addr, grant) in enumerate(pairs)]
         if len(parts) != parts[0][0].plan.parts:
             raise ValueError(f"this D rank reads {parts[0][0].plan.parts} P rank(s); got {len(parts)} grant(s)")
@@ -439,10 +544,10 @@ class Consumer:
             # one PushRequest is one WRITE per (transfer, part): D ranks sharing a P rank's lease would collide
             raise ValueError("push after the prefill supports one P rank with equal layouts (a layer-wise stream "
                              "or pull crosses TP sizes)")
-        transfer = pairs[0][1].transfer if len(pairs) == 1 else f"{request}<-" + "+".join(g.transfer for _, g in pairs)
+        transfer = load_id(request, [grant.transfer for _, grant in pairs])
         if request not in self.ledger.requests:
             raise KeyError(f"request {request!r} is not reserved in the target ledger")
-        now = time.monotonic()
+        now = self._now()
         load = _Load(request, transfer, mode, parts, started=now, last_beat=now, size=len(parts))
         with self._lock:
             self._loads[transfer] = load
@@ -456,9 +561,13 @@ class Consumer:
         return self.tp_rank % link.plan.consumers_per_p_rank
 
     def _launch_settled(self, load: _Load) -> None:
-        """Launch, and settle the load whatever goes wrong: a load left in ``_loads`` unsettled waits forever."""
+        self._launch_step(load, lambda: self._launch(load))
+
+    def _launch_step(self, load: _Load, step: Callable[[], None]) -> None:
+        """Run a step of the launch, and settle the load whatever goes wrong: a load left in ``_loads`` unsettled
+        waits forever."""
         try:
-            self._launch(load)
+            step()
         except Exception as exc:
             log.exception("launching load %s of %s failed", load.transfer, load.request)
             reason = f"internal error: {type(exc).__name__}: {exc}"
@@ -469,45 +578,63 @@ class Consumer:
 
     def _launch(self, load: _Load) -> None:
         """The launch the protocol core orders (:class:`~kvlifecycle.protocol.launch.LoadLaunch`): every lease
-        claimed first, then the load starts in D's ledger, then the reads are posted or the push asked for."""
+        claimed first, then the load starts in D's ledger, then the reads are posted or the push asked for. Each
+        claim's answer continues it as a later job; the service thread never waits for one."""
+        if not self._open(load):  # its peer was invalidated before the launch began
+            return
         req = self.ledger.requests.get(load.request)
         step = load.begin(reserved=req is not None)
         if req is None:  # the engine gave the request up (aborted) before its load began: no lease is of use
             self._abandon(load, step.reason, hand_back_all=True)
             return
         blocks = req.blocks
-        mapped = {}
         for link, grant, part in load.parts:  # before any claim: a load that cannot fill every block never starts
             try:
-                mapped[part] = self._map_blocks(blocks, np.asarray(grant.block_ids, dtype=np.int32), link)
+                load.mapped[part] = self._map_blocks(blocks, np.asarray(grant.block_ids, dtype=np.int32), link)
             except BlockMappingError as exc:
                 self._abandon(load, str(exc), hand_back_all=True)  # P's lease is of no use: release it now
                 return
-        while step.action == "claim":
-            link, grant, part = load.parts[step.part]
-            sent = time.monotonic()
-            try:
-                # claim first: the claim binds the lease to this agent, and its token to this load
-                beat = link.client.request(
-                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
-                              consumer=self._consumer_index(link))
-                )
-            except SideChannelError as exc:
-                step = load.claim_unanswered(str(exc))
-                break
-            if beat.ok:
-                load.tokens[part] = getattr(beat, "token", b"")
-            step = load.claim_answered(part, ok=beat.ok, detail=beat.detail, sent_at=sent, ttl_s=grant.ttl_s,
-                                       reserved=True)  # a reservation cancelled meanwhile: start_load refuses
+        load.blocks = blocks
+        self._take(load, step)
+
+    def _take(self, load: _Load, step: LaunchStep) -> None:
+        """Do the launch's next step, as the protocol core ordered it. A claim is submitted, not waited for: its
+        answer continues the launch as a later job (:meth:`_claim_answered`)."""
         if step.action == "abandon":
             self._abandon(load, step.reason)
-            return
-        # One ledger step: start_load gates the posts at once, and its record joins the log after the launch.
-        with self.ledger.step():
-            self._start_and_post(load, blocks, mapped)
+        elif step.action == "claim":
+            link, grant, part = load.parts[step.part]
+            # claim first: the claim binds the lease to this agent, and its token to this load
+            claim = Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
+                              consumer=self._consumer_index(link))
+            self._call(link, claim, on_reply=functools.partial(self._claim_answered, load, part),
+                       on_error=functools.partial(self._claim_unanswered, load),
+                       expires_s=self.options.request_timeout_s)
+        else:
+            # One ledger step: start_load gates the posts at once, and its record joins the log after the launch.
+            with self.ledger.step():
+                self._start_and_post(load)
 
-    def _start_and_post(self, load: _Load, blocks: np.ndarray,
-                        mapped: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+    def _claim_answered(self, load: _Load, part: int, beat: Claimed | Ack, sent: float) -> None:
+        link, grant, _ = load.parts[part]
+        token = beat.token if isinstance(beat, Claimed) else b""
+        if not self._open(load):  # abandoned (or its peer invalidated) while the claim was out
+            if beat.ok:  # the lease is ours now and no load will read it: P may release it at once
+                self._tell_failed(load, link, grant, part, self.abandoned.get(load.request, "load abandoned"),
+                                  token=token)
+            return
+        if beat.ok:
+            load.tokens[part] = token
+        step = load.claim_answered(part, ok=beat.ok, detail=beat.detail, sent_at=sent, ttl_s=grant.ttl_s,
+                                   reserved=True)  # a reservation cancelled meanwhile: start_load refuses
+        self._launch_step(load, lambda: self._take(load, step))
+
+    def _claim_unanswered(self, load: _Load, exc: Exception) -> None:
+        if self._open(load):
+            self._launch_step(load, lambda: self._take(load, load.claim_unanswered(str(exc))))
+
+    def _start_and_post(self, load: _Load) -> None:
+        blocks, mapped = load.blocks, load.mapped
         first = load.parts[0]
         try:
             self.ledger.start_load(
@@ -525,25 +652,10 @@ class Consumer:
         load.live = True
         for link, grant, part in load.parts:
             if load.mode == "push":
-                try:
-                    ack = link.client.request(
-                        PushRequest(
-                            grant.transfer,
-                            grant.generation,
-                            self.transport.agent,
-                            self.transport.epoch,
-                            blocks.tolist(),
-                            load.request,
-                            part,
-                            load.tokens.get(part, b""),
-                        )
-                    )
-                except SideChannelError as exc:  # P may have accepted it: its write may be landing
-                    self._settle_by(load, rules.on_push_unanswered(), f"push request failed: {exc}")
-                    return
-                if not ack.ok:
-                    self._fail(load, f"push refused: {ack.detail}")
-                    return
+                push = PushRequest(grant.transfer, grant.generation, self.transport.agent, self.transport.epoch,
+                                   blocks.tolist(), load.request, part, load.tokens.get(part, b""))
+                self._call(link, push, on_reply=functools.partial(self._push_answered, load),
+                           on_error=functools.partial(self._push_unanswered, load))
                 continue
             prepared = link.prepared
             data = link.data or self.transport
@@ -566,7 +678,15 @@ class Consumer:
             except (TransportError, ValueError) as exc:
                 self._fail(load, f"post failed: {exc}")
                 return
-        load.last_beat = time.monotonic()
+        load.last_beat = self._now()
+
+    def _push_answered(self, load: _Load, ack: Ack, _sent: float) -> None:
+        if self._open(load) and not ack.ok:  # refused before P accepted a write
+            self._fail(load, f"push refused: {ack.detail}")
+
+    def _push_unanswered(self, load: _Load, exc: Exception) -> None:
+        if self._open(load):  # P may have accepted it: its write may be landing
+            self._settle_by(load, rules.on_push_unanswered(), f"push request failed: {exc}")
 
     @staticmethod
     def _map_blocks(local: np.ndarray, remote: np.ndarray, link: PeerLink) -> tuple[np.ndarray, np.ndarray]:
@@ -593,30 +713,39 @@ class Consumer:
                 log.exception("on_abandoned hook failed")
         for part in load.hand_back_parts(every_lease=hand_back_all):
             link, grant, _ = load.parts[part]
-            try:
-                self._load_failed(load, link, grant, part, reason)
-            except SideChannelError as exc:
-                log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
+            self._tell_failed(load, link, grant, part, reason)
 
-    def _load_failed(self, load: _Load, link: PeerLink, grant: GrantReply, part: int, reason: str) -> Ack:
-        """Tell P this part's load failed or was given up (its lease may go); raises SideChannelError."""
-        return link.client.request(LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
-                                              load.tokens.get(part, b""), self._consumer_index(link)), timeout_s=1.0)
+    def _tell_failed(self, load: _Load, link: PeerLink, grant: GrantReply, part: int, reason: str, *,
+                     token: bytes | None = None,
+                     on_reply: Callable[[Ack, float], None] | None = None) -> None:
+        """Tell P this part's load failed or was given up (its lease may go): submitted, not waited for. A P that
+        does not answer is logged and left to its lease's expiry."""
+        message = LoadFailed(grant.transfer, grant.generation, reason, self.ledger.hlc.tick(),
+                             load.tokens.get(part, b"") if token is None else token, self._consumer_index(link))
+
+        def unanswered(exc: Exception) -> None:
+            log.info("could not tell %s that %s failed: %s", link.address, grant.transfer, exc)
+
+        # not sent within the lease's TTL (behind a silent peer's other calls): moot, P expired the lease itself
+        self._call(link, message, timeout_s=HAND_BACK_TIMEOUT_S, on_reply=on_reply or _ignore_reply,
+                   on_error=unanswered, key=("hand_back", load.transfer, part) if on_reply is not None else None,
+                   expires_s=grant.ttl_s)
 
     def _give_up_push(self, load: _Load, reason: str) -> None:
         """D cannot tell whether P's write is landing: it hands the lease back and keeps its blocks LOADING until
         P answers — released: the load fails now; ``WRITE_IN_FLIGHT``: P cancels the write, then its ``failed``
-        notification fails the load. No answer: asked again at the heartbeat rhythm."""
+        notification fails the load. No answer: asked again at the heartbeat rhythm (one hand-back out at a time)."""
         load.given_up = load.given_up or reason
         for link, grant, part in load.parts:
-            try:
-                ack = self._load_failed(load, link, grant, part, load.given_up)
-            except SideChannelError as exc:
-                log.info("could not hand %s back to %s: %s", grant.transfer, link.address, exc)
-                return
-            if not rules.hand_back_settles(ack.ok, ack.detail):
-                return
-        self._fail(load, load.given_up)
+            self._tell_failed(load, link, grant, part, load.given_up,
+                              on_reply=functools.partial(self._handed_back, load, part))
+
+    def _handed_back(self, load: _Load, part: int, ack: Ack, _sent: float) -> None:
+        if not self._open(load) or not rules.hand_back_settles(ack.ok, ack.detail):
+            return
+        load.handed_back.add(part)
+        if len(load.handed_back) == load.size:  # every P released (or cancelled nothing): no write can land
+            self._fail(load, load.given_up)
 
     def _settle_by(self, load: _Load, how: rules.OnRefusal, reason: str) -> None:
         """What ``kvlifecycle.protocol.consumer`` decided for the load: give up (P's word settles it) or fail."""
@@ -655,22 +784,46 @@ class Consumer:
             self.ledger.fail(load.transfer, reason)
             self.ledger.commit()  # durable before P hears of it (outside a launch step): P finds it in our log
         for link, grant, part in load.parts:  # tell P now rather than at lease expiry
-            try:
-                self._load_failed(load, link, grant, part, reason)
-            except SideChannelError as exc:
-                log.info("could not tell %s that %s failed: %s", link.address, grant.transfer, exc)
+            self._tell_failed(load, link, grant, part, reason)
 
     # -- service thread ---------------------------------------------------------------------------------------------
+    def _call(self, link: PeerLink, message: msgspec.Struct, *, on_reply: Callable[[Any, float], None],
+              on_error: Callable[[Exception], None], timeout_s: float | None = None,
+              key: tuple[str, str, int] | None = None, expires_s: float | None = None) -> None:
+        """Send ``message`` to ``link``'s P on that peer's worker (:mod:`kvlifecycle.peer_calls`); its reply
+        (with its send time) or its failure comes back as a job of this thread. The service thread never waits
+        on a peer: a silent one would hold every load's read bound, and ``invalidate_peer``, behind its timeout."""
+        self._calls.submit(link.address, lambda: link.client.request(message, timeout_s=timeout_s),
+                           on_reply=on_reply, on_error=on_error, key=key, expires_s=expires_s)
+
+    def _open(self, load: _Load) -> bool:
+        """The load is still this Consumer's to settle (not settled, abandoned or invalidated)."""
+        return self._loads.get(load.transfer) is load
+
+    def _cancel_outlived_reads(self, now: float) -> None:
+        """First in every step: a read that may outlive its lease (its bound, the RenewalClock's deadline, is
+        reached) is cancelled now: its handles released and its load failed, before P may expire the lease and
+        reuse the blocks. Nothing before it in a step waits, and the loop wakes by the nearest bound
+        (:meth:`poll_interval`)."""
+        with self._lock:
+            loads = list(self._loads.values())
+        for load in loads:
+            duty = load.duty(now, reading=bool(load.handles), timeout_s=self.options.load_timeout_s)
+            if duty.action == "cancel_reads":
+                self._fail(load, duty.reason, wait_siblings=False)
+
     def _step(self) -> None:
-        now = time.monotonic()
+        now = self._now()
+        self._cancel_outlived_reads(now)
+        self._renew_held(now)
         with self._lock:
             loads = list(self._loads.values())
         timeout = self.options.load_timeout_s
         for load in loads:
             duty = load.duty(now, reading=bool(load.handles), timeout_s=timeout)
-            if duty.action == "idle":
+            if duty.action in ("idle", "cancel_reads"):  # cancel_reads: the bound's, taken first in every step
                 continue
-            if duty.action != "poll":  # a read outlived its lease, a part failed, or a peer restarted
+            if duty.action != "poll":  # a part failed, or a peer restarted
                 self._fail(load, duty.reason, wait_siblings=duty.wait_siblings)
                 if duty.action == "fail" and load.transfer in self._loads:
                     self._heartbeat(load, now)  # the siblings' leases must outlive their reads
@@ -731,6 +884,8 @@ class Consumer:
                 self._fail(load, f"producer: {reason.decode(errors='replace')}")
 
     def _heartbeat(self, load: _Load, now: float) -> None:
+        """Renew the load's leases when due: one renewal per part submitted (none while the last is still out);
+        each acknowledgement moves the read's bound (:meth:`_renewed`). Never waits on P."""
         every = beat_every(min(g.ttl_s for _, g, _ in load.parts), self.options.heartbeat_every_s)
         due = load.beat(now, every)
         if due == "hand_back":  # handed back: ask again instead of renewing the lease
@@ -738,22 +893,70 @@ class Consumer:
         if due != "renew":
             return
         for link, grant, part in load.parts:
-            sent = time.monotonic()
-            try:
-                beat = link.client.request(
-                    Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
-                              consumer=self._consumer_index(link), token=load.tokens.get(part, b"")),
-                    timeout_s=every,
-                )
-            except SideChannelError as exc:
-                log.info("heartbeat to %s failed: %s", link.address, exc)
-                continue
-            if not beat.ok:
-                self._settle_by(load, rules.on_renewal_refused(load.mode, beat.detail), f"lease lost: {beat.detail}")
-                return
-            load.renewals.acknowledged(part, sent, grant.ttl_s)
+            beat = Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
+                             consumer=self._consumer_index(link), token=load.tokens.get(part, b""))
+            # one renewal out per part (queued or in flight). One sent late, behind the peer's other calls, still
+            # counts from when it left: a slow P's later loads are renewed, not starved
+            self._call(link, beat, timeout_s=every, key=("beat", load.transfer, part),
+                       on_reply=functools.partial(self._renewed, load, part),
+                       on_error=functools.partial(self._renewal_unanswered, link))
+
+    def _renewed(self, load: _Load, part: int, beat: Ack, sent: float) -> None:
+        """P answered a renewal of ``part`` that left at ``sent``."""
+        if not self._open(load) or not load.live:
+            return
+        if not beat.ok:
+            self._settle_by(load, rules.on_renewal_refused(load.mode, beat.detail), f"lease lost: {beat.detail}")
+            return
+        load.renewals.acknowledged(part, sent, load.parts[part][1].ttl_s)
+
+    @staticmethod
+    def _renewal_unanswered(link: PeerLink, exc: Exception) -> None:
+        log.info("heartbeat to %s failed: %s", link.address, exc)
+
+    def _verified(self, load: _Load, part: int) -> bool:
+        """What landed for ``part`` matches P's digests, or is not checked (verification off, no digests in the
+        grant, a block-size split). On a mismatch the ledger records it and the load fails: no block of it
+        becomes READY_FOR_ATTENTION. Runs before ``part_done``, on the service thread."""
+        link, grant, _ = load.parts[part]
+        if self.options.verify is VerifyMode.NONE or self.digester is None or grant.digests is None:
+            self.unverified_parts += 1
+            return True
+        mapped = load.mapped.get(part)
+        if mapped is None or link.plan.local_split != 1 or link.plan.remote_split != 1:
+            self.unverified_parts += 1
+            return True
+        local, remote = mapped
+        slice_index = self._consumer_index(link)
+        try:
+            expected = expected_digests(grant.digests, len(grant.block_ids), slice_index)[-remote.size:]
+            view = self._planned_view(link, grant.tp_rank)
+            found = self.digester.digests(local, offset=view.offset, length=view.length)
+        except DigestError as exc:
+            self._fail(load, f"digests unusable: {exc}")
+            return False
+        bad = mismatched(expected, found)
+        if bad.size == 0:
+            self.verified_parts += 1
+            return True
+        self.ledger.digest_mismatch(load.transfer, part, blocks=local[bad], source_blocks=remote[bad],
+                                    expected=expected[bad], found=found[bad], slice_index=slice_index,
+                                    quarantine_s=self.options.quarantine_s)
+        self._fail(load, f"digest mismatch: {bad.size} block(s) of part {part}")
+        return False
+
+    def _planned_view(self, link: PeerLink, p_rank: int) -> BlockView:
+        """Where the handshake's plan puts P rank ``p_rank``'s bytes in D's blocks, in bytes: the check reads
+        there, so a read prepared into the wrong heads fails it."""
+        read = next((r for r in link.plan.reads if r.p_rank == p_rank), None)
+        if read is None:
+            raise DigestError(f"P rank {p_rank} is not in this D rank's plan")
+        unit = self.options.unit_bytes
+        return scale_view(read.local_view, unit) if unit else read.local_view
 
     def _part_done(self, load: _Load, part: int) -> None:
+        if part in load.done or not self._verified(load, part):
+            return
         if not load.part_done(part):
             return
         self.ledger.part_done(load.transfer, part)
@@ -781,9 +984,29 @@ class Consumer:
 
     def poll_interval(self) -> float:
         """How long the service loop waits for a job before its next step: the busy rhythm while a transfer is in
-        flight that no transport wakes this loop for, else the idle one."""
+        flight that no transport wakes this loop for, else the idle one; never past the nearest read's bound (a
+        read is cancelled at its bound even while the loop idles)."""
         busy = (self._loads and not self._wakeful) or any(f() for f in self.poll_fast_while)
-        return self.options.service_poll_s if busy else self.options.idle_poll_s
+        wait = self.options.service_poll_s if busy else self.options.idle_poll_s
+        return min(wait, max(self.read_bound() - self._now(), 0.0))
+
+    def read_bound(self) -> float:
+        """The nearest bound of a read in flight (inf: none), in this Consumer's clock: the loop wakes by it."""
+        with self._lock:
+            return min((load.renewals.deadline() for load in self._loads.values() if load.handles),
+                       default=float("inf"))
+
+    def step_once(self) -> None:
+        """One turn of the service loop without waiting (the simulator's scheduler turns it): every queued job,
+        then a step and the commit."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            job()
+        self._step()
+        self.ledger.commit()
 
     def pending(self) -> int:
         with self._lock:
@@ -796,7 +1019,9 @@ class Consumer:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        if self._thread.is_alive():
+            self._thread.join(10)
+        self._calls.close()
         for link in self.links.values():
             link.client.close()
         self._unclaimed.close()

@@ -1,0 +1,150 @@
+"""Per-block KV digests: what lands is what was sent.
+
+P digests each granted block as each D consumer will read it and sends the digests with the grant; D digests what
+landed in its own blocks and refuses the load on any mismatch *before* ``part_done`` lets attention read a byte
+(:meth:`kvlifecycle.ledger.TargetLedger.digest_mismatch`).
+
+**The digest of a block** is XXH3-64 over the block's bytes in every region of its region group, region after
+region, each region contributing its slice of the block (``offset``/``length`` in the first group, as a
+:class:`~kvlifecycle.transport.BlockView` cuts a rank's heads; the other groups whole). No address, slot index or
+block id enters it, so it is the same wherever the block sits in either pool: a block written into the wrong slot
+arrives under the wrong digest. A unit may be made of several pieces (D's sub-blocks of one P block under a block
+size split): their slices are concatenated per region, which is the byte order of the one P block.
+
+**Why XXH3-64.** A 64-bit non-cryptographic hash runs at memory speed (XXH3 hashes >20 GB/s on one x86 core from
+cache, so a pass over host DRAM is bound by the memory, not the hash), has full avalanche (every flipped bit changes
+half the output bits), and misses a random corruption with probability 2^-64 per block. Adler-32 (SGLang's P/D
+checksum) is 32 bits with weak mixing on short inputs and blind to some reorderings; CRC32C is fast in hardware but
+32 bits, and detects reordered equal-sized pieces poorly. The digest is not a MAC: it catches faults, not an
+adversary (the side channel's HMAC covers the digests in transit). The binding is ``xxhash`` (the reference C
+library's Python wrapper, maintained upstream, wheels for every platform): a core dependency, with no torch.
+
+**Head slices.** A lease read by ``consumers`` D ranks (D TP > P TP) is read in ``consumers`` equal slices of the
+first region group's blocks; P sends a digest per (slice, block), so each D rank checks exactly the heads it read,
+and a rank whose slice landed in the wrong heads fails. Under P TP > D TP each P rank sends whole-block digests and
+D checks each P rank's slice of its own blocks (the TP plan's local view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+import numpy as np
+import xxhash
+
+from kvlifecycle.choices import Choice
+
+DIGEST_ALGO = "xxh3-64"
+DIGEST_DTYPE = np.dtype("<u8")
+# one transfer in this many is checked under ``verify: sample``; the choice is a function of the transfer id, so
+# P (which computes) and D (which checks) agree without a word
+SAMPLE_EVERY = 16
+MAX_DIGEST_BYTES = 8 << 20  # 1 Mi digests (a grant of 1 Mi blocks × slices): past it a peer's field is refused
+MAX_SLICES = 1 << 10
+
+
+class VerifyMode(Choice):
+    """Which transfers carry and check per-block digests."""
+
+    NONE = "none"  # no digest is computed, sent or checked
+    SAMPLE = "sample"  # one transfer in SAMPLE_EVERY, chosen by its id: catches a systematic fault at 1/16 the cost
+    ALL = "all"  # every transfer
+
+
+VerifyModeName = Literal["none", "sample", "all"]
+
+
+def should_digest(mode: VerifyMode | VerifyModeName, transfer: str) -> bool:
+    """Whether P digests ``transfer`` under ``mode`` (D checks whatever digests a grant carries)."""
+    mode = VerifyMode.parse(mode, "verify")
+    if mode is VerifyMode.NONE:
+        return False
+    return mode is VerifyMode.ALL or xxhash.xxh3_64_intdigest(transfer.encode()) % SAMPLE_EVERY == 0
+
+
+class BlockDigests(msgspec.Struct, frozen=True, array_like=True):
+    """The wire form of P's digests for one grant: ``values`` holds ``slices`` × blocks little-endian u64
+    digests, slice-major, in the grant's block order. Bounded at decode; its fit to a grant is checked where it is
+    used (:func:`expected_digests`), so a malformed field refuses the load, never the service loop."""
+
+    algo: str
+    slices: Annotated[int, msgspec.Meta(ge=1, le=MAX_SLICES)]
+    values: Annotated[bytes, msgspec.Meta(max_length=MAX_DIGEST_BYTES)]
+
+    @staticmethod
+    def of(digests: np.ndarray) -> BlockDigests:
+        """From a ``(slices, blocks)`` (or ``(blocks,)``) array of digests."""
+        arr = np.asarray(digests, dtype=DIGEST_DTYPE)
+        arr = arr.reshape(1, -1) if arr.ndim == 1 else arr
+        return BlockDigests(DIGEST_ALGO, int(arr.shape[0]), arr.tobytes())
+
+
+class DigestError(ValueError):
+    """A grant's digest field does not fit the grant (algorithm, size or slice): the load is refused."""
+
+
+def expected_digests(digests: BlockDigests, blocks: int, slice_index: int) -> np.ndarray:
+    """The digests of slice ``slice_index`` for a grant of ``blocks`` blocks; :class:`DigestError` if the field
+    cannot hold them (a peer's bytes: never trusted to fit)."""
+    if digests.algo != DIGEST_ALGO:
+        raise DigestError(f"digest algorithm {digests.algo!r}, this side computes {DIGEST_ALGO!r}")
+    if len(digests.values) != digests.slices * blocks * DIGEST_DTYPE.itemsize:
+        raise DigestError(f"{len(digests.values)} digest bytes for {digests.slices} slice(s) of {blocks} blocks")
+    if not 0 <= slice_index < digests.slices:
+        raise DigestError(f"slice {slice_index} of {digests.slices}")
+    values: np.ndarray = np.frombuffer(digests.values, dtype=DIGEST_DTYPE).reshape(digests.slices, blocks)
+    row: np.ndarray = values[slice_index]
+    return row
+
+
+def slice_view(block_bytes: int, slices: int, index: int) -> tuple[int, int]:
+    """``(offset, length)`` of head slice ``index`` of ``slices`` in a block of ``block_bytes`` (what consumer
+    ``index`` of a lease read by ``slices`` D ranks reads: :func:`kvlifecycle.layout.tp_plan`)."""
+    if slices < 1 or block_bytes % slices or not 0 <= index < slices:
+        raise DigestError(f"{block_bytes}-byte blocks do not split into slice {index} of {slices}")
+    length = block_bytes // slices
+    return index * length, length
+
+
+def digest_units(regions: Sequence[Sequence[np.ndarray]], units: np.ndarray, *, offset: int = 0,
+                 length: int = 0) -> np.ndarray:
+    """The digest of each unit of blocks (one row of ``units``: one block, or the pieces of one), position
+    independent.
+
+    ``regions[g]`` holds group ``g``'s regions, each a ``(blocks of the group, block bytes)`` uint8 array; block
+    ids run over the groups in order (group ``g`` starts after the blocks of the groups before it). ``offset`` and
+    ``length`` (0: to the block's end) slice each block of the first group; other groups are digested whole. Every
+    piece of a unit must be in the same group. ``units``: int array, ``(n,)`` or ``(n, pieces)``."""
+    ids = np.asarray(units, dtype=np.int64)
+    ids = ids.reshape(-1, 1) if ids.ndim == 1 else ids
+    starts = np.cumsum([0] + [int(g[0].shape[0]) if len(g) else 0 for g in regions])
+    out = np.empty(ids.shape[0], dtype=DIGEST_DTYPE)
+    for row, pieces in enumerate(ids):
+        group = int(np.searchsorted(starts, pieces[0], side="right")) - 1
+        if group < 0 or group >= len(regions) or not (starts[group] <= pieces).all() or \
+                not (pieces < starts[group + 1]).all():
+            raise DigestError(f"unit {pieces.tolist()} is not within one region group of {int(starts[-1])} blocks")
+        local = pieces - starts[group]
+        h = xxhash.xxh3_64()
+        for region in regions[group]:
+            lo, hi = (offset, offset + length if length else region.shape[1]) if group == 0 else (0, region.shape[1])
+            for block in local:
+                h.update(region[block, lo:hi].data)  # a view: no copy of the block's bytes
+        out[row] = h.intdigest()
+    return out
+
+
+def mismatched(expected: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """Positions where ``found`` differs from ``expected`` (equal lengths)."""
+    return np.flatnonzero(np.asarray(expected, dtype=DIGEST_DTYPE) != np.asarray(found, dtype=DIGEST_DTYPE))
+
+
+class BlockDigester(Protocol):
+    """Digests blocks where they live (host DRAM, a GPU): a transport implements it over its registered regions.
+    The core never reads KV memory itself."""
+
+    def digests(self, units: np.ndarray, *, offset: int = 0, length: int = 0) -> np.ndarray:
+        """:func:`digest_units` over this worker's KV regions: one u64 per unit (row of ``units``)."""
+        ...
