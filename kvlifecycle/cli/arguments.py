@@ -4,7 +4,7 @@
 - :func:`validate_numbers` checks numbers where they are parsed: a count, size, bound or index given as a bare
   ``int``/``float`` is never negative, NaN or infinite, and one whose default is positive is never zero (a zero
   there means nothing: zero requests, a zero-size probe). An option where zero or a sign means something gives its
-  own ``type`` (:func:`non_negative_int`, :func:`port`), which this leaves alone.
+  own ``type`` (:func:`non_negative_int`, :func:`non_negative_float`, :func:`port`), which this leaves alone.
 - :data:`USER_ERRORS` are what a verb raises for its input or its environment (a path it cannot use, a value out
   of range, an optional package that is missing): ``main`` prints them in one line (:func:`describe_user_error`).
 """
@@ -60,6 +60,11 @@ def _number(kind: Callable[[str], float], low: float, strict: bool) -> Callable[
 def non_negative_int(text: str) -> int:
     """An int that may be 0 (0 meaning "none" or "off" where the option says so)."""
     return int(_number(int, 0, False)(text))
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float that may be 0 (a threshold of 0 turns its check off where the option says so)."""
+    return float(_number(float, 0, False)(text))
 
 
 def port(text: str) -> int:

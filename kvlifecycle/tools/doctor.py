@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvlifecycle.cli.arguments import non_negative_float
+
 DEFAULT_TLS_VARIANTS = ("default", "tcp", "sm", "default+eh=none")
 
 
@@ -34,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="UCX_TLS variants to probe, comma-separated; 'default' leaves UCX_TLS as it is; "
                              "'+eh=none' sets the UCX backend's ucx_error_handling_mode "
                              f"(default {','.join(DEFAULT_TLS_VARIANTS)})")
-    parser.add_argument("--min-ratio", type=float, default=0.1,
-                        help="a default path below this fraction of its ceiling fails the check (default 0.1)")
+    parser.add_argument("--min-ratio", type=non_negative_float, default=0.1,
+                        help="a default path below this fraction of its ceiling fails the check (default 0.1; "
+                             "0 fails none)")
     parser.add_argument("--budget-s", type=float, default=30.0, help="time bound for the whole run (default 30)")
     parser.add_argument("--no-prog-thread-check", action="store_true",
                         help="skip the check that NIXL's UCX progress thread spins a core")
