@@ -362,6 +362,22 @@ class StagingRaces(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([0.05, 0.5, 6.0]))
     def tick(self, seconds: float) -> None:
         self.rig.clock.advance(seconds)
+        self._read_bound()
+
+    def _read_bound(self) -> None:
+        """D's read bound: a read ends before the lease it reads under expires, wherever it reads from (D gives
+        it up at a fraction of the TTL, so no renewal or sweep ever sees a read outlive its lease)."""
+        now = self.rig.clock.now()
+        for transfer, where in list(self.reads.items()):
+            if where is Where.GPU:
+                lease = self.rig.p.leases.get(transfer)
+                expired = lease is not None and lease.expires_at <= now
+            else:
+                copy = self.rig.pool.requests.get(transfer)
+                expired = copy is not None and copy.expires_at <= now
+            if expired:
+                del self.reads[transfer]
+                self.rig.staging.read_done(where, transfer, self.live[transfer][1], ok=False, reason="bound")
 
     @rule()
     def stage_due(self) -> None:
@@ -408,12 +424,7 @@ class StagingRaces(RuleBasedStateMachine):
 
     @rule()
     def sweep(self) -> None:
-        now = self.rig.clock.now()
-        for transfer, where in list(self.reads.items()):  # D's read bound: a read ends before its lease expires
-            copy = self.rig.pool.requests.get(transfer)
-            if where is Where.HOST and copy is not None and copy.expires_at <= now:
-                del self.reads[transfer]
-                self.rig.staging.read_done(where, transfer, self.live[transfer][1], ok=False, reason="bound")
+        self._read_bound()
         self.rig.p.sweep(keep=[t for t, w in self.reads.items() if w is Where.GPU])
         self.rig.pool.sweep()
         for transfer in self._ended():
