@@ -5,6 +5,8 @@ now, and invalidate_peer telling the streams. A real Producer and its side chann
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -16,6 +18,7 @@ from waiting import until
 from kvlifecycle import events as ev
 from kvlifecycle.handoff import Consumer
 from kvlifecycle.machines import TargetState
+from kvlifecycle.protocol.launch import CLAIM_PAST_BOUND, NOT_RESERVED, LaunchStep, LoadLaunch
 
 pd = unclaimed.pd  # the fixture: a Producer and a Consumer not connected yet
 grant, releases = unclaimed.grant, unclaimed.releases
@@ -101,3 +104,47 @@ def test_invalidate_peer_tells_every_peer_lost_sink(pd) -> None:
     cons.peer_lost_sinks.append(lambda agent, epoch, reason: told.append((agent, epoch, reason)))
     cons.invalidate_peer("p-agent", 3, "etcd lease expired")
     assert told == [("p-agent", 3, "etcd lease expired")]
+
+
+def claim_answered_late(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claim's answer reaches D past the read bound of the lease it claims (D's clock jumps by the TTL while
+    the answer is on its way): the load is abandoned, nothing is read, and the lease goes back to P at once."""
+    prod, cons, plog, dlog = pd
+    offset = [0.0]
+    monkeypatch.setattr(cons, "_now", lambda: time.monotonic() + offset[0])
+    answered = cons._claim_answered
+
+    def late(load, part, beat, sent) -> None:
+        offset[0] += 30.0  # the grant's TTL (the fixture's default_ttl_s): the bound is 0.9 of it after the send
+        answered(load, part, beat, sent)
+
+    monkeypatch.setattr(cons, "_claim_answered", late)
+    g = grant(prod, "p-late", [2, 3])
+    cons.ledger.reserve("d-late", [4, 5])
+    cons.load("d-late", "p-late", [prod.address])
+    assert cons.wait_idle(10)
+    assert cons.abandoned["d-late"].startswith(CLAIM_PAST_BOUND)
+    assert not [e for e in dlog if isinstance(e, ev.TgtPartDone)]  # no read was posted
+    assert "d-late" not in cons.ledger.requests  # policy "fail": the reservation went back
+    assert until(lambda: g.transfer not in prod.ledger.leases)  # handed back, not left to expire
+    assert any(CLAIM_PAST_BOUND in detail for _, detail in releases(plog)), releases(plog)
+
+
+def test_a_claim_answered_past_its_read_bound_posts_no_read(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    claim_answered_late(pd, monkeypatch)
+
+
+@pytest.mark.mutants
+def test_mutant_posting_a_read_after_a_late_claim_is_caught(pd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch that ignores when the claim's answer came posts a read whose lease may already be gone at P."""
+    def ignoring_now(self, part, *, ok, detail, sent_at, ttl_s, reserved, now):  # the launch before the check
+        if not ok:
+            return LaunchStep("abandon", reason=f"lease refused: {detail}")
+        if not self.claim_acknowledged(part, sent_at, ttl_s):
+            return LaunchStep("claim", self.claimed)
+        return LaunchStep("start") if reserved else LaunchStep("abandon", reason=NOT_RESERVED)
+
+    monkeypatch.setattr(LoadLaunch, "claim_answered", ignoring_now)
+    with pytest.raises((AssertionError, KeyError)):
+        claim_answered_late(pd, monkeypatch)
+    assert pd[1].wait_idle(10)

@@ -626,7 +626,8 @@ class Consumer:
         if beat.ok:
             load.tokens[part] = token
         step = load.claim_answered(part, ok=beat.ok, detail=beat.detail, sent_at=sent, ttl_s=grant.ttl_s,
-                                   reserved=True)  # a reservation cancelled meanwhile: start_load refuses
+                                   reserved=True,  # a reservation cancelled meanwhile: start_load refuses
+                                   now=self._now())
         self._launch_step(load, lambda: self._take(load, step))
 
     def _claim_unanswered(self, load: _Load, exc: Exception) -> None:

@@ -14,6 +14,7 @@ from typing import Literal
 from kvlifecycle.protocol.load import LoadProgress
 
 NOT_RESERVED = "request no longer reserved"
+CLAIM_PAST_BOUND = "claim answered past its read bound"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +52,17 @@ class LoadLaunch(LoadProgress):
         return LaunchStep("claim", 0) if reserved else LaunchStep("abandon", reason=NOT_RESERVED)
 
     def claim_answered(self, part: int, *, ok: bool, detail: str, sent_at: float, ttl_s: float,
-                       reserved: bool) -> LaunchStep:
-        """P answered the claim of ``part`` sent at ``sent_at``: the next claim, the start once every lease is
-        claimed (and the reservation still stands), or the abandon of a refused claim."""
+                       reserved: bool, now: float) -> LaunchStep:
+        """P answered the claim of ``part`` sent at ``sent_at``, and the answer reached D at ``now``: the next
+        claim, the start once every lease is claimed (and the reservation still stands), or the abandon of a
+        refused claim or of one answered past the read bound of a lease claimed so far (a read posted now could
+        outlive that lease: P counts its TTL from when the claim reached it, D can only count from the send)."""
         if not ok:
             return LaunchStep("abandon", reason=f"lease refused: {detail}")
-        if not self.claim_acknowledged(part, sent_at, ttl_s):
+        every_lease = self.claim_acknowledged(part, sent_at, ttl_s)
+        if self.renewals.outlived(now):
+            return LaunchStep("abandon", reason=f"{CLAIM_PAST_BOUND} ({now - sent_at:.3f} s after it was sent)")
+        if not every_lease:
             return LaunchStep("claim", self.claimed)
         return LaunchStep("start") if reserved else LaunchStep("abandon", reason=NOT_RESERVED)
 

@@ -5,7 +5,7 @@ what a step owes a load first."""
 from __future__ import annotations
 
 from kvlifecycle.handoff import consumer
-from kvlifecycle.protocol.launch import NOT_RESERVED, LoadLaunch, beat_every
+from kvlifecycle.protocol.launch import CLAIM_PAST_BOUND, NOT_RESERVED, LoadLaunch, beat_every
 
 
 def test_the_consumers_loads_are_the_core_class() -> None:
@@ -15,25 +15,39 @@ def test_the_consumers_loads_are_the_core_class() -> None:
 def test_every_lease_is_claimed_in_order_before_the_start() -> None:
     load = LoadLaunch(size=2)
     assert load.begin(reserved=True).action == "claim" and load.begin(reserved=True).part == 0
-    step = load.claim_answered(0, ok=True, detail="", sent_at=1.0, ttl_s=10.0, reserved=True)
+    step = load.claim_answered(0, ok=True, detail="", sent_at=1.0, ttl_s=10.0, reserved=True, now=2.5)
     assert (step.action, step.part) == ("claim", 1) and not load.live
-    assert load.claim_answered(1, ok=True, detail="", sent_at=2.0, ttl_s=10.0, reserved=True).action == "start"
+    assert load.claim_answered(1, ok=True, detail="", sent_at=2.0, ttl_s=10.0, reserved=True, now=2.5).action == "start"
     assert load.renewals.deadline() == 1.0 + 10.0 * 0.9  # the earliest claim bounds the reads
 
 
 def test_a_refused_or_unanswered_claim_abandons_and_hands_back_what_was_claimed() -> None:
     load = LoadLaunch(size=3)
-    load.claim_answered(0, ok=True, detail="", sent_at=0.0, ttl_s=5.0, reserved=True)
-    step = load.claim_answered(1, ok=False, detail="gone", sent_at=0.0, ttl_s=5.0, reserved=True)
+    load.claim_answered(0, ok=True, detail="", sent_at=0.0, ttl_s=5.0, reserved=True, now=2.5)
+    step = load.claim_answered(1, ok=False, detail="gone", sent_at=0.0, ttl_s=5.0, reserved=True, now=2.5)
     assert (step.action, step.reason) == ("abandon", "lease refused: gone")
     assert list(load.hand_back_parts()) == [0] and list(load.hand_back_parts(every_lease=True)) == [0, 1, 2]
     assert load.claim_unanswered("timed out").reason == "claim failed: timed out"
 
 
+def test_a_claim_answered_past_its_read_bound_abandons_and_hands_its_lease_back() -> None:
+    load = LoadLaunch(size=2)
+    load.claim_answered(0, ok=True, detail="", sent_at=0.0, ttl_s=10.0, reserved=True, now=1.0)
+    step = load.claim_answered(1, ok=True, detail="", sent_at=8.0, ttl_s=10.0, reserved=True, now=9.0)
+    assert step.action == "abandon" and step.reason.startswith(CLAIM_PAST_BOUND)  # part 0's bound was 9.0
+    assert list(load.hand_back_parts()) == [0, 1] and not load.live
+    late = LoadLaunch(size=1)
+    assert late.claim_answered(0, ok=True, detail="", sent_at=0.0, ttl_s=10.0, reserved=True, now=8.99).action \
+        == "start"
+    late = LoadLaunch(size=1)
+    assert late.claim_answered(0, ok=True, detail="", sent_at=0.0, ttl_s=10.0, reserved=True, now=9.0).action \
+        == "abandon"
+
+
 def test_a_reservation_gone_while_claiming_abandons() -> None:
     load = LoadLaunch(size=1)
     assert load.begin(reserved=False).reason == NOT_RESERVED
-    step = load.claim_answered(0, ok=True, detail="", sent_at=0.0, ttl_s=5.0, reserved=False)
+    step = load.claim_answered(0, ok=True, detail="", sent_at=0.0, ttl_s=5.0, reserved=False, now=0.5)
     assert (step.action, step.reason) == ("abandon", NOT_RESERVED)
 
 
