@@ -26,8 +26,8 @@ def _run(argv: list[str], cwd: Path | None = None, timeout: float = 900) -> subp
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(ROOT)])
-    _run([sys.executable, "-c", f"from setuptools import build_meta as b; b.build_sdist({str(out)!r})"], cwd=ROOT)
+    # what a release runs; --no-isolation builds with this venv's setuptools (no index needed for the backend)
+    _run([sys.executable, "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", str(out), str(ROOT)])
     (wheel,) = out.glob("kvlifecycle-*.whl")
     (sdist,) = out.glob("kvlifecycle-*.tar.gz")
     return {"wheel": wheel, "sdist": sdist}
@@ -76,3 +76,9 @@ def test_transports_and_torch_run_the_demo_and_testing_brings_the_suite(dist: di
     assert "demo OK" in demo.stdout
     _run([str(bin_ / "kvlifecycle"), "replay", str(tmp_path / "demo"), "--check"])
     _run([str(bin_ / "python"), "-c", "import kvlifecycle.testing.transport_conformance"])
+
+
+def test_twine_accepts_the_wheel_and_the_sdist(dist: dict[str, Path]) -> None:
+    """The metadata PyPI renders (the README as the long description, classifiers, URLs) passes ``twine check``."""
+    done = _run([sys.executable, "-m", "twine", "check", "--strict", str(dist["wheel"]), str(dist["sdist"])])
+    assert done.stdout.count("PASSED") == 2, done.stdout
