@@ -1,7 +1,7 @@
 """Benchmark: the same P/D transfers through SGLang's own NIXL backend and through kvlifecycle's, in one run.
 
 Both go through SGLang 0.5.23's classes (KV manager, sender/receiver, bootstrap server) driven by
-``kvlifecycle.tools.sglang_driver`` in two processes, DRAM KV, NIXL/UCX over loopback. The time of one run is
+``tests/sglang/sglang_driver.py`` in two processes, DRAM KV, NIXL/UCX over loopback. The time of one run is
 from the prefill's first ``send()`` of the timed rooms to the decode's last ``Success`` (both read
 CLOCK_MONOTONIC, which is shared by the processes of one host), after one warm-up room. Runs alternate between the
 backends; the median of each is reported, and ``ratio`` = kvlifecycle / nixl (goal ≤ 1.0).
@@ -28,6 +28,7 @@ from pathlib import Path
 from kvlifecycle.tools.progress import progress
 
 ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "sglang" / "sglang_driver.py"  # drives SGLang's own classes; a test module
 
 
 def free_port() -> int:
@@ -50,7 +51,7 @@ def one_run(backend: str, args: argparse.Namespace, work: Path) -> dict:
     procs = {}
     for role in ("prefill", "decode"):
         log = open(work / f"{role}.log", "wb")  # noqa: SIM115 - closed with the process
-        procs[role] = (subprocess.Popen([sys.executable, "-m", "kvlifecycle.tools.sglang_driver", "--role", role,
+        procs[role] = (subprocess.Popen([sys.executable, str(DRIVER), "--role", role,
                                          *common, "--out", str(work / f"{role}.json")], cwd=str(ROOT), env=env,
                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log)
     try:

@@ -1,4 +1,4 @@
-"""Run the SGLang driver (``kvlifecycle.tools.sglang_driver``) in the SGLang venv from the main venv's pytest.
+"""Run the SGLang driver (``tests/sglang/sglang_driver.py``) in the SGLang venv from the main venv's pytest.
 
 Every process gets its own session (so a stuck one is killed with its children), loopback-only UCX and SGLang
 addresses, and a hard deadline. Nothing here asserts timings. The driver's processes are forks of one fork server
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_VENV = Path(os.environ.get("KVL_SGLANG_VENV", ROOT / ".venv-sglang"))
 SGLANG_PY = SGLANG_VENV / "bin" / "python"
-DRIVER = "kvlifecycle.tools.sglang_driver"
+DRIVER = "sglang_driver"
 
 
 
@@ -201,7 +201,7 @@ def kill(proc: Proc) -> None:
 
 
 def spawn(name: str, work: Path, args: list[str], env: dict[str, str]) -> Proc:
-    """``python -m kvlifecycle.tools.sglang_driver ARGS`` in the SGLang venv: a fork of the session's fork server
+    """``python tests/sglang/sglang_driver.py ARGS`` in the SGLang venv: a fork of the session's fork server
     (the same interpreter, SGLang's modules already imported), in its own session."""
     out = work / f"{name}.json"
     log = work / f"{name}.log"

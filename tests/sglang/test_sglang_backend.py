@@ -1,7 +1,7 @@
 """The kvlifecycle backend inside real SGLang (0.5.23, CPU, DRAM KV over NIXL/UCX loopback).
 
 Each scenario runs SGLang's own KV manager, sender/receiver and bootstrap server (HTTP + ZMQ) in two processes of
-the SGLang venv (see ``kvlifecycle.tools.sglang_driver``); the assertions read what each side reported and
+the SGLang venv (see ``tests/sglang/sglang_driver.py``); the assertions read what each side reported and
 replay both sides' event logs. No timing is asserted; every wait is bounded by the driver's deadline.
 """
 

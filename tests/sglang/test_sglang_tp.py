@@ -1,6 +1,6 @@
 """The kvlifecycle backend between prefill and decode of different attention TP sizes, inside real SGLang.
 
-Every TP rank is its own process of the SGLang venv (``kvlifecycle.tools.sglang_driver --tp N --tp-rank R``):
+Every TP rank is its own process of the SGLang venv (``sglang_driver.py --tp N --tp-rank R``):
 SGLang's own manager, sender/receiver and bootstrap server map the ranks (``CommonKVManager._resolve_rank_mapping``),
 the core's TP plans slice the heads. The model has 4 KV heads; each prefill rank fills its own heads' bytes, and
 each decode rank checks that its pages hold exactly its heads (the concatenation of two prefill ranks' heads, or

@@ -5,10 +5,10 @@ forks one child per driver process the harness asks for.
 Runs in the SGLang venv: ``python zygote.py SOCKET``. One request per connection, one JSON line: ``argv`` (the
 driver's arguments), ``env``, ``cwd``, ``log``, and ``script`` to run a script (as ``python SCRIPT``) instead. The
 answer is ``pid N``, then ``exit CODE`` when that child ended. A child starts its own session, takes the request's
-environment, working directory and log as stdout and stderr, and runs ``kvlifecycle.tools.sglang_driver.main`` as
-``python -m`` would; kvlifecycle itself is imported in the child only, after its environment is set (its variables
-are read there). Single-threaded (a fork copies no other thread's locks); it exits when the process that started
-it is gone.
+environment, working directory and log as stdout and stderr, and runs ``sglang_driver.main`` (the file beside
+this one) as ``python -m`` would; kvlifecycle itself is imported in the child only, after its environment is set
+(its variables are read there). Single-threaded (a fork copies no other thread's locks); it exits when the process
+that started it is gone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import traceback
 
 PRELOAD = ("torch", "sglang.srt.server_args", "sglang.srt.runtime_context", "sglang.srt.disaggregation.utils",
            "sglang.srt.disaggregation.base.conn", "sglang.srt.disaggregation.common.conn")
-DRIVER = "kvlifecycle.tools.sglang_driver"
+DRIVER = "sglang_driver"  # tests/sglang/sglang_driver.py, beside this file
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_child(request: dict) -> int:
@@ -41,6 +42,8 @@ def run_child(request: dict) -> int:
     script = request.get("script")
     # as ``python -m`` from that directory, or ``python SCRIPT``, puts it first
     sys.path[0] = request["cwd"] if script is None else os.path.dirname(os.path.abspath(script))
+    if HERE not in sys.path:  # the driver is a test module, not part of the installed package
+        sys.path.insert(1, HERE)
     sys.argv = [DRIVER if script is None else script, *request["argv"]]
     try:
         if script is not None:

@@ -3,8 +3,8 @@ server over HTTP + ZMQ), for the tests in ``tests/sglang`` and for ``bench/sglan
 
 Runs in the SGLang virtual environment::
 
-    python -m kvlifecycle.tools.sglang_driver --role prefill --backend kvlifecycle --port 18800 --out p.json
-    python -m kvlifecycle.tools.sglang_driver --role decode  --backend kvlifecycle --port 18800 --out d.json
+    python tests/sglang/sglang_driver.py --role prefill --backend kvlifecycle --port 18800 --out p.json
+    python tests/sglang/sglang_driver.py --role decode  --backend kvlifecycle --port 18800 --out d.json
 
 Both sides derive the same plan from ``--seed`` (room ids, source and destination pages, aux rows, KV bytes), so
 the decode side checks byte for byte what landed, and that every page no successful room targeted is untouched.
