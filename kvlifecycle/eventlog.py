@@ -16,6 +16,10 @@ Durability: appends go into an in-memory batch; the batch is written (one ``writ
 :class:`FsyncPolicy` — every commit, every N ms, or never. Crash safety: on open for append, a torn or corrupt tail of
 the last segment is detected, reported and truncated to the last good record; a corrupt record with good records
 after it (or in an earlier segment) is a :class:`CorruptLogError` naming the segment and offset, never a silent skip.
+
+One concept, longer than most: the log's writer and reader, which share the frame format, the segment layout and
+the durability contract (a failed write cut back, a failed fsync's frames written again); the writer lock lives in
+:mod:`kvlifecycle.log_lock`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ connection was closed connects again on its next request, unseen by its caller.
 Why not zmq: one thread that reads the kernel socket itself, with bounded buffers, in place of zmq's I/O thread,
 pipes and mailboxes; fewer threads to schedule in an engine's worker process. (It was first made for a stall of
 P TP 2 ranks under vLLM that turned out to be the kernel's scheduler starving whole processes: docs/vllm.md.)
+
+One concept, longer than most: the request/reply channel, server and client, which share the frame format, the
+bounds and the one frame-taking helper; the messages live in :mod:`kvlifecycle.control`.
 """
 
 from __future__ import annotations

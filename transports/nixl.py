@@ -12,6 +12,10 @@ Why it is shaped this way:
 - Telemetry turned into :class:`XferStats`; a telemetry failure never fails a transfer (nixl #2266).
 - A restarted peer (new epoch) is removed (``remove_remote_agent``) before its new metadata is loaded (vLLM
   #49238); its old plans are void and its in-flight transfers fail with :class:`PeerEpochError`.
+
+One concept, longer than most: the transport class and the service thread that owns the agent; every NIXL call
+goes through that one thread, so its queue, its tables and the calls it runs are read together. The parts that
+stand alone (mixed memory kinds, the agent wrapper) live beside it.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ Liveness: D's :class:`~kvlifecycle.streaming.wire.StreamHeartbeat` names the str
 was not heard for ``peer_timeout_s`` (D died, or is cut off) stops exactly as D's cancel stops it (no new post, the
 writes in flight are cancelled as at the window's end, then the ``failed`` note), instead of posting on until its
 write window ends; a reservation held unbegun is dropped the same way (D frees its blocks after its own timeout).
+
+One concept, longer than most: P's side of a stream (reservations, layer posts, window, settling, stops and
+liveness), which shares one lock and one table of streams; the wire, the plans and the bounds live beside it.
 """
 
 from __future__ import annotations

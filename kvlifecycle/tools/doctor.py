@@ -9,6 +9,10 @@ Exit status: 0 when every measured default path reaches ``--min-ratio`` of its c
 default path cannot transfer at all (each with the known fix as a hint); 2 when NIXL is not installed.
 With ``--etcd``, the etcd checks of :mod:`kvlifecycle.tools.doctor_etcd` run instead; with ``--log-dir``, the
 event-log directory checks of :mod:`kvlifecycle.tools.doctor_log`.
+
+One concept, longer than most: the NIXL probe matrix (the child-process probe, the UCX variants, the ceilings they
+are measured against, and the diagnosis that reads them), which share the report's rows; the etcd and log-directory
+checks, which share nothing with it, live in their own modules.
 """
 
 from __future__ import annotations
