@@ -173,19 +173,10 @@ class StagingLedger(_Ledger[StagedCopy]):
         """A consumer claims the staged copy before reading it (renews the lease). False (recorded) when the token
         names no completed copy, or the lease expired (then released: the consumer must not read)."""
         with self._lock:
-            copy = self._token("serve", transfer, generation)
-            if copy is None:
+            live = self._live_whole_copy("serve", transfer, generation, "claim arrived after expiry")
+            if live is None:
                 return False
-            if copy.state not in (_H_STAGED, _H_SERVING):
-                self._refuse("serve", f"copy is {HostSlotState(copy.state).name}: not whole yet", copy.request,
-                             transfer)
-                return False
-            hlc, at = self._stamp()
-            if at >= copy.expires_at:
-                self._refuse("serve", "lease already expired", copy.request, transfer)
-                if copy.readers == 0:
-                    self._release(copy, "expired", "claim arrived after expiry")
-                return False
+            copy, hlc, at = live
             self._record(ev.StgServed(hlc, at, transfer, at + copy.ttl_s, peer))
             return True
 
@@ -194,21 +185,32 @@ class StagingLedger(_Ledger[StagedCopy]):
         read). False (recorded) for a stale token, a copy not whole yet, or a lease past its expiry (then released
         if nobody reads it)."""
         with self._lock:
-            copy = self._token("renew", transfer, generation)
-            if copy is None:
+            live = self._live_whole_copy("renew", transfer, generation, "renewal arrived after expiry")
+            if live is None:
                 return False
-            if copy.state not in (_H_STAGED, _H_SERVING):
-                self._refuse("renew", f"copy is {HostSlotState(copy.state).name}: not whole yet", copy.request,
-                             transfer)
-                return False
-            hlc, at = self._stamp()
-            if at >= copy.expires_at:
-                self._refuse("renew", "lease already expired", copy.request, transfer)
-                if copy.readers == 0:
-                    self._release(copy, "expired", "renewal arrived after expiry")
-                return False
+            copy, hlc, at = live
             self._record(ev.StgRenewed(hlc, at, transfer, at + copy.ttl_s, peer))
             return True
+
+    def _live_whole_copy(self, command: str, transfer: str, generation: int,
+                         late: str) -> tuple[StagedCopy, int, float] | None:
+        """The copy ``command`` may act on, with the stamp to record it at: its token current, the copy whole
+        (STAGED or SERVING) and its lease not past expiry. Otherwise None, the refusal recorded, and a copy whose
+        lease ran out released unless somebody reads it (``late`` says why)."""
+        copy = self._token(command, transfer, generation)
+        if copy is None:
+            return None
+        if copy.state not in (_H_STAGED, _H_SERVING):
+            self._refuse(command, f"copy is {HostSlotState(copy.state).name}: not whole yet", copy.request,
+                         transfer)
+            return None
+        hlc, at = self._stamp()
+        if at >= copy.expires_at:
+            self._refuse(command, "lease already expired", copy.request, transfer)
+            if copy.readers == 0:
+                self._release(copy, "expired", late)
+            return None
+        return copy, hlc, at
 
     def read_ended(self, transfer: str, generation: int, consumer: int = 0, *, ok: bool = True,
                    reason: str = "") -> bool:
