@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from log_edits import edited_history
 
 from kvlifecycle import events as ev
 from kvlifecycle.clock import ManualClock
@@ -284,25 +285,8 @@ REAL_EVENTS = {side: _real_events(side) for side in REAL}
 def test_real_event_sequences_edited_and_reframed_end_clean_or_in_a_typed_error(side: str, data) -> None:
     """Edits of a real history (events dropped, repeated, swapped, a field changed) under valid checksums: these
     go deep into the fold, where an impossible step must be a ReplayError."""
-    events = list(REAL_EVENTS[side])
-    for _ in range(data.draw(st.integers(1, 3))):
-        i = data.draw(st.integers(0, len(events) - 1))
-        kind = data.draw(st.sampled_from(["drop", "repeat", "swap", "field"]))
-        if kind == "drop":
-            del events[i]
-        elif kind == "repeat":
-            events.insert(data.draw(st.integers(0, len(events))), events[i])
-        elif kind == "swap":
-            j = data.draw(st.integers(0, len(events) - 1))
-            events[i], events[j] = events[j], events[i]
-        else:
-            event = events[i]
-            name = data.draw(st.sampled_from([f for f in event.__struct_fields__ if f not in ("hlc", "at")]))
-            value = getattr(event, name)
-            strategy = {bytes: BLOCKS, str: NAMES | TRANSFERS, bool: st.booleans(), int: SMALL, float: TIMES}
-            events[i] = msgspec.structs.replace(event, **{name: data.draw(strategy[type(value)])})
-        if not events:
-            break
+    events = edited_history(REAL_EVENTS[side], data, {bytes: BLOCKS, str: NAMES | TRANSFERS, bool: st.booleans(),
+                                                      int: SMALL, float: TIMES})
     header = {"side": side, "worker": "w0", "num_blocks": 16, "incarnation": 1}
     assert outcome_of(_framed(header, events)) in ("clean", "error")
 

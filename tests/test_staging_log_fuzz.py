@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from log_edits import edited_history
 
 from kvlifecycle import events as ev
 from kvlifecycle.clock import HybridLogicalClock, ManualClock
@@ -125,22 +126,6 @@ def test_generated_staging_logs_end_clean_or_in_a_typed_error(header: dict, even
 @FUZZ
 @given(st.data())
 def test_real_staging_histories_edited_end_clean_or_in_a_typed_error(data: st.DataObject) -> None:
-    events = list(REAL)
-    for _ in range(data.draw(st.integers(1, 3))):
-        i = data.draw(st.integers(0, len(events) - 1))
-        kind = data.draw(st.sampled_from(["drop", "repeat", "swap", "field"]))
-        if kind == "drop":
-            del events[i]
-        elif kind == "repeat":
-            events.insert(data.draw(st.integers(0, len(events))), events[i])
-        elif kind == "swap":
-            j = data.draw(st.integers(0, len(events) - 1))
-            events[i], events[j] = events[j], events[i]
-        else:
-            event = events[i]
-            name = data.draw(st.sampled_from([f for f in event.__struct_fields__ if f not in ("hlc", "at")]))
-            strategy = {bytes: BLOCKS, str: NAMES | TRANSFERS, bool: st.booleans(), int: SMALL, float: TIMES}
-            events[i] = msgspec.structs.replace(event, **{name: data.draw(strategy[type(getattr(event, name))])})
-        if not events:
-            break
+    events = edited_history(REAL, data, {bytes: BLOCKS, str: NAMES | TRANSFERS, bool: st.booleans(), int: SMALL,
+                                          float: TIMES})
     assert outcome_of(_framed(HEADER, events)) in ("clean", "error")
