@@ -507,6 +507,14 @@ def linked_steps(trace: Trace, request: str) -> list[Step]:
     return [s for s in trace.steps if s.request == request or s.request in linked]
 
 
+def no_such_request(trace: Trace, requests: Sequence[str]) -> NotInLogsError:
+    """The error for ids that name no request of the trace, listing (the first 20 of) those it holds."""
+    known = sorted({s.request for s in trace.steps if s.request})
+    more = ", ..." if len(known) > 20 else ""
+    asked = " or ".join(repr(r) for r in requests)
+    return NotInLogsError(f"no request {asked} in these logs (requests: {', '.join(known[:20])}{more})")
+
+
 def request_story(trace: Trace, request: str, steps: list[Step] | None = None) -> RequestStory:
     """Every step of ``request`` on every worker (including refusals of its transfers) and what each worker holds
     of it where the trace ends. ``steps``: the request's steps, when already picked out (:func:`requests_of`)."""

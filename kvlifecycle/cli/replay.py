@@ -175,7 +175,15 @@ def _iso(wall: float) -> str:
 
 def _run_story(args: argparse.Namespace) -> int:
     from kvlifecycle.replay import ReplayResult
-    from kvlifecycle.story import NotInLogsError, block_story, block_view, request_story, request_view, trace_logs
+    from kvlifecycle.story import (
+        NotInLogsError,
+        block_story,
+        block_view,
+        no_such_request,
+        request_story,
+        request_view,
+        trace_logs,
+    )
 
     if args.block is not None and args.request is not None:
         raise NotInLogsError("--request and --block are two views: give one")
@@ -183,9 +191,7 @@ def _run_story(args: argparse.Namespace) -> int:
     if args.request is not None:
         view = request_view(trace, request_story(trace, args.request))
         if not view["steps"]:
-            known = sorted({s.request for s in trace.steps if s.request})
-            more = ", ..." if len(known) > 20 else ""
-            raise NotInLogsError(f"no request {args.request!r} in these logs (requests: {', '.join(known[:20])}{more})")
+            raise no_such_request(trace, [args.request])
     else:
         worker = args.worker
         if worker is None:
