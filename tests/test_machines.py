@@ -182,21 +182,21 @@ def _sample(event_type: type[ev.Event]) -> ev.Event:
 
 @pytest.mark.parametrize("event_type", typing.get_args(ev.AnyEvent), ids=lambda t: t.__name__)
 def test_the_timeline_renders_every_event(event_type: type[ev.Event]) -> None:
-    from kvlifecycle.timeline import _Builder
+    from kvlifecycle.timeline.build import Builder
 
-    builder = _Builder()
+    builder = Builder()
     side = {"Src": "source", "Stg": "staging"}.get(event_type.__name__[:3], "target")
     builder.feed("w", side, _sample(event_type), 1.0)
     assert builder.unrendered == set()
 
 
 def test_an_event_without_a_rendering_still_shows_and_is_counted() -> None:
-    from kvlifecycle.timeline import _Builder
+    from kvlifecycle.timeline.build import Builder
 
     class Unknown(ev.Event, tag="zz-test"):
         pass
 
-    builder = _Builder()
+    builder = Builder()
     builder.feed("w", "target", Unknown(1, 1.0), 1.0)
     assert builder.unrendered == {Unknown}
     assert [i.name for i in builder.instants] == ["Unknown"]
