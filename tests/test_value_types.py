@@ -107,6 +107,7 @@ def test_bad_handoff_options_are_refused_naming_the_field(fields: dict[str, Any]
         ({"api_address": "10.0.0.1"}, ValueError, "api_address must be host:port"),
         ({"api_address": 8100}, TypeError, "api_address"),
         ({"drain_timeout_s": 0}, ValueError, "drain_timeout_s must be positive"),
+        ({"verify": "every"}, ValueError, "verify must be"),
     ],
 )
 def test_a_bad_adapter_option_is_refused_naming_it(extra: dict[str, Any], error: type, message: str) -> None:
@@ -121,6 +122,7 @@ def test_adapter_options_parse_their_documented_spellings(monkeypatch: pytest.Mo
     assert cfg.mode is TransferMode.PUSH and cfg.mode == "push"
     assert cfg.backends == ("UCX",) and cfg.fast_path is config.FastPath.OFF and cfg.side_channel_port == 6200
     assert config.AdapterConfig.from_extra({"backends": ["UCX", "GDS"]}).backends == ("UCX", "GDS")
+    assert cfg.verify == "none" and config.AdapterConfig.from_extra({"verify": "all"}).verify == "all"
 
 
 def test_the_etcd_endpoints_come_from_the_environment_when_the_option_is_unset(

@@ -14,6 +14,7 @@ import attrs
 from kvlifecycle import envvars
 from kvlifecycle import validators as v
 from kvlifecycle.choices import Choice, TransferMode
+from kvlifecycle.digest import VerifyMode
 from kvlifecycle.eventlog import FsyncPolicy
 from kvlifecycle.membership.etcd import parse_endpoint
 from kvlifecycle.membership.keys import cluster_prefix
@@ -48,6 +49,10 @@ def _mode(value: TransferMode | str) -> TransferMode:
 
 def _fast_path(value: FastPath | str) -> FastPath:
     return FastPath.parse(value, "fast_path")
+
+
+def _verify(value: VerifyMode | str) -> VerifyMode:
+    return VerifyMode.parse(value, "verify")
 
 
 def _endpoints(value: Any) -> Any:
@@ -125,6 +130,9 @@ class AdapterConfig:
     api_address: str | None = attrs.field(default=None, validator=[_optional_str, _host_port])
     """host:port of this instance's OpenAI-compatible server, for ``kvlifecycle proxy --etcd``; vLLM does not tell
     its workers where its API server listens, so the launcher sets it (the ``--host`` and ``--port`` it passes)."""
+    verify: VerifyMode = attrs.field(default=VerifyMode.NONE, converter=_verify)
+    """Per-block KV digests (none, sample, all): P digests the granted blocks, D checks them where they landed
+    before the load completes. DRAM caches only (vLLM on CPU); KV in VRAM refuses anything but none at start-up."""
     drain_timeout_s: float = attrs.field(default=5.0, validator=_seconds)
     """At shutdown, or when ``kvlifecycle drain`` orders it, P marks itself draining and waits this long (at most)
     for its live leases before it leaves."""

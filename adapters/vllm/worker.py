@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvlifecycle.digest import BlockDigester, VerifyMode
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.layout import tp_consumers
 from kvlifecycle.ledger import LedgerError, SourceLedger, TargetLedger, open_ledger
 from kvlifecycle.machines import TargetState
-from kvlifecycle.transport import KVLayout
+from kvlifecycle.transport import KVLayout, MemoryKind
 
 from .config import AdapterConfig, FastPath
 from .decode_loads import DecodeLoads
@@ -82,6 +83,7 @@ class WorkerSide:
             port=side_channel_port(config, vllm_config, self.tp_rank),
             request_timeout_s=config.handshake_timeout_s,
             load_timeout_s=config.load_timeout_s,
+            verify=config.verify,
         )
         self.transport: Any = None
         self.fast_transport: Any = None  # CUDA IPC over the same regions (same-node GPUs); None: NIXL only
@@ -125,6 +127,7 @@ class WorkerSide:
         self.transport = NixlTransport(agent, backends=self.config.backends)
         self.transport.register(layout)
         self.fast_transport = self._build_fast_path(layout, f"{agent}-ipc")
+        digester = self._build_digester(layout)
         log.info("KVLifecycleConnector: registered %d regions x %d blocks (%s bytes/block, %s %s, %s), agent %s, "
                  "mode %s, fast path %s", layout.num_regions, layout.num_blocks, layout.block_bytes[0],
                  "K/V-outer" if caches.kv_outer else "block-major", caches.kv_layout, layout.kind.value, agent,
@@ -136,7 +139,7 @@ class WorkerSide:
             # P picks the path of its pushes (layer-wise streams) per D at its handshake, as D picks its reads'
             self.producer = Producer(self.source, self.transport, compat, tp_rank=self.tp_rank,
                                      options=self.options, fast_transport=self.fast_transport,
-                                     path_selector=SameNodeSelector())
+                                     path_selector=SameNodeSelector(), digester=digester)
             log.info("KVLifecycleConnector: producer side channel %s", self.producer.address)
         if self.is_consumer:
             self.target = open_ledger("target", self.num_blocks, self._log_dir("target"), fsync=self.config.fsync,
@@ -146,7 +149,7 @@ class WorkerSide:
             consumer_options = HandoffOptions(
                 secret=self.options.secret, host=self.options.host, port=0,
                 request_timeout_s=self.options.request_timeout_s, load_timeout_s=self.options.load_timeout_s,
-                on_abandoned=self.loads.on_abandoned,
+                verify=self.options.verify, on_abandoned=self.loads.on_abandoned,
                 # heterogeneous TP views are in (head x token) units: on vLLM's CPU layout one unit is a token's
                 # fused K and V of one head (2 x head_size elements); a K/V-outer region holds K or V alone
                 unit_bytes=(1 if caches.kv_outer else 2) * compat.head_size * first.element_size())
@@ -154,7 +157,7 @@ class WorkerSide:
             # self-test passed) and logs the choice; NIXL stays the fallback
             self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
                                      options=consumer_options, fast_transport=self.fast_transport,
-                                     path_selector=SameNodeSelector())
+                                     path_selector=SameNodeSelector(), digester=digester)
         self.streaming = LayerStreaming(
             producer=self.producer, consumer=self.consumer, layers=caches.num_layers,
             regions_per_layer=2 if caches.kv_outer else 1, stream_timeout_s=self.config.load_timeout_s,
@@ -165,6 +168,19 @@ class WorkerSide:
         self.memberships = WorkerMembership.start(self.config, self.engine_id, producer=self.producer,
                                                   consumer=self.consumer,
                                                   dp=int(self.vllm_config.parallel_config.data_parallel_index))
+
+    def _build_digester(self, layout: KVLayout) -> BlockDigester | None:
+        """What reads this rank's blocks for their per-block digests (``verify``): a ``HostDigester`` over KV in
+        DRAM (vLLM on CPU). KV in VRAM has no digester yet, so a ``verify`` other than none is refused here, at
+        start-up, naming the option, rather than handing off unchecked while the operator believes it checked."""
+        if self.config.verify is VerifyMode.NONE:
+            return None
+        if layout.kind is not MemoryKind.DRAM:
+            raise ValueError(f"kv_connector_extra_config verify={self.config.verify.value!r} needs the KV cache in "
+                             f"host memory (vLLM on CPU); this worker's KV is in {layout.kind.value}, for which "
+                             f"no digester exists yet: set verify to 'none'")
+        from kvlifecycle.transports.digest_host import HostDigester
+        return HostDigester(layout)
 
     def _build_fast_path(self, layout: KVLayout, agent: str) -> Any:
         """A CUDA IPC transport over the same regions when the KV lives in VRAM (``fast_path: "auto"``), else
