@@ -192,6 +192,8 @@ def _reader_findings(trace: Trace, index: _Index) -> list[Finding]:
             settle = load.settle
             if reason == "completed":
                 continue  # the reader said it was done with these blocks (a multi-rank load settles after each rank)
+            if isinstance(grant, ev.SrcGranted) and grant.consumers > 1 and lease.completions:
+                continue  # some of the D ranks sharing it completed: check_shared_leases judges it over every D log
             if not (start.index <= rel.index and (settle is None or rel.index < settle.index)):
                 continue
             if mode == "push":

@@ -8,6 +8,7 @@ rather than trusting the ledger's own counters.
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -190,6 +191,10 @@ def check_target_events(events: Iterable[ev.Event]) -> list[Violation]:
     return out
 
 
+# how the cross-log checks name a release recorded as ``completed`` before every consumer of the lease completed
+EARLY_COMPLETION = "completed before every consumer"
+
+
 def check_merged(
     source_events: Iterable[ev.Event],
     target_events: Iterable[ev.Event],
@@ -203,14 +208,18 @@ def check_merged(
       are the only ways a lease may end under a reader). In push mode P is the one reading its blocks (to write
       them into D's): once its write failed, releasing before D has heard of it is the right order. A lease that
       every consumer completed ended under no reader, whatever its reason says: a cancel deferred under a claim
-      releases as ``cancelled`` at the last completion, and D may record its own DONE after that (it polls).
+      releases as ``cancelled`` at the last completion, and D may record its own DONE after that (it polls). A
+      lease released as ``completed`` (or ``cancelled``) before all its consumers completed (two D ranks reading
+      their head slices of one P rank's blocks, released at the first one's completion) ended under the other.
+      A lease of several consumers that some completed is left to :func:`check_shared_leases` (one D's log cannot
+      tell whether its read was one of those completed, whose end D may record after P's release).
     - a lease P expired while D's read under it had not ended (:func:`check_read_outlived_lease`).
 
     ``target_restarts``: the positions in ``target_events`` where a new incarnation of D's worker begins.
     """
     source_events, target_events = list(source_events), list(target_events)
     out: list[Violation] = []
-    released: dict[str, tuple[int, str]] = {}
+    released: dict[str, tuple[int, str, bool]] = {}  # transfer -> (stamp, reason, whether a sibling may excuse it)
     consumers: dict[str, int] = {}
     completions: dict[str, int] = {}
     for e in source_events:
@@ -219,8 +228,9 @@ def check_merged(
         elif isinstance(e, ev.SrcConsumerDone):
             completions[e.transfer] = completions.get(e.transfer, 0) + 1
         elif isinstance(e, ev.SrcLeaseReleased):
-            completed = completions.get(e.transfer, 0) >= consumers.get(e.transfer, 1)
-            released[e.transfer] = (e.hlc, "completed" if completed else e.reason)
+            n, done = consumers.get(e.transfer, 1), completions.get(e.transfer, 0)
+            reason = "completed" if done >= n else EARLY_COMPLETION if e.reason == "completed" else e.reason
+            released[e.transfer] = (e.hlc, reason, n > 1 and done > 0)
     started: dict[str, int] = {}
     settled: dict[str, int] = {}
     pushed: set[str] = set()
@@ -234,13 +244,13 @@ def check_merged(
     for transfer, start in started.items():
         if transfer not in released:
             continue
-        rel_hlc, reason = released[transfer]
+        rel_hlc, reason, shared = released[transfer]
         # a lease handed over to P's host staging pool is read from there: staging_checks verifies that read
         if rel_hlc < start and reason not in ("completed", "staged"):
             out.append(Violation("read-after-release", f"D started loading {transfer} after P released it ({reason})"))
         end = settled.get(transfer)
         under_reader = transfer not in pushed and start <= rel_hlc and (end is None or rel_hlc < end)
-        if reason in ("failed", "cancelled") and under_reader:
+        if (reason == EARLY_COMPLETION or (reason in ("failed", "cancelled") and not shared)) and under_reader:
             out.append(
                 Violation("released-under-reader", f"P released {transfer} ({reason}) while D's load was in flight")
             )
@@ -294,8 +304,9 @@ def check_read_outlived_lease(
     Not flagged: a lease every consumer completed (D's read ended before its notification), one P released for a
     peer restart (the reader's agent is gone), an expiry after the read ended, a load never started, a push (P is
     the one reading), and a read whose end D's log cannot show (its log, or its incarnation, ends first: D died).
-    A failed or cancelled release under a reader is ``released-under-reader`` (found here, part by part, for a
-    multi-rank load; :func:`check_merged` finds it for a load of one transfer).
+    A failed or cancelled release under a reader, or one recorded as completed before every consumer completed, is
+    ``released-under-reader`` (found here, part by part, for a multi-rank load; :func:`check_merged` finds it for a
+    load of one transfer).
     """
     leases = _source_leases(source_events)
     out: list[Violation] = []
@@ -306,12 +317,14 @@ def check_read_outlived_lease(
                 continue
             if lease.reason == "expired":
                 rule = READ_OUTLIVED_LEASE
-            elif lease.reason in ("failed", "cancelled") and read.transfer != part_transfer:
+            elif lease.reason in ("failed", "cancelled", "completed") and read.transfer != part_transfer:
                 rule = "released-under-reader"  # a multi-rank load, which the rule above cannot match by name
             else:
                 continue
             if lease.completions >= lease.consumers or lease.end_hlc < read.start_hlc:
                 continue  # completed, or ended before the read began (read-after-release's case)
+            if lease.consumers > 1 and lease.completions and lease.reason != "completed":
+                continue  # some of its consumers completed: check_shared_leases counts the readers of every D
             ends = [read.part_end.get(part) for part in parts]
             if all(end is not None for end in ends):
                 end_hlc, how = max(end for end in ends if end is not None)
@@ -328,12 +341,59 @@ def check_read_outlived_lease(
                 reuse = (f"; P reallocated block(s) {_ranges(lease.reused_blocks)} to {lease.reused_by} at "
                          f"{_hlc_time(lease.reused_hlc)}")
             which = f" part(s) {_ranges(parts)} of load {read.transfer}" if read.transfer != part_transfer else ""
-            how_ended = "expired" if rule == READ_OUTLIVED_LEASE else f"was released ({lease.reason})"
+            reason = EARLY_COMPLETION if lease.reason == "completed" else lease.reason
+            how_ended = "expired" if rule == READ_OUTLIVED_LEASE else f"was released ({reason})"
             out.append(Violation(
                 rule,
                 f"P's lease of transfer {part_transfer} (blocks {_ranges(lease.blocks.tolist())} of {lease.request}) "
                 f"{how_ended} at {_hlc_time(lease.end_hlc)} while D was reading it{which}: {ended}{reuse}",
             ))
+    return out
+
+
+def check_shared_leases(
+    source_events: Iterable[ev.Event],
+    targets: Iterable[tuple[str, Sequence[ev.Event], Sequence[int]]],
+) -> list[Violation]:
+    """A lease of several consumers (D ranks each reading their head slice of one P rank's blocks) that P released
+    as failed or cancelled, or expired, after some of them completed: the reads of it still open at that release,
+    over every D log, must not outnumber the completions P counted that no read recorded as done before the release
+    accounts for. Each completed consumer's read ended before its notification, but its D may record that end only
+    later (it polls), and one D's log cannot tell whether its read was one of those. ``targets``: each D log's
+    (name, events, restart positions)."""
+    shared = {transfer: lease for transfer, lease in _source_leases(source_events).items()
+              if 0 < lease.completions < lease.consumers and lease.end_hlc is not None
+              and lease.reason in ("failed", "cancelled", "expired")}
+    if not shared:
+        return []
+    readers: dict[str, list[str]] = {}  # P's transfer -> the D logs whose read of it was open at its release
+    done_before: Counter[str] = Counter()  # P's transfer -> the reads of it D recorded done before its release
+    for name, events, restarts in targets:
+        for read in _pull_reads(events, restarts):
+            for part_transfer, parts in _parts_by_transfer(read).items():
+                lease = shared.get(part_transfer)
+                if lease is None or lease.end_hlc is None or lease.end_hlc < read.start_hlc:
+                    continue
+                ends = [read.part_end.get(part) for part in parts]
+                end = max(e[0] for e in ends if e is not None) if None not in ends else read.alive_until
+                if end > lease.end_hlc:
+                    readers.setdefault(part_transfer, []).append(name)
+                elif all(e is not None and e[1] == "part done" for e in ends):
+                    done_before[part_transfer] += 1
+    out: list[Violation] = []
+    for transfer, names in readers.items():
+        lease = shared[transfer]
+        if len(names) <= lease.completions - done_before[transfer]:
+            continue  # as many completions P counted may be theirs
+        assert lease.end_hlc is not None  # shared leases ended
+        expired = lease.reason == "expired"
+        out.append(Violation(
+            READ_OUTLIVED_LEASE if expired else "released-under-reader",
+            f"P's lease of transfer {transfer} (blocks {_ranges(lease.blocks.tolist())} of {lease.request}, "
+            f"{lease.completions} of {lease.consumers} consumers completed) "
+            f"{'expired' if expired else f'was released ({lease.reason})'} at {_hlc_time(lease.end_hlc)} while "
+            f"{len(names)} D read(s) of it had not ended ({', '.join(names)})",
+        ))
     return out
 
 

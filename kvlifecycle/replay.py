@@ -19,6 +19,7 @@ from kvlifecycle.invariants import (
     Violation,
     check_merged,
     check_quiescent,
+    check_shared_leases,
     check_source,
     check_target,
     check_target_events,
@@ -144,7 +145,8 @@ def check(result: ReplayResult, *, quiescent: bool = False) -> list[Violation]:
 
 
 def check_pair(results: Iterable[ReplayResult]) -> list[Violation]:
-    """Cross-side checks over every (source, target) pair among ``results``."""
+    """Cross-side checks over every (source, target) pair among ``results``, and over each source with every target
+    at once (a lease several D ranks read: :func:`~kvlifecycle.invariants.check_shared_leases`)."""
     results = list(results)
     sources = [r for r in results if r.side == "source"]
     targets = [r for r in results if r.side == "target"]
@@ -156,6 +158,8 @@ def check_pair(results: Iterable[ReplayResult]) -> list[Violation]:
                 for v in check_merged(s.events, t.events,
                                       target_restarts=[int(r["at_index"]) for r in t.restarts])
             ]
+        logs = [(str(t.header.get("worker")), t.events, [int(r["at_index"]) for r in t.restarts]) for t in targets]
+        out += [Violation(v.rule, f"{s.header.get('worker')}: {v.detail}") for v in check_shared_leases(s.events, logs)]
     return out + _check_staged(sources, [r for r in results if r.side == StagingLedger.side], targets)
 
 

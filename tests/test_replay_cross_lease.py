@@ -251,3 +251,103 @@ def test_without_the_cross_log_rule_the_crafted_pair_checks_clean(tmp_path: Path
     monkeypatch.setattr(invariants, "check_read_outlived_lease", lambda *args, **kwargs: [])
     code, out = replay_check(p_log, d_log)
     assert code == 0 and "invariants: OK" in out
+
+
+class TwoConsumers:
+    """P rank p0 grants one lease of request r for two consumers: D ranks d0 and d1 each read their head slice of
+    its blocks 1-2 (D TP 2 over P TP 1), each claiming and loading under the same transfer."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.clock = ManualClock(START_S)
+        hlc = HybridLogicalClock(wall_ms=lambda: int(self.clock.now() * 1000))
+        self.p = open_ledger("source", 8, str(root / "p0"), worker="p0", clock=self.clock, hlc=hlc, fsync="never")
+        self.d = [open_ledger("target", 8, str(root / f"d{i}"), worker=f"d{i}", clock=self.clock, hlc=hlc,
+                              fsync="never") for i in range(2)]
+        self.p.allocate("r", [1, 2])
+        self.p.prefill_done("r")
+        self.grant = self.p.grant("r", consumers=2)
+        for i, d in enumerate(self.d):
+            d.reserve("r", [3, 4])
+            assert self.p.heartbeat(self.grant.transfer, self.grant.generation, peer=f"d{i}")
+            d.start_load("r", self.grant.transfer, generation=self.grant.generation, peer="p0")
+
+    def done(self, consumer: int) -> None:
+        """D rank ``consumer``'s read landed and P counted its completion."""
+        self.clock.advance(0.001)
+        self.d[consumer].part_done(self.grant.transfer, 0)
+        self.p.consumer_done(self.grant.transfer, self.grant.generation, consumer)
+
+    def check(self) -> tuple[int, str]:
+        for ledger in (self.p, *self.d):
+            ledger.log.close()
+        return replay_check(self.root / "p0", self.root / "d0", self.root / "d1")
+
+
+def test_a_lease_of_two_consumers_released_when_both_completed_is_fine(tmp_path: Path) -> None:
+    pair = TwoConsumers(tmp_path)
+    pair.done(0)
+    pair.done(1)
+    assert pair.grant.transfer not in pair.p.leases
+    pair.p.take_released()
+    pair.p.free("r")
+    pair.p.allocate("s", [1, 2])
+    code, out = pair.check()
+    assert code == 0, out
+
+
+def test_a_lease_of_two_consumers_released_at_the_first_completion_is_flagged(tmp_path: Path) -> None:
+    """The release at d0's completion (what a ledger counting one completion for the lease would record) freed the
+    blocks, and P gave them to s, while d1 still read them: released under d1's read, with the reuse."""
+    pair = TwoConsumers(tmp_path)
+    pair.done(0)
+    lease = pair.p.leases[pair.grant.transfer]
+    with pair.p._lock:
+        pair.p._release(lease, "completed")
+    pair.p.take_released()
+    pair.p.free("r")
+    pair.clock.advance(0.001)
+    pair.p.allocate("s", [1, 2])
+    pair.clock.advance(0.002)
+    pair.d[1].part_done(pair.grant.transfer, 0)  # d1's read ends only now
+    code, out = pair.check()
+    assert code == 1
+    (line,) = [line for line in out.splitlines() if "VIOLATION" in line]
+    assert f"released-under-reader: p0 / d1: P released {pair.grant.transfer} (completed before every consumer) " \
+           "while D's load was in flight" in line
+
+
+def test_a_shared_lease_failed_after_one_consumer_completed_checks_clean_when_its_d_records_late(
+        tmp_path: Path) -> None:
+    """d0's read landed and P counted it; d1 failed its load (recorded before telling P) and P released the lease as
+    failed; d0 records its part done only at its next poll, after the release: that read had ended already."""
+    pair = TwoConsumers(tmp_path)
+    pair.clock.advance(0.001)
+    pair.p.consumer_done(pair.grant.transfer, pair.grant.generation, 0)
+    pair.d[1].fail(pair.grant.transfer, "post failed")
+    assert pair.p.fail(pair.grant.transfer, pair.grant.generation, "consumer: [1]: post failed")
+    pair.clock.advance(0.002)
+    pair.d[0].part_done(pair.grant.transfer, 0)
+    code, out = pair.check()
+    assert code == 0, out
+    assert [f.rule for f in explain_logs([tmp_path])[1] if f.transfer] == []  # r is left allocated: not a reader's
+
+
+def test_a_shared_lease_failed_under_a_sibling_still_reading_is_flagged(tmp_path: Path) -> None:
+    """d0 completed and recorded it; P released the lease as failed (a failure of d1's that did not wait) while d1's
+    read was still open: one completion, and it is d0's, so d1's read is under the release."""
+    pair = TwoConsumers(tmp_path)
+    pair.done(0)
+    assert pair.p.fail(pair.grant.transfer, pair.grant.generation, "consumer: [1]: gave up")
+    pair.p.take_released()
+    pair.p.free("r")
+    pair.clock.advance(0.002)
+    pair.d[1].part_done(pair.grant.transfer, 0)
+    code, out = pair.check()
+    assert code == 1
+    (line,) = [line for line in out.splitlines() if "VIOLATION" in line]
+    assert f"released-under-reader: p0: P's lease of transfer {pair.grant.transfer} (blocks 1-2 of r, 1 of 2 " \
+           "consumers completed) was released (failed)" in line
+    assert "while 1 D read(s) of it had not ended (d1)" in line
+    (finding,) = [f for f in explain_logs([tmp_path])[1] if f.transfer]
+    assert finding.rule == "released-under-reader" and "(d1)" in finding.sentence
