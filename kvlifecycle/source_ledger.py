@@ -296,12 +296,15 @@ class SourceLedger(_Ledger[_SourceRequest]):
             return [lease.transfer for lease in expired]
 
     def peer_restarted(self, peer: str, epoch: int) -> list[str]:
-        """A peer came back with a new agent epoch: leases bound to it are released (its reads are gone)."""
+        """A peer came back with a new agent epoch: leases bound to it are released (its reads are gone), unless
+        another consumer is bound to the lease too (D ranks reading their head slices of the same blocks): that one
+        may still be reading, so the lease waits for its completion or its expiry."""
         with self._lock:
             advanced, known = self._advance_peer_epoch(peer, epoch)
             if not advanced:
                 return []
-            dropped = [lease for lease in self.leases.values() if peer in lease.peers] if known is not None else []
+            dropped = [lease for lease in self.leases.values()
+                       if peer in lease.peers and lease.peers <= {peer}] if known is not None else []
             for lease in dropped:
                 self._release(lease, "peer_restarted", f"{peer} epoch {known} -> {epoch}")
             return [lease.transfer for lease in dropped]

@@ -161,6 +161,35 @@ def test_race_lease_expiry_racing_a_heartbeat(pair) -> None:
     p.free("r")
 
 
+def test_race_one_of_two_consumers_restarts_while_the_other_reads(pair) -> None:
+    """D TP 2 over P TP 1: d0 and d1 each read their head slice of one lease. d1 comes back with a new epoch while
+    d0 still reads: the lease stays (d0's read is not gone), and ends at its expiry once d0 completed."""
+    p, _, clock = pair
+    for peer in ("d0", "d1"):
+        p.peer_restarted(peer, 1)
+    p.allocate("r", [1, 2])
+    p.prefill_done("r")
+    g = p.grant("r", consumers=2, ttl_s=1.0)
+    for peer in ("d0", "d1"):
+        assert p.heartbeat(g.transfer, g.generation, peer=peer)
+    assert p.peer_restarted("d1", 2) == []
+    assert g.transfer in p.leases and p.take_released() == []
+    assert p.consumer_done(g.transfer, g.generation, 0)  # d0's read landed; d1's share never will
+    assert g.transfer in p.leases
+    clock.advance(1.5)
+    assert p.sweep() == [g.transfer]
+    assert [r.reason for r in p.take_released()] == ["expired"]
+    # a lease only the restarted consumer claimed is released at once, as a lease of one consumer
+    p.free("r")
+    p.allocate("s", [1, 2])
+    p.prefill_done("s")
+    g2 = p.grant("s", consumers=2)
+    assert p.heartbeat(g2.transfer, g2.generation, peer="d1")
+    assert p.peer_restarted("d1", 3) == [g2.transfer]
+    assert [r.reason for r in p.take_released()] == ["peer_restarted"]
+    p.free("s")
+
+
 def test_race_peer_restarted_on_same_host_port_with_new_epoch(pair) -> None:
     p, d, _ = pair
     p.peer_restarted("d0@127.0.0.1:5600", 1)
