@@ -14,24 +14,37 @@ import sys
 from pathlib import Path
 
 
-def _workers(text: str) -> tuple[tuple[int, ...], int]:
-    """``P=2+1,D=2``: prefill TP groups of 2 and 1 ranks, two decode workers."""
+def _workers(text: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """``P=2+1,D=2``: prefill TP groups of 2 and 1 ranks, two decode workers of TP 1. ``D=2+1``: decode TP groups
+    of 2 and 1 ranks; a ``D`` of one number ``n`` is ``n`` TP-1 workers; ``D=2+``: one TP-2 instance. Without
+    ``D``, each seed draws its decode shape (``SimConfig.d_groups`` None)."""
     groups: tuple[int, ...] = (2, 1)
-    d = 2
+    d: tuple[int, ...] | None = None
     for part in text.split(","):
         key, _, value = part.strip().partition("=")
         try:
             if key.upper() == "P":
                 groups = tuple(int(x) for x in value.split("+"))
             elif key.upper() == "D":
-                d = int(value)
+                d = tuple(int(x) for x in value.split("+") if x) if "+" in value else (1,) * int(value)
             else:
                 raise ValueError(key)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected P=<tp>+<tp>...,D=<n> (e.g. P=2+1,D=2)") from None
-    if not groups or min(groups) < 1 or d < 1 or 64 % max(groups):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected P=<tp>+<tp>...,D=<n> or D=<tp>+<tp>... "
+                                             "(e.g. P=2+1,D=2)") from None
+    widths = groups + (d or ())
+    if not groups or d == () or min(widths) < 1 or 64 % max(widths):
         raise argparse.ArgumentTypeError(f"{text!r}: TP widths must be 1, 2 or 4 and there must be a D worker")
     return groups, d
+
+
+def _d_spec(d: tuple[int, ...] | None) -> str:
+    """The ``,D=...`` of ``--workers`` that gives decode shape ``d`` (None: the seed's, no ``D``)."""
+    if d is None:
+        return ""
+    if max(d) == 1:
+        return f",D={len(d)}"
+    return f",D={'+'.join(map(str, d))}{'+' if len(d) == 1 else ''}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated faults to inject (default all): drop, duplicate, reorder, slow, "
                              "partition, post_fail, handle_fail, duplicate_completion, cancel, expiry, p_restart, "
                              "d_crash, drift, disk")
-    parser.add_argument("--workers", type=_workers, metavar="SPEC", help="cluster shape, e.g. P=2+1,D=2 (default)")
+    parser.add_argument("--workers", type=_workers, metavar="SPEC",
+                        help="cluster shape, e.g. P=2+1,D=2 or P=2+1,D=2+1 (default: P=2+1, and each seed draws D=2 "
+                             "or D=2+1)")
     parser.add_argument("--steps", type=int, metavar="N", help="scheduler steps per seed before the drain")
     parser.add_argument("--out", type=Path, default=Path("kvl-sim-failures"), metavar="DIR",
                         help="where a failing seed's shrunk trace and logs go (default ./kvl-sim-failures)")
@@ -65,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     kwargs: dict = {"faults": faults}
     if args.workers is not None:
-        kwargs["p_groups"], kwargs["d_workers"] = args.workers
+        kwargs["p_groups"], kwargs["d_groups"] = args.workers
     if args.steps is not None:
         kwargs["steps"] = args.steps
     config = SimConfig(**kwargs)
@@ -73,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.faults:
         repro += ["--faults", args.faults]
     if args.workers is not None:
-        repro += ["--workers", f"P={'+'.join(map(str, config.p_groups))},D={config.d_workers}"]
+        repro += ["--workers", f"P={'+'.join(map(str, config.p_groups))}{_d_spec(config.d_groups)}"]
     if args.steps is not None:
         repro += ["--steps", str(args.steps)]
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)

@@ -30,12 +30,15 @@ _PINNED, _LOADING = int(SourceState.PINNED_FOR_TRANSFER), int(TargetState.LOADIN
 _HELD = np.array([int(SourceState.ALLOCATED), int(SourceState.READY)])  # a streamed request's blocks, computing
 
 
-def rank_view(rank: int, ranks: int, block_bytes: int) -> BlockView:
-    """The slice of every D block a P rank of a ``ranks``-wide TP group fills (its heads)."""
-    if ranks == 1:
+def rank_view(rank: int, ranks: int, block_bytes: int, d_ranks: int = 1) -> BlockView:
+    """The slice of every block of a D rank (of a ``d_ranks``-wide TP group, ``block_bytes`` per block) that P rank
+    ``rank`` of a ``ranks``-wide TP group fills: its heads when P is wider, else the whole block (a D rank that
+    shares a P rank with its siblings reads its own head slice of P's block into the whole of its own)."""
+    if ranks <= d_ranks:
         return BlockView()
-    width = block_bytes // ranks
-    return BlockView(rank * width, width)
+    share = ranks // d_ranks  # the P ranks one D rank reads
+    width = block_bytes // share
+    return BlockView(rank % share * width, width)
 
 
 def step_checks(world: World) -> list[str]:
@@ -103,11 +106,11 @@ def tag_check(world: World, d: DWorker, request: str) -> list[str]:
         return [f"{d.name}: {request} READY without a load the simulation started"]
     transfer, (_req, grants, _epoch) = found[-1]
     req = d.ledger.requests[request]
-    bb = world.config.block_bytes
+    bb = d.block_bytes
     out: list[str] = []
     for k, g in enumerate(grants):
         p = world.p_by_name[g.agent]
-        view = rank_view(g.rank, g.ranks, bb)
+        view = rank_view(g.rank, g.ranks, bb, d.ranks)
         width = (bb - view.offset) if view.length == 0 else view.length
         for r, region in enumerate(d.regions):
             tags = read_tags(region[req.blocks, view.offset : view.offset + width].reshape(-1))

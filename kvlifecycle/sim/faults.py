@@ -18,7 +18,8 @@ CANCEL = (
 )
 LEASES = ("lease_expired", "heartbeat_after_expiry", "fail_after_release")
 RESTARTS = ("p_restart", "torn_tail", "d_crash", "stale_epoch_refused")
-ENGINE = ("allocator_reuse", "clock_drift", "push", "pull", "tp_handles", "prefix_share")
+# tp_handles: a D rank reads two P ranks (P TP > D TP); two_consumer_lease: two D ranks read one P rank's lease
+ENGINE = ("allocator_reuse", "clock_drift", "push", "pull", "tp_handles", "two_consumer_lease", "prefix_share")
 # layer-wise streaming: a stream began; D's reservation came after P's prefill began (declined); a layer's write
 # failed; D, or P, cancelled mid-stream; P died mid-stream; D timed a stream out (P lost, or its last note lost),
 # one P still held (its write window bounds P's writes); P's window closed with a write in flight (cancelled); P

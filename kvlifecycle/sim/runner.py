@@ -56,7 +56,8 @@ class Simulation:
         self.violations: list[str] = []
         self.known: list[str] = []
         self._post_failures = 0
-        self.requests: dict[str, tuple[int, str, int, RequestMode]] = {}  # request -> (group, d, blocks, mode)
+        # request -> (P group, D instance, blocks, mode)
+        self.requests: dict[str, tuple[int, int, int, RequestMode]] = {}
         self.keep_trace = keep_trace
         self.trace: list[tuple[int, Step, tuple[Any, ...]]] = []
         self._seen = {id(w): 0 for w in self.world.watches}
@@ -173,25 +174,30 @@ class Simulation:
             self.world.exercise("post_fail")
 
     def _do_arrive(self, group: int, d: int, nblocks: int, push: bool, how: str = "") -> None:
-        """A request arrives at a P group. ``how``: ``stream`` (D may reserve first and have it streamed layer by
-        layer), ``share`` (a prefix-cache hit takes cached blocks), or plain."""
+        """A request arrives at a P group, for the D instance of D rank ``d`` (a TP-2 instance takes twice the
+        requests of a TP-1 one). ``how``: ``stream`` (D may reserve first and have it streamed layer by layer),
+        ``share`` (a prefix-cache hit takes cached blocks), or plain. Pushes and streams run between TP-1 instances:
+        one meant for a TP-2 D goes to a TP-1 D if there is one (a TP-2 D's ranks pull, each its head slice)."""
         world = self.world
         members = world.groups[group % len(world.groups)]
-        mode = RequestMode.PUSH if push and len(members) == 1 else RequestMode.PULL
+        d = world.d[d % len(world.d)].group
+        if push and len(members) == 1 and len(world.d_groups[d]) > 1:
+            d = next((g for g, ds in enumerate(world.d_groups) if len(ds) == 1), d)
+        ds = world.d_groups[d]
+        mode = RequestMode.PUSH if push and len(members) == 1 and len(ds) == 1 else RequestMode.PULL
         if mode is RequestMode.PUSH and how == "stream":
             mode = RequestMode.STREAM
         request = f"r{len(self.requests)}"
         if how == "share" and len(members) == 1 and members[0].share_cached(request, nblocks):
-            self.requests[request] = (group % len(world.groups), world.d[d % len(world.d)].name, nblocks, mode)
+            self.requests[request] = (group % len(world.groups), d, nblocks, mode)
             return
         if any(len(w.free_list) < nblocks for w in members):
             return  # the engine queues it: no blocks now
-        dw = world.d[d % len(world.d)]
-        self.requests[request] = (group % len(world.groups), dw.name, nblocks, mode)
+        self.requests[request] = (group % len(world.groups), d, nblocks, mode)
         for w in members:
             w.allocate(request, nblocks, mode)
         if mode is RequestMode.STREAM:
-            dw.stream_wanted[request] = members[0].name
+            ds[0].stream_wanted[request] = members[0].name
 
     def _group_of(self, request: str) -> list[PWorker]:
         return self.world.groups[self.requests[request][0]]
@@ -211,7 +217,7 @@ class Simulation:
             _, d, _, mode = self.requests[request]
             for w in self._group_of(request):
                 if w.requests.get(request) is not None and w.requests[request].phase == phase:
-                    w.grant(request, d, mode.granted_as())
+                    w.grant(request, self.world.d_groups[d], mode.granted_as())
 
     def _do_p_local(self, pick: int) -> None:
         """The request finished on P alone (no handoff): its READY blocks are freed or cached."""
@@ -244,10 +250,14 @@ class Simulation:
                 self.world.exercise("drop")
 
     def _do_admit(self, pick: int) -> None:
+        """D's engine schedules a request whose grants arrived: on every rank of its instance that has them (one
+        scheduler step drives all the TP ranks), so the ranks sharing a P rank's lease read it side by side."""
         ready = [(d, r) for d in self.world.d for r in d.arrivals]
         if ready:
             d, request = ready[pick % len(ready)]
-            d.admit(request)
+            for rank in self.world.d_groups[d.group]:
+                if request in rank.arrivals:
+                    rank.admit(request)
 
     def _do_deliver(self, pick: int) -> None:
         net = self.world.network
@@ -441,7 +451,7 @@ class Simulation:
                 if pr is not None and pr.phase is PPhase.ALLOCATED:
                     w.prefill(request)
                 elif pr is not None and pr.phase is PPhase.PREFILLED:
-                    w.grant(request, self.requests[request][1], self.requests[request][3].granted_as())
+                    w.grant(request, world.d_groups[self.requests[request][1]], self.requests[request][3].granted_as())
                 while pr is not None and pr.phase is PPhase.STREAMING:
                     w.stream_layer(request)
         for d in world.d:

@@ -27,6 +27,7 @@ from kvlifecycle.clock import ManualClock
 from kvlifecycle.control import GrantReply
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
+from kvlifecycle.layout import tp_source_ranks
 from kvlifecycle.ledger import BlockBusyError, SourceLedger, TargetLedger
 from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.sidechannel import SideChannelError
@@ -51,7 +52,9 @@ class SimConfig:
     """The shape of a simulated cluster and run."""
 
     p_groups: tuple[int, ...] = (2, 1)  # TP width of each prefill instance: (2, 1) = P0+P1 (TP 2) and P2
-    d_workers: int = 2
+    # TP width of each decode instance: (1, 1) = D0 and D1; (2, 1) = D0+D1 (TP 2: a TP-1 P rank's lease counts two
+    # consumers, each reading its head slice) and D2. None: each seed draws one of those two (:func:`d_shape`)
+    d_groups: tuple[int, ...] | None = None
     p_blocks: int = 12
     d_blocks: int = 12
     regions: int = 2
@@ -70,6 +73,17 @@ class SimConfig:
 
     def allows(self, fault: str) -> bool:
         return not self.faults or fault in self.faults
+
+
+D_SHAPES = ((1, 1), (2, 1))  # what a seed's decode side is when the config leaves it to the seed
+
+
+def d_shape(config: SimConfig, seed: int) -> tuple[int, ...]:
+    """The TP widths of the decode instances seed ``seed`` runs: the config's, else drawn from the seed alone (not
+    from the scheduler's RNG: a replayed step list runs on the same shape)."""
+    if config.d_groups is not None:
+        return config.d_groups
+    return D_SHAPES[zlib.crc32(f"{seed}/d-shape".encode()) % len(D_SHAPES)]
 
 
 class RequestMode(Choice):
@@ -101,7 +115,7 @@ class PPhase(Choice):
 class PRequest:
     blocks: np.ndarray
     phase: PPhase
-    d: str = ""
+    d: str = ""  # the D rank(s) it was granted to
     mode: RequestMode = RequestMode.PULL
     grants: int = 0
     cursor: int = 0  # a stream: the (chunk, layer) passes computed so far
@@ -263,16 +277,22 @@ class PWorker:
         if request in self.ledger.requests:
             self.ledger.cancel(request)
 
-    def grant(self, request: str, d: str, mode: TransferMode) -> GrantInfo:
+    def grant(self, request: str, ds: list[DWorker], mode: TransferMode) -> GrantInfo:
+        """Grant ``request`` to the D instance of ranks ``ds``: the lease counts every D rank that reads this P rank
+        (D TP > P TP: each reads its head slice of the same blocks), and the proxy carries the grant to each."""
         req = self.requests[request]
-        reply = self.producer.grant(request, consumers=1, ttl_s=self.world.config.ttl_s)
+        readers = [d for d in ds if self.rank in tp_source_ranks(p_tp=self.ranks, d_tp=len(ds), d_rank=d.rank)]
+        reply = self.producer.grant(request, consumers=len(readers), ttl_s=self.world.config.ttl_s)
         lease = self.ledger.leases[reply.transfer]
         info = GrantInfo(reply.request, reply.transfer, reply.generation, reply.worker, tuple(reply.block_ids),
                          reply.consumers, reply.ttl_s, self.transport.agent, self.transport.epoch,
                          lease.epoch, self.rank, self.ranks)
-        req.phase, req.d, req.mode = PPhase.GRANTED, d, RequestMode(mode.value)
+        req.phase, req.d, req.mode = PPhase.GRANTED, "+".join(d.name for d in readers), RequestMode(mode.value)
         req.grants += 1
-        self.world.network.send(self.name, d, GrantArrived(info, mode, reply), self.world.clock.now())
+        if len(readers) > 1:
+            self.world.exercise("two_consumer_lease")
+        for d in readers:
+            self.world.network.send(self.name, d.name, GrantArrived(info, mode, reply), self.world.clock.now())
         return info
 
     def service(self, cache: bool = False) -> None:
@@ -310,13 +330,16 @@ class Arrival:
 
 
 class DWorker:
-    def __init__(self, world: World, name: str, policy: LoadFailurePolicy) -> None:
+    def __init__(self, world: World, name: str, policy: LoadFailurePolicy, *, rank: int = 0, ranks: int = 1,
+                 group: int = 0) -> None:
         self.world, self.name, self.policy = world, name, policy
+        self.rank, self.ranks, self.group = rank, ranks, group  # its place in its decode instance's TP group
         cfg = world.config
         self.clock = NodeClock(world.clock, drift=world.drift(name))
         self.dir = world.root / name
+        self.block_bytes = cfg.block_bytes // ranks  # a rank of a TP group holds its heads of every block
         self.layout, self.regions = sim_layout(world.fabric, regions=cfg.regions, blocks=cfg.d_blocks,
-                                               block_bytes=cfg.block_bytes)
+                                               block_bytes=self.block_bytes)
         self.boots = 0
         self.arrivals: dict[str, Arrival] = {}
         self.expect: dict[str, tuple[str, list[GrantInfo], int]] = {}  # D transfer -> (request, grants, epoch)
@@ -349,8 +372,8 @@ class DWorker:
             self.calls = SimPeerCalls(post, node=self.name, channels=world.channels, now=self.clock.now)
             return self.calls
 
-        self.consumer = Consumer(ledger, self.transport, world.compat(1), options=options, clock=self.clock.now,
-                                 peer_calls=peer_calls,
+        self.consumer = Consumer(ledger, self.transport, world.compat(self.ranks), tp_rank=self.rank,
+                                 options=options, clock=self.clock.now, peer_calls=peer_calls,
                                  side_channel=world.channels.client_for(self.name, options.request_timeout_s),
                                  thread=False)
         self.streams = SimStreamConsumer(self.consumer, options=world.stream_options)
@@ -404,7 +427,10 @@ class DWorker:
             return
         if g.request in self.ledger.requests or g.request in self.world.d_ended.get(self.name, set()):
             return  # a duplicate of a grant already admitted (or of a request already gone)
-        arrival = self.arrivals.setdefault(g.request, Arrival(ranks=g.ranks, mode=msg.mode,
+        sources = tp_source_ranks(p_tp=g.ranks, d_tp=self.ranks, d_rank=self.rank)  # the P ranks this rank reads
+        if g.rank not in sources:
+            return
+        arrival = self.arrivals.setdefault(g.request, Arrival(ranks=len(sources), mode=msg.mode,
                                                               since=self.world.clock.now()))
         arrival.grants[g.rank] = g
         arrival.replies[g.rank] = msg.reply
@@ -417,8 +443,8 @@ class DWorker:
         arrival = self.arrivals.get(request)
         if arrival is None or len(arrival.grants) < arrival.ranks or not self.up():
             return False
-        n = len(arrival.grants[0].block_ids)
-        grants = [arrival.grants[r] for r in range(arrival.ranks)]
+        grants = [arrival.grants[r] for r in sorted(arrival.grants)]
+        n = len(grants[0].block_ids)
         peers = [self.world.p_by_name[g.agent] for g in grants]
         if not all(self.linked(p, g.agent_epoch) or self.connect(p) for p, g in zip(peers, grants, strict=True)):
             return False  # the engine tries again later (a handshake failed)
@@ -440,7 +466,7 @@ class DWorker:
         self.world.exercise(arrival.mode)
         if len(grants) > 1:
             self.world.exercise("tp_handles")
-        replies = [(p.name, arrival.replies[r]) for r, p in enumerate(peers)]
+        replies = [(p.name, arrival.replies[g.rank]) for g, p in zip(grants, peers, strict=True)]
         if arrival.mode is TransferMode.PUSH:
             transfer = self.consumer.request_push(request, replies[0][1], address=replies[0][0])
         else:
@@ -563,9 +589,13 @@ class World:
                 index += 1
         self.p_by_name = {w.name: w for w in self.p}
         self.groups = [[w for w in self.p if w.group == g] for g in range(len(config.p_groups))]
-        self.d = [DWorker(self, f"D{i}", LoadFailurePolicy.FAIL if i % 2 == 0 else LoadFailurePolicy.RECOMPUTE)
-                  for i in range(config.d_workers)]
+        self.d: list[DWorker] = []
+        for g, width in enumerate(d_shape(config, seed)):  # instance g: policy fail if g is even, else recompute
+            policy = LoadFailurePolicy.FAIL if g % 2 == 0 else LoadFailurePolicy.RECOMPUTE
+            for rank in range(width):
+                self.d.append(DWorker(self, f"D{len(self.d)}", policy, rank=rank, ranks=width, group=g))
         self.d_by_name = {w.name: w for w in self.d}
+        self.d_groups = [[d for d in self.d if d.group == g] for g in range(len(d_shape(config, seed)))]
         if drift:
             self.exercise("clock_drift")
 
@@ -669,4 +699,5 @@ def d_phase(d: DWorker, request: str) -> str:
             TargetState.READY_FOR_ATTENTION: "ready"}.get(TargetState(req.state), "")
 
 
-__all__ = ["DWorker", "PPhase", "PWorker", "RequestMode", "SimConfig", "SourceState", "World", "d_phase", "p_phase"]
+__all__ = ["D_SHAPES", "DWorker", "PPhase", "PWorker", "RequestMode", "SimConfig", "SourceState", "World", "d_phase",
+           "d_shape", "p_phase"]

@@ -83,11 +83,35 @@ def released_under_its_write(mp: Any) -> None:
     mp.setattr(PushWrites, "hand_back", lambda self, transfer, generation, reason: False)
 
 
+def settled_writes_forgotten(mp: Any) -> None:
+    """P's record of accepted writes forgets every write that settled, its lease still live: a duplicated
+    PushRequest that arrives after the first write failed (and before D's hand-back released the lease) is written
+    a second time."""
+    mp.setattr(PushWrites, "prune", lambda self, is_live: setattr(
+        self, "accepted", {k for k in self.accepted if self.in_flight(k[0], k[1])}))
+
+
 def push_timeout_fails_the_load(mp: Any) -> None:
     """D takes a PushRequest without an answer for a failure and frees its blocks (P's write may be landing)."""
     import kvlifecycle.protocol.consumer as rules
 
     mp.setattr(rules, "on_push_unanswered", lambda: "fail")
+
+
+def released_at_the_first_consumer(mp: Any) -> None:
+    """A lease counted for two consumers (two D ranks each reading their head slice of one P rank's blocks) is
+    released at the first completion: the other D rank still reads blocks P frees and reuses."""
+    original = SourceLedger.consumer_done
+
+    def consumer_done(self: SourceLedger, transfer: str, generation: int, consumer: int = 0) -> bool:
+        done = original(self, transfer, generation, consumer)
+        lease = self.leases.get(transfer)
+        if done and lease is not None and lease.generation == generation:  # one of several: released anyway
+            with self._lock:
+                self._release(lease, "cancelled" if lease.cancel_deferred else "completed")
+        return done
+
+    mp.setattr(SourceLedger, "consumer_done", consumer_done)
 
 
 def read_outlives_its_lease(mp: Any) -> None:
@@ -150,6 +174,7 @@ MUTANTS: dict[str, Callable[[Any], None]] = {
     "a lease released under its write": released_under_its_write,
     "a push timeout fails the load": push_timeout_fails_the_load,
     "a read outlives its lease": read_outlives_its_lease,
+    "a lease released at the first of two consumers' completions": released_at_the_first_consumer,
     "the read deadline over the latest part": read_deadline_over_the_latest_part,
     "Consumer._fail keeps its handles": consumer_fail_keeps_its_handles,
     "a stream READY after its first layer batch": stream_ready_after_first_layer_batch,

@@ -1,19 +1,23 @@
 """Each mutant (one rule patched away) is caught by the simulation within a fixed seed budget. The seeds each
-needed, at the time of writing (streams and prefix hits simulated): epoch check skipped 10, release on expiry
-skipped 1, completion applied twice 2, READY before the last handle 6, old-epoch notification 6, a lease released
-under its write 46, a push timeout failing the load 46, a read outliving its lease 207, a stream READY after its
-first layer batch 2, a stream's source released under its writes 2, a stream written past its window 2, a retry
-appended after a partial frame 6 (see docs/simulation.md). Since the simulation runs the real Producer and
-Consumer: the read deadline over the latest part 427, the real ``Consumer._fail`` keeping its handles 12."""
+needed, at the time of writing (streams, prefix hits and per-seed decode shapes simulated; seeds 0, 1, ... until the
+first failing one): epoch check skipped 3, release on expiry skipped 5, completion applied twice 6, READY before the
+last handle 6, old-epoch notification 1, a lease released under its write 88, a push timeout failing the load 27, a
+read outliving its lease 21, a stream READY after its first layer batch 5, a stream's source released under its
+writes 5, a stream written past its window 716, a retry appended after a partial frame 7 (see docs/simulation.md).
+Since the simulation runs the real Producer and Consumer: the read deadline over the latest part 427, the real
+``Consumer._fail`` keeping its handles 3, a lease released at the first of two consumers' completions 15 (a seed
+whose decode side is a TP-2 instance). A stream written past its window is the weakest: about one seed in 300
+catches it (9 of the first 3,000; 12 before the decode shapes), hence the budget."""
 
 from __future__ import annotations
 
 import pytest
-from mutants import MUTANTS
+from mutants import MUTANTS, released_at_the_first_consumer
 
 from kvlifecycle.sim.runner import run_seed
+from kvlifecycle.sim.world import SimConfig, d_shape
 
-BUDGET = 600
+BUDGET = 1000
 
 
 @pytest.mark.mutants
@@ -26,3 +30,25 @@ def test_mutant_is_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
             print(f"{name}: caught by seed {seed} ({seed + 1} seed(s)): {(result.violations + result.leaks)[0]}")
             return
     pytest.fail(f"mutant {name!r} survived {BUDGET} seeds")
+
+
+@pytest.mark.mutants
+def test_a_lease_released_at_the_first_of_two_consumers_is_a_read_under_a_freed_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeds whose decode side is a TP-2 instance (two D ranks reading one P rank's lease, each its head slice): the
+    lease released at the first completion frees the blocks under the other rank's read, which the in-flight check
+    or the cross-log check names. Three seeds within the budget, each of that shape: not one lucky seed."""
+    released_at_the_first_consumer(monkeypatch)
+    caught: list[tuple[int, str]] = []
+    for seed in range(BUDGET):
+        result = run_seed(seed)
+        if not result.ok:
+            caught.append((seed, (result.violations + result.leaks)[0]))
+            if len(caught) == 3:
+                break
+    print(f"caught by seeds {[seed for seed, _ in caught]}")
+    assert len(caught) == 3, caught
+    for seed, violation in caught:
+        assert d_shape(SimConfig(), seed) == (2, 1)
+        assert "reused or freed while transfer" in violation or (
+            "released-under-reader" in violation and "completed before every consumer" in violation), violation

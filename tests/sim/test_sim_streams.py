@@ -30,7 +30,7 @@ def test_a_prefix_hit_is_granted_from_the_cache_and_its_bytes_check() -> None:
     blocks and loaded by D0, whose READY bytes are r0's (same blocks, same epoch)."""
     steps = [("arrive", 1, 0, 2, False, ""), ("prefill", 0), ("p_local", 1),  # odd pick: cached
              ("arrive", 1, 0, 2, False, "share"), ("prefill", 0), ("grant", 0)]
-    result = run_steps(steps)
+    result = run_steps(steps, config=SimConfig(d_groups=(1, 1)))  # D0 a TP-1 worker: one load
     assert result.ok, (result.violations, result.leaks)
     assert result.coverage["fault: prefix_share"] == 1
     assert result.coverage["source: PREFIX_CACHED -> PINNED_FOR_TRANSFER (grant)"] == 1
