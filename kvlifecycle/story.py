@@ -9,6 +9,9 @@ before → after, the token it carries (transfer, generation, epoch), the lease'
 Times: the HLC stamp orders events across logs but has millisecond resolution; each event's ledger clock (``at``) is
 finer but has its own zero per worker. A step's ``wall`` is the ledger clock placed on the wall-clock axis with one
 offset per worker, the same estimate ``kvlifecycle timeline`` draws with, so a story's times match the picture.
+
+One concept, longer than most: the merged, annotated reading of the logs (the fold per worker, the causal
+merge, the cut into a request's story or a block's life), which shares one step type and one time axis.
 """
 
 from __future__ import annotations

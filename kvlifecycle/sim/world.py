@@ -9,6 +9,9 @@ one fabric, one global clock.
 Crashes: a worker's log loses its unwritten batch and its last segment may be torn at a seeded byte; the worker
 comes back on the same name with a fresh ledger (a new incarnation) appending to the same log, a new agent epoch,
 and its KV memory wiped.
+
+One concept, longer than most: the simulated cluster's state and its engine steps, which share the workers,
+the network and the clock; faults, checks, streams and the peers' seams live beside it.
 """
 
 from __future__ import annotations
