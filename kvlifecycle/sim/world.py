@@ -483,7 +483,8 @@ class DWorker:
         for the post-prefill path."""
         agent = self.stream_wanted.get(request)
         p = self.world.p_by_name.get(agent or "")
-        if p is None or request in self.ledger.requests or request not in p.requests:
+        if (p is None or request in self.ledger.requests or request not in p.requests
+                or request not in p.ledger.requests):  # P's ledger freed it already (its lease expired): no stream
             self.stream_wanted.pop(request, None)
             return
         if not self.up():

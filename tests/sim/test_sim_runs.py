@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from kvlifecycle.sim import checks
-from kvlifecycle.sim.runner import Simulation, run_seed
+from kvlifecycle.sim.runner import Simulation, run_seed, run_steps
 from kvlifecycle.sim.world import SimConfig
 
 
@@ -67,3 +67,13 @@ def test_fault_subsets_run_clean(faults: frozenset[str]) -> None:
     for seed in range(5):
         result = run_seed(seed, SimConfig(faults=faults))
         assert result.ok, (seed, result.violations, result.leaks)
+
+
+def test_a_stream_asked_for_after_ps_lease_expired_and_freed_the_request_is_not_asked() -> None:
+    """Seed 5028 of a CI run: P granted r0 into a partition, the lease expired and P's ledger freed it; at the drain D
+    still wanted a stream of r0 and the world read P's freed record (KeyError). A request P freed is not streamed."""
+    steps = [("arrive", 1, 2, 3, True, "stream"), ("partition", "P2", "D2"), ("prefill", 15187), ("grant", 716),
+             ("advance", 0.1), ("advance", 0.8), ("advance", 0.1), ("advance", 0.4)]
+    result = run_steps(steps, seed=5028)
+    assert result.ok, (result.violations, result.leaks)
+    assert run_seed(5028).ok
