@@ -145,8 +145,14 @@ class TgtLoadDeclined(Event, tag="tw", frozen=True):
 
 
 class TgtPartDone(Event, tag="tp", frozen=True):
+    """``part`` of a load landed (the last part makes its blocks READY_FOR_ATTENTION). ``verified``: how many of
+    its units (P blocks) D digested where they landed and found equal to P's digests before this completion
+    (:mod:`kvlifecycle.digest`); 0 when the part was not checked (verification off, no digests in the grant, a
+    block-size split, a stream's layers). Its failure is a ``TgtDigestMismatch`` instead, never this event."""
+
     transfer: str
     part: int
+    verified: int = 0
 
 
 class TgtLoadFailed(Event, tag="tf", frozen=True):

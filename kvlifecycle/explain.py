@@ -491,6 +491,28 @@ def explain_logs(
     return trace, explain_trace(trace)
 
 
+def digest_tally(trace: Trace) -> dict[str, dict[str, int]]:
+    """Per D worker whose loads checked digests, what its check found: ``verified_parts`` and ``verified_blocks``
+    (parts whose landed bytes matched P's digests before they completed, and their units), ``mismatches`` and
+    ``mismatched_blocks`` (failed checks, each a ``digest-mismatch`` finding). Workers that checked nothing are
+    left out: an empty tally is a deployment without verification."""
+    out: dict[str, dict[str, int]] = {}
+    for step in trace.steps:
+        e = step.event
+        if isinstance(e, ev.TgtPartDone) and e.verified:
+            tally = out.setdefault(step.worker, dict.fromkeys(_TALLY_KEYS, 0))
+            tally["verified_parts"] += 1
+            tally["verified_blocks"] += e.verified
+        elif isinstance(e, ev.TgtDigestMismatch):
+            tally = out.setdefault(step.worker, dict.fromkeys(_TALLY_KEYS, 0))
+            tally["mismatches"] += 1
+            tally["mismatched_blocks"] += len(e.expected) // 8
+    return out
+
+
+_TALLY_KEYS = ("verified_parts", "verified_blocks", "mismatches", "mismatched_blocks")
+
+
 class FindingView(TypedDict):
     """A finding as ``explain --json`` prints it."""
 

@@ -323,7 +323,7 @@ def _reason(e: ev.Event) -> tuple[str, str]:
         epoch = f" (epoch {e.peer_epoch})" if e.peer_epoch else ""
         return "", f"{e.mode} from {e.peer or '?'}{epoch}, {e.parts} part(s)"
     if isinstance(e, ev.TgtPartDone):
-        return "", f"part {e.part}"
+        return "", f"part {e.part}" + (f", {e.verified} block(s) verified" if e.verified else "")
     if isinstance(e, ev.TgtDigestMismatch):
         return "digest mismatch", digest_words(e)
     if isinstance(e, ev.SrcConsumerDone):
@@ -452,6 +452,9 @@ class LoadSummary:
     outcome: str = ""  # ready | failed | recompute | discarded; "" while in flight
     settled_wall: float | None = None
     reason: str = ""
+    verified_parts: int = 0  # parts whose landed bytes D checked against P's digests, and they matched
+    verified_blocks: int = 0  # the units (P blocks) of those parts
+    mismatched_blocks: int = 0  # units whose landed bytes failed their digest (TgtDigestMismatch)
 
 
 @dataclass
@@ -555,12 +558,18 @@ def request_story(trace: Trace, request: str, steps: list[Step] | None = None) -
                 continue
             if isinstance(e, ev.TgtPartDone):
                 load.parts_done.append(e.part)
+                load.verified_parts += bool(e.verified)
+                load.verified_blocks += e.verified
                 if len(load.parts_done) == load.parts:
                     load.outcome = "discarded" if s.worker in cancelled else "ready"
                     load.settled_wall = s.wall
             else:
                 load.outcome = "discarded" if s.worker in cancelled else ("recompute" if e.recompute else "failed")
                 load.settled_wall, load.reason = s.wall, e.reason
+        elif isinstance(e, ev.TgtDigestMismatch):
+            load = next((x for x in part.loads if x.transfer == e.transfer and not x.outcome), None)
+            if load is not None:
+                load.mismatched_blocks += len(e.expected) // 8
         elif isinstance(e, ev.StgStarted):  # P's host pool took the lease over: the staged copy's own lease
             part.blocks, part.epoch = block_ranges(s.blocks), s.epoch
             part.leases.append(LeaseSummary(e.transfer, e.generation, s.wall, e.expires_at, e.at))
@@ -773,7 +782,9 @@ def request_view(trace: Trace, story: RequestStory) -> dict[str, Any]:
                         "ended_ms": ms(x.ended_wall), "detail": x.detail} for x in part.leases],
             "loads": [{"transfer": x.transfer, "generation": x.generation, "mode": x.mode, "parts": x.parts,
                        "parts_done": x.parts_done, "peer": x.peer, "started_ms": ms(x.started_wall),
-                       "outcome": x.outcome or None, "settled_ms": ms(x.settled_wall), "reason": x.reason}
+                       "outcome": x.outcome or None, "settled_ms": ms(x.settled_wall), "reason": x.reason,
+                       "verified_parts": x.verified_parts, "verified_blocks": x.verified_blocks,
+                       "mismatched_blocks": x.mismatched_blocks}
                       for x in part.loads],
             "refusals": part.refusals,
         })

@@ -171,8 +171,10 @@ class TargetLedger(_Ledger[_TargetRequest]):
                 self._record(ev.TgtPartDone(hlc, at, transfer, part))
             return True
 
-    def part_done(self, transfer: str, part: int = 0) -> bool:
-        """One expected part (layer, shard, P rank) landed. The last one makes the blocks READY_FOR_ATTENTION."""
+    def part_done(self, transfer: str, part: int = 0, *, verified: int = 0) -> bool:
+        """One expected part (layer, shard, P rank) landed. The last one makes the blocks READY_FOR_ATTENTION.
+        ``verified``: how many of the part's units (P blocks) matched P's digests where they landed (0: not
+        checked); more than the request holds is refused."""
         with self._lock:
             load = self._live_load("part_done", transfer)
             if load is None:
@@ -190,8 +192,13 @@ class TargetLedger(_Ledger[_TargetRequest]):
             if transfer in self.layer_progress:  # its layers complete it: a part_done here could skip one
                 self._refuse("part_done", "a streaming load's parts complete by their layers", load.request, transfer)
                 return False
+            held = self.requests[load.request].blocks.size
+            if not 0 <= verified <= held:
+                self._refuse("part_done", f"{verified} verified block(s) of a request holding {held}", load.request,
+                             transfer)
+                return False
             hlc, at = self._stamp()
-            self._record(ev.TgtPartDone(hlc, at, transfer, part))
+            self._record(ev.TgtPartDone(hlc, at, transfer, part, int(verified)))
             return True
 
     def decline(self, transfer: str, reason: str = "") -> bool:
@@ -375,6 +382,11 @@ class TargetLedger(_Ledger[_TargetRequest]):
         progress = self.layer_progress.get(e.transfer)
         if progress is not None and not progress.complete(e.part):  # only a log written by someone else has this
             raise ValueError(f"part {e.part} of a streaming load completed with layers missing")
+        if e.verified:
+            if self._replaying and e.verified > self.requests[load.request].blocks.size:  # someone else's log
+                raise ValueError(f"part {e.part} verified {e.verified} blocks, more than its request holds")
+            self.stats["verified_parts"] = self.stats.get("verified_parts", 0) + 1
+            self.stats["verified_blocks"] = self.stats.get("verified_blocks", 0) + e.verified
         load.done.add(e.part)
         if len(load.done) < load.parts:
             return

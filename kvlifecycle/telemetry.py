@@ -197,6 +197,9 @@ class _Instruments:
         self.digest_mismatches = meter.create_counter(
             "kv.digest.mismatches", unit="{block}", description="blocks whose landed bytes failed their digest"
         )
+        self.digest_verified = meter.create_counter(
+            "kv.digest.verified", unit="{block}", description="blocks whose landed bytes matched P's digest"
+        )
         self.recompute = meter.create_counter(
             "kv.fallback.recompute", unit="{request}", description="failed loads that fell back to recomputing the KV"
         )
@@ -637,6 +640,8 @@ class Instrumentation:
             req.transfer = None
 
     def _on_tgt_part_done(self, e: ev.TgtPartDone) -> None:
+        if e.verified:
+            self._m.digest_verified.add(e.verified, self._base)
         handoff = self._handoffs.get(e.transfer)
         if handoff is None:
             return

@@ -1,7 +1,7 @@
 """Per-block KV digests in the core: the digest is position independent and catches one flipped byte, a wrong
 slot and a wrong head slice; the grant's digest field is wire-compatible both ways and its decoder total; a
 mismatch is an event that fails the load under the policy, quarantines the blocks, replays, and is told by
-``replay --request`` and ``explain``."""
+``replay --request`` and ``explain``; so is a verified part (its ``TgtPartDone`` counts the blocks checked)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from kvlifecycle.digest import (
     should_digest,
     slice_view,
 )
-from kvlifecycle.explain import DIGEST_MISMATCH, explain_logs
+from kvlifecycle.explain import DIGEST_MISMATCH, digest_tally, explain_logs
 from kvlifecycle.ledger import BlockBusyError, TargetLedger
 from kvlifecycle.replay import replay
 
@@ -267,3 +267,86 @@ def test_explain_and_the_request_story_name_the_block_the_transfer_and_both_dige
 
 def test_mismatched_positions() -> None:
     assert mismatched(np.array([1, 2, 3], np.uint64), np.array([1, 9, 3], np.uint64)).tolist() == [1]
+
+
+# --- a verified part: recorded, replayed, told and counted --------------------------------------------------------
+
+
+def test_a_verified_part_is_recorded_replayed_and_told_by_replay_and_explain(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pair = Pair(tmp_path)
+    g = pair.grant("req-1", [4, 5, 6], [10, 11, 12])
+    pair.pull("req-1", g)
+    pair.ms(3)
+    assert pair.d.part_done(g.transfer, 0, verified=3)
+    assert pair.d.stats["verified_parts"] == 1 and pair.d.stats["verified_blocks"] == 3
+    pair.ms(1)
+    assert pair.p.consumer_done(g.transfer, g.generation)
+    for released in pair.p.take_released():
+        pair.p.free(released.request)
+    _, d_dir = pair.close()
+    folded = replay(d_dir).ledger
+    assert isinstance(folded, TargetLedger)
+    assert folded.stats["verified_parts"] == 1 and folded.stats["verified_blocks"] == 3
+    assert "digest_mismatches" not in folded.stats
+    trace, findings = explain_logs([tmp_path])
+    assert findings == [] and digest_tally(trace) == {"d0": {"verified_parts": 1, "verified_blocks": 3,
+                                                             "mismatches": 0, "mismatched_blocks": 0}}
+    assert main(["explain", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["digests"]["d0"]["verified_blocks"] == 3
+    assert main(["explain", str(tmp_path)]) == 0
+    assert "digests on d0: 3 block(s) verified in 1 part(s), 0 block(s) failed" in capsys.readouterr().out
+    logs = [str(tmp_path / "p0"), str(tmp_path / "d0")]
+    assert main(["replay", *logs, "--request", "req-1", "--json"]) == 0
+    story = json.loads(capsys.readouterr().out)
+    (load,) = [x for part in story["parts"] for x in part["loads"]]
+    assert (load["verified_parts"], load["verified_blocks"], load["mismatched_blocks"]) == (1, 3, 0)
+    assert any(s["kind"] == "TgtPartDone" and "3 block(s) verified" in s["detail"] for s in story["steps"])
+    assert main(["replay", *logs, "--request", "req-1"]) == 0
+    assert "digests: 3 block(s) verified in 1 of 1 part(s)" in capsys.readouterr().out
+
+
+def test_a_mismatch_is_told_by_the_request_story_and_the_tally(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    pair = Pair(tmp_path)
+    g = pair.grant("req-1", [4, 5, 6], [10, 11, 12])
+    pair.pull("req-1", g)
+    pair.ms(3)
+    assert pair.d.digest_mismatch(g.transfer, 0, blocks=[11, 12], source_blocks=[5, 6],
+                                  expected=np.array([1, 2], np.uint64), found=np.array([3, 4], np.uint64))
+    pair.d.fail(g.transfer, "digest mismatch: 2 block(s) of part 0")
+    pair.p.fail(g.transfer, g.generation, "consumer failed: digest mismatch")
+    pair.close()
+    trace, _ = explain_logs([tmp_path])
+    assert digest_tally(trace)["d0"] == {"verified_parts": 0, "verified_blocks": 0, "mismatches": 1,
+                                         "mismatched_blocks": 2}
+    assert main(["replay", str(tmp_path / "p0"), str(tmp_path / "d0"), "--request", "req-1"]) in (0, 1)
+    assert "digests: 2 block(s) failed their digest" in capsys.readouterr().out
+
+
+def test_part_done_refuses_more_verified_blocks_than_the_request_holds() -> None:
+    d = TargetLedger(16, clock=ManualClock())
+    d.reserve("r", [1, 2, 3])
+    d.start_load("r", "t1")
+    seen: list[ev.Event] = []
+    d.listeners.append(seen.append)
+    assert not d.part_done("t1", 0, verified=4)
+    assert not d.part_done("t1", 0, verified=-1)
+    assert [e.reason for e in seen if isinstance(e, ev.Refused)] == [
+        "4 verified block(s) of a request holding 3", "-1 verified block(s) of a request holding 3"]
+    assert d.part_done("t1", 0, verified=3) and "verified_parts" in d.stats
+
+
+def test_a_part_done_of_an_older_log_reads_as_unverified_and_an_older_reader_skips_the_count() -> None:
+    """The evolution rule (docs/wire.md): ``TgtPartDone.verified`` is appended with a default."""
+    old = msgspec.msgpack.encode(["tp", 7, 1.5, "t1", 0])
+    assert ev.decode(old) == ev.TgtPartDone(7, 1.5, "t1", 0, 0)
+
+    class OldPartDone(msgspec.Struct, frozen=True, array_like=True, tag_field="k", tag="tp"):
+        hlc: int
+        at: float
+        transfer: str
+        part: int
+
+    new = ev.encode(ev.TgtPartDone(7, 1.5, "t1", 0, verified=12))
+    assert msgspec.msgpack.decode(new, type=OldPartDone) == OldPartDone(7, 1.5, "t1", 0)

@@ -130,6 +130,8 @@ def test_verified_bytes_load(mode: str) -> None:
     src, dst, tl, cons, released, p_blocks, d_blocks = handoff(flip=None, mode=mode)
     assert tl.requests["r"].state == TargetState.READY_FOR_ATTENTION and released == ["completed"]
     assert cons.verified_parts == 1 and cons.unverified_parts == 0
+    # D's log says so: the part's TgtPartDone counts the blocks whose digests matched (what replay and explain tell)
+    assert tl.stats["verified_parts"] == 1 and tl.stats["verified_blocks"] == len(d_blocks)
     assert all(np.array_equal(d[d_blocks], s[p_blocks]) for s, d in zip(src.kv, dst.kv, strict=True))
 
 
@@ -137,7 +139,7 @@ def test_verified_bytes_load(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_one_flipped_byte_is_refused_before_attention(mode: str, policy: str) -> None:
     _, _, tl, cons, released, _, _ = handoff(flip=(2, 5, 77), mode=mode, policy=policy)
-    assert tl.stats["digest_mismatches"] == 1 and cons.verified_parts == 0
+    assert tl.stats["digest_mismatches"] == 1 and cons.verified_parts == 0 and "verified_blocks" not in tl.stats
     assert tl.stats["failed" if policy == "fail" else "recompute"] == 1 and tl.stats["loaded"] == 0
     if policy == "fail":
         assert "r" not in tl.requests  # the request fails; nothing of it is held
@@ -154,7 +156,7 @@ def test_mutant_verification_skipped_accepts_the_corruption() -> None:
     """With D's check switched off (verify none) the same flipped byte reaches attention: the check is needed."""
     src, dst, tl, cons, released, p_blocks, d_blocks = handoff(flip=(2, 5, 77), mode="pull", verify="none")
     assert tl.requests["r"].state == TargetState.READY_FOR_ATTENTION and released == ["completed"]
-    assert cons.unverified_parts == 1
+    assert cons.unverified_parts == 1 and "verified_blocks" not in tl.stats  # the log says it went unchecked
     assert not np.array_equal(dst.kv[2][5], src.kv[2][p_blocks[d_blocks.index(5)]])
 
 
@@ -210,6 +212,7 @@ def test_p_tp_2_to_d_tp_1_checks_each_rank_slice(wrong_heads: bool) -> None:
             assert cons.verified_parts + len(mismatches) <= 2
         else:
             assert tl.requests["r"].state == TargetState.READY_FOR_ATTENTION and cons.verified_parts == 2
+            assert [e.verified for e in seen if isinstance(e, ev.TgtPartDone)] == [len(d_blocks)] * 2
             for r in range(REGIONS):
                 want = np.concatenate([p.kv[r][p_blocks] for p in ps], axis=1)
                 assert np.array_equal(dst.kv[r][d_blocks], want)

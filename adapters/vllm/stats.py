@@ -19,12 +19,14 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from kvlifecycle import events as ev
 
 HISTOGRAMS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
-COUNTERS = ("num_failed_transfers", "num_expired_leases", "num_refusals")
+COUNTERS = ("num_failed_transfers", "num_expired_leases", "num_refusals", "num_verified_blocks",
+            "num_digest_mismatches")
 
 
 @dataclass
 class KVLifecycleStats(KVConnectorStats):
-    """One interval's observations: a value per transfer for each histogram key, a 1 per event for each counter."""
+    """One interval's observations: a value per transfer for each histogram key, for each counter an increment
+    per event (1, or the blocks an event names for the digest counters)."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -51,6 +53,10 @@ class KVLifecycleStats(KVConnectorStats):
             self.data["num_expired_leases"].append(1)
         elif isinstance(event, ev.Refused):
             self.data["num_refusals"].append(1)
+        elif isinstance(event, ev.TgtPartDone) and event.verified:
+            self.data["num_verified_blocks"].append(event.verified)
+        elif isinstance(event, ev.TgtDigestMismatch):
+            self.data["num_digest_mismatches"].append(len(event.expected) // 8)
 
     def clone_and_reset(self) -> KVLifecycleStats:
         old = copy.copy(self)
@@ -79,6 +85,8 @@ class KVLifecycleStats(KVConnectorStats):
             "Num failed transfers": len(self.data["num_failed_transfers"]),
             "Num expired leases": len(self.data["num_expired_leases"]),
             "Num refusals": len(self.data["num_refusals"]),
+            "Num verified blocks": sum(self.data.get("num_verified_blocks", ())),
+            "Num digest mismatches": sum(self.data.get("num_digest_mismatches", ())),
         }
 
 
@@ -116,6 +124,10 @@ class KVLifecyclePromMetrics(KVConnectorPromMetrics):
                                    "kvlifecycle leases released by expiry (tracked on P)."),
             "num_refusals": ("vllm:kvlifecycle_num_refusals",
                              "Commands the kvlifecycle ledgers refused (each is an event in the log)."),
+            "num_verified_blocks": ("vllm:kvlifecycle_num_verified_blocks",
+                                    "KV blocks whose landed bytes matched P's digest on D (verify)."),
+            "num_digest_mismatches": ("vllm:kvlifecycle_num_digest_mismatches",
+                                      "KV blocks whose landed bytes failed their digest on D; the load was refused."),
         }
         self.counters: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(

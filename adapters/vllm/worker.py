@@ -53,6 +53,21 @@ log = logging.getLogger("kvlifecycle.adapters.vllm")
 RESERVED = int(TargetState.RESERVED)
 
 
+def digester_for(verify: VerifyMode, layout: KVLayout) -> BlockDigester | None:
+    """What reads a rank's blocks for their per-block digests under ``verify``: none when it is ``none``, else a
+    ``HostDigester`` over KV in DRAM (vLLM on CPU). KV in VRAM has no digester yet, so a ``verify`` other than none
+    is refused (``ValueError``) at start-up, naming the option and what to set, rather than handing off
+    unchecked while the operator believes every block is checked."""
+    if verify is VerifyMode.NONE:
+        return None
+    if layout.kind is not MemoryKind.DRAM:
+        raise ValueError(f"kv_connector_extra_config verify={verify.value!r} needs the KV cache in host memory "
+                         f"(vLLM on CPU); this worker's KV is in {layout.kind.value}, for which no digester exists "
+                         f"yet: set \"verify\": \"none\" in kv_connector_extra_config, on P and D alike")
+    from kvlifecycle.transports.digest_host import HostDigester
+    return HostDigester(layout)
+
+
 class WorkerSide:
     def __init__(self, vllm_config: VllmConfig, config: AdapterConfig, engine_id: str,
                  kv_cache_config: KVCacheConfig) -> None:
@@ -120,6 +135,7 @@ class WorkerSide:
 
         caches = describe_kv_caches(kv_caches, self.num_blocks)
         layout = caches.layout
+        digester = digester_for(self.config.verify, layout)  # refuses verify over VRAM before anything starts
         first = next(iter(kv_caches.values()))
         dtype = str(first.dtype).removeprefix("torch.")
         compat = compat_info(self.vllm_config, caches, dtype)
@@ -127,7 +143,6 @@ class WorkerSide:
         self.transport = NixlTransport(agent, backends=self.config.backends)
         self.transport.register(layout)
         self.fast_transport = self._build_fast_path(layout, f"{agent}-ipc")
-        digester = self._build_digester(layout)
         log.info("KVLifecycleConnector: registered %d regions x %d blocks (%s bytes/block, %s %s, %s), agent %s, "
                  "mode %s, fast path %s", layout.num_regions, layout.num_blocks, layout.block_bytes[0],
                  "K/V-outer" if caches.kv_outer else "block-major", caches.kv_layout, layout.kind.value, agent,
@@ -168,19 +183,6 @@ class WorkerSide:
         self.memberships = WorkerMembership.start(self.config, self.engine_id, producer=self.producer,
                                                   consumer=self.consumer,
                                                   dp=int(self.vllm_config.parallel_config.data_parallel_index))
-
-    def _build_digester(self, layout: KVLayout) -> BlockDigester | None:
-        """What reads this rank's blocks for their per-block digests (``verify``): a ``HostDigester`` over KV in
-        DRAM (vLLM on CPU). KV in VRAM has no digester yet, so a ``verify`` other than none is refused here, at
-        start-up, naming the option, rather than handing off unchecked while the operator believes it checked."""
-        if self.config.verify is VerifyMode.NONE:
-            return None
-        if layout.kind is not MemoryKind.DRAM:
-            raise ValueError(f"kv_connector_extra_config verify={self.config.verify.value!r} needs the KV cache in "
-                             f"host memory (vLLM on CPU); this worker's KV is in {layout.kind.value}, for which "
-                             f"no digester exists yet: set verify to 'none'")
-        from kvlifecycle.transports.digest_host import HostDigester
-        return HostDigester(layout)
 
     def _build_fast_path(self, layout: KVLayout, agent: str) -> Any:
         """A CUDA IPC transport over the same regions when the KV lives in VRAM (``fast_path: "auto"``), else

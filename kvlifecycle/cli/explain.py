@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from kvlifecycle.explain import explain_logs, finding_view, split_in_flight
+    from kvlifecycle.explain import digest_tally, explain_logs, finding_view, split_in_flight
 
     try:
         trace, findings = explain_logs(args.logs, **(args.until.until_kwargs() if args.until else {}))
@@ -42,9 +42,11 @@ def _explain(args: argparse.Namespace) -> int:
     views = [finding_view(trace, f) for f in faults]
     in_flight = [finding_view(trace, f) for f in open_work]
     workers = ", ".join(trace.logs)
+    digests = digest_tally(trace)
     if args.json:
         print(json.dumps({"t0": trace.t0, "workers": list(trace.logs), "events": len(trace.steps),
-                          "findings": views, "in_flight": in_flight, "ok": not views}, indent=2))
+                          "findings": views, "in_flight": in_flight, "digests": digests, "ok": not views},
+                         indent=2))
         return 1 if views else 0
     from kvlifecycle.cli.render import STEP_COLUMNS, Output, iso, step_row
 
@@ -57,6 +59,10 @@ def _explain(args: argparse.Namespace) -> int:
     else:
         out.line(f"{len(views)} finding(s) in {len(trace.steps)} events of {workers} "
                  f"(times in ms since {iso(trace.t0)})", "bold")
+    for worker, tally in digests.items():
+        out.line(f"digests on {worker}: {tally['verified_blocks']} block(s) verified in {tally['verified_parts']} "
+                 f"part(s), {tally['mismatched_blocks']} block(s) failed in {tally['mismatches']} check(s)",
+                 "bold yellow" if tally["mismatches"] else "green")
     for n, view in enumerate(views, start=1):
         out.line()
         out.line(f"{n}. [{view['rule']}] {view['sentence']}", "bold yellow")

@@ -244,9 +244,21 @@ def _print_request(out: Any, view: dict[str, Any]) -> None:
                    f"IN FLIGHT ({len(x['parts_done'])} of {x['parts']} parts done)")
             out.line(f"    load {x['transfer']} gen {x['generation']} ({x['mode']} from {x['peer'] or '?'}, "
                      f"{x['parts']} part(s)): started +{x['started_ms']:.3f} ms, {end}"
-                     + (f" ({x['reason']})" if x["reason"] else ""))
+                     + (f" ({x['reason']})" if x["reason"] else "") + _digest_words(x))
         for refusal in part["refusals"]:
             out.line(f"    refused {refusal}", "red")
+
+
+def _digest_words(load: dict[str, Any]) -> str:
+    """What D's digest check found for a load: the verified parts and blocks, the blocks that failed; "" when
+    nothing was checked (verification off, or no part landed)."""
+    words = []
+    if load.get("verified_parts"):
+        words.append(f"{load['verified_blocks']} block(s) verified in {load['verified_parts']} of "
+                     f"{load['parts']} part(s)")
+    if load.get("mismatched_blocks"):
+        words.append(f"{load['mismatched_blocks']} block(s) failed their digest")
+    return f"; digests: {', '.join(words)}" if words else ""
 
 
 def _print_block(out: Any, view: dict[str, Any]) -> None:

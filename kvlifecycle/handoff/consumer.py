@@ -915,18 +915,19 @@ class Consumer:
     def _renewal_unanswered(link: PeerLink, exc: Exception) -> None:
         log.info("heartbeat to %s failed: %s", link.address, exc)
 
-    def _verified(self, load: _Load, part: int) -> bool:
-        """What landed for ``part`` matches P's digests, or is not checked (verification off, no digests in the
-        grant, a block-size split). On a mismatch the ledger records it and the load fails: no block of it
-        becomes READY_FOR_ATTENTION. Runs before ``part_done``, on the service thread."""
+    def _verified(self, load: _Load, part: int) -> int | None:
+        """How many units (P blocks) of what landed for ``part`` matched P's digests (its ``part_done`` records
+        the number), 0 when not checked (verification off, no digests in the grant, a block-size split); None on
+        a mismatch: the ledger records it and the load fails, so no block of it becomes READY_FOR_ATTENTION. Runs
+        before ``part_done``, on the service thread."""
         link, grant, _ = load.parts[part]
         if self.options.verify is VerifyMode.NONE or self.digester is None or grant.digests is None:
             self.unverified_parts += 1
-            return True
+            return 0
         mapped = load.mapped.get(part)
         if mapped is None or link.plan.local_split != 1 or link.plan.remote_split != 1:
             self.unverified_parts += 1
-            return True
+            return 0
         local, remote = mapped
         slice_index = self._consumer_index(link)
         try:
@@ -935,16 +936,16 @@ class Consumer:
             found = self.digester.digests(local, offset=view.offset, length=view.length)
         except DigestError as exc:
             self._fail(load, f"digests unusable: {exc}")
-            return False
+            return None
         bad = mismatched(expected, found)
         if bad.size == 0:
             self.verified_parts += 1
-            return True
+            return int(found.size)
         self.ledger.digest_mismatch(load.transfer, part, blocks=local[bad], source_blocks=remote[bad],
                                     expected=expected[bad], found=found[bad], slice_index=slice_index,
                                     quarantine_s=self.options.quarantine_s)
         self._fail(load, f"digest mismatch: {bad.size} block(s) of part {part}")
-        return False
+        return None
 
     def _planned_view(self, link: PeerLink, p_rank: int) -> BlockView:
         """Where the handshake's plan puts P rank ``p_rank``'s bytes in D's blocks, in bytes: the check reads
@@ -956,11 +957,12 @@ class Consumer:
         return scale_view(read.local_view, unit) if unit else read.local_view
 
     def _part_done(self, load: _Load, part: int) -> None:
-        if part in load.done or not self._verified(load, part):
+        if part in load.done:
             return
-        if not load.part_done(part):
+        verified = self._verified(load, part)
+        if verified is None or not load.part_done(part):
             return
-        self.ledger.part_done(load.transfer, part)
+        self.ledger.part_done(load.transfer, part, verified=verified)
         if load.complete:
             with self._lock:
                 self._loads.pop(load.transfer, None)
