@@ -63,6 +63,12 @@ class Claimed(msgspec.Struct, frozen=True, tag=True):
     ok: bool
     detail: str = ""
     token: bytes = b""
+    # the lease was served from P's host staging pool: read these host slots (one per granted block, in the
+    # grant's order) from the host region set P offered in the handshake (``MetaReply.host_meta``), not the GPU
+    # blocks. None: read the granted blocks, as an older P always answers
+    host_blocks: list[BlockId] | None = None
+    # P's hybrid logical clock when it served the staged copy (0: unknown): D's load, started after, sorts after it
+    hlc: Counter = 0
 
 
 class PushRequest(msgspec.Struct, frozen=True, tag=True):

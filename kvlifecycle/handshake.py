@@ -146,6 +146,9 @@ class MetaReply(msgspec.Struct, frozen=True, tag=True):
     # node and its connect-time self-test passes. Optional with a default: an older peer's reply still decodes
     # (msgspec skips fields it does not know, and fills this one with None).
     fast_meta: PeerMetadata | None = None
+    # P's host staging pool (kvlifecycle.staging), a region set laid out like ``meta``'s KV regions: a claim
+    # answered from it (``Claimed.host_blocks``) is read from here. None: P stages nothing (or is older)
+    host_meta: PeerMetadata | None = None
 
 
 class MalformedHandshakeError(ValueError):
@@ -175,6 +178,8 @@ def check_meta_reply(reply: MetaReply, who: str = "peer") -> MetaReply:
     check_metadata(reply.meta, who)
     if reply.fast_meta is not None:
         check_metadata(reply.fast_meta, f"{who} (fast path)")
+    if reply.host_meta is not None:
+        check_metadata(reply.host_meta, f"{who} (host staging pool)")
     return reply
 
 

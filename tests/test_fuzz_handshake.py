@@ -27,7 +27,8 @@ LEGIT = MetaReply(COMPAT, 1, META)
 GROUPED = PeerMetadata("p", 5, "nixl", b"blob", LayoutWire("DRAM", 0, 19, [4096, 8192, 1 << 20], [256, 256, 40],
                                                             [(2, 16), (1, 3)]))  # KV pages, then aux rows
 VALID = [msgspec.msgpack.encode(LEGIT), msgspec.msgpack.encode(GetMeta(COMPAT, 0, "d", 3, META)),
-         msgspec.msgpack.encode(MetaReply(COMPAT, 0, GROUPED))]
+         msgspec.msgpack.encode(MetaReply(COMPAT, 0, GROUPED)),
+         msgspec.msgpack.encode(MetaReply(COMPAT, 0, META, None, META))]  # with P's host staging pool
 
 
 
@@ -56,11 +57,11 @@ layout = st.builds(LayoutWire, mostly(st.sampled_from(["DRAM", "VRAM"]), st.just
 meta = st.builds(PeerMetadata, st.text(max_size=20), mostly(st.integers(0, 99), st.just(-1)),
                  st.sampled_from(["nixl", "x"]), st.binary(max_size=16), layout, addr, size)
 rank = mostly(st.integers(0, 8), st.sampled_from([-1, 2**20 + 1]))
-typed = (st.builds(MetaReply, compat, rank, meta, st.none() | meta)
+typed = (st.builds(MetaReply, compat, rank, meta, st.none() | meta, st.none() | meta)
          | st.builds(GetMeta, compat, rank, mostly(st.text(max_size=20), st.just("a" * 300)),
                      mostly(st.integers(0, 99), st.just(-1)), st.none() | meta, st.none() | meta)
          ).map(msgspec.msgpack.encode)
-FIELDS = ["compat", "tp_rank", "meta", "fast_meta", "agent", "epoch"]
+FIELDS = ["compat", "tp_rank", "meta", "fast_meta", "host_meta", "agent", "epoch"]
 
 
 @FUZZ
@@ -72,7 +73,8 @@ def test_handshake_decoder_is_total(raw: bytes) -> None:
         pass
     else:
         assert isinstance(msg, MetaReply | GetMeta)
-        for m in (msg.meta, msg.fast_meta):  # both messages carry a fast path's metadata, optionally
+        # both messages carry a fast path's metadata, optionally; P's reply its host staging pool's too
+        for m in (msg.meta, msg.fast_meta, getattr(msg, "host_meta", None)):
             if m is not None:
                 accepted = m.layout.to_layout()
                 assert accepted.num_regions == len(m.layout.base_addrs)

@@ -53,6 +53,7 @@ from kvlifecycle.transport import (
     BlockView,
     Notification,
     PeerMetadata,
+    PreparedPlan,
     ProbeResult,
     TransferHandle,
     Transport,
@@ -96,6 +97,7 @@ class _Load(LoadLaunch):  # its launch, progress and duties are the protocol cor
     blocks: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))  # D's reserved blocks
     mapped: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # part -> (local, remote)
     handed_back: set[int] = field(default_factory=set)  # push given up: the parts whose P released
+    hosts: dict[int, np.ndarray] = field(default_factory=dict)  # part -> P's host slots (claimed from its staging)
 
 
 class Consumer:
@@ -232,6 +234,8 @@ class Consumer:
         steps.lap("prepare")
         link = PeerLink(address, agent, reply.meta.epoch, plan, prepared, client)
         self._select_data_path(link, reply, read, unit)
+        if reply.host_meta is not None:  # P's host staging pool: claims may be served from it
+            link.host = self._prepare_host(reply.host_meta, read, unit)
         steps.lap("select")
         with self._lock:
             self.links[address] = link
@@ -270,6 +274,21 @@ class Consumer:
             log.info("fast path to %s not used: %s", link.agent, exc)
             return
         link.data, link.data_peer = chosen, peer
+
+    def _prepare_host(self, meta: PeerMetadata, read: Any, unit: int) -> PreparedPlan | None:
+        """The plan of reads from P's host staging pool (laid out like its KV cache: the same views), on D's own
+        transport (host memory is never a fast path's); None if it cannot be reached (a claim served from it then
+        fails its load, and P releases the staged copy)."""
+        try:
+            peer = self.transport.add_peer(meta)
+            return self.transport.prepare(
+                peer,
+                local_view=scale_view(read.local_view, unit) if unit else read.local_view,
+                remote_view=scale_view(read.remote_view, unit) if unit else read.remote_view,
+            )
+        except TransportError as exc:
+            log.warning("P's host staging pool %s is unreachable: %s", meta.agent, exc)
+            return None
 
     def _probe(self, link: PeerLink) -> ProbeResult | None:
         try:
@@ -625,6 +644,17 @@ class Consumer:
             return
         if beat.ok:
             load.tokens[part] = token
+            host = beat.host_blocks if isinstance(beat, Claimed) else None
+            if isinstance(beat, Claimed) and beat.hlc:  # served from P's host pool: our load sorts after that
+                self.ledger.hlc.observe(beat.hlc)
+            if host is not None:  # P staged the lease: read its host slots, if they fit the grant
+                if len(host) != len(grant.block_ids) or link.host is None:
+                    why = ("P's host staging pool is unreachable" if link.host is None
+                           else f"{len(host)} host slots for {len(grant.block_ids)} granted blocks")
+                    self._tell_failed(load, link, grant, part, why, token=token)
+                    beat = Claimed(False, why)
+                else:
+                    load.hosts[part] = np.asarray(host, dtype=np.int64)
         step = load.claim_answered(part, ok=beat.ok, detail=beat.detail, sent_at=sent, ttl_s=grant.ttl_s,
                                    reserved=True,  # a reservation cancelled meanwhile: start_load refuses
                                    now=self._now())
@@ -658,9 +688,16 @@ class Consumer:
                 self._call(link, push, on_reply=functools.partial(self._push_answered, load),
                            on_error=functools.partial(self._push_unanswered, load))
                 continue
-            prepared = link.prepared
+            prepared: PreparedPlan | None = link.prepared
             data = link.data or self.transport
             local, remote = mapped[part]
+            host = load.hosts.get(part)
+            if host is not None:  # the staged copy: the same units, in P's host slots
+                prepared, data = link.host, self.transport
+                remote = self._host_units(host, grant, remote, link.plan.remote_split)
+            if prepared is None:
+                self._fail(load, "P's host staging pool is unreachable")
+                return
             note = Notification(
                 grant.request,
                 grant.transfer,
@@ -688,6 +725,15 @@ class Consumer:
     def _push_unanswered(self, load: _Load, exc: Exception) -> None:
         if self._open(load):  # P may have accepted it: its write may be landing
             self._settle_by(load, rules.on_push_unanswered(), f"push request failed: {exc}")
+
+    @staticmethod
+    def _host_units(host: np.ndarray, grant: GrantReply, remote: np.ndarray, split: int) -> np.ndarray:
+        """``remote`` (units of P's granted blocks, ``split`` per block) as units of the host slots that hold
+        them: P copied its i-th granted block into ``host[i]``."""
+        position = {block: i for i, block in enumerate(grant.block_ids)}
+        units = remote.astype(np.int64)
+        slots = np.asarray([host[position[int(b)]] for b in (units // split).tolist()], dtype=np.int64)
+        return slots * split + units % split
 
     @staticmethod
     def _map_blocks(local: np.ndarray, remote: np.ndarray, link: PeerLink) -> tuple[np.ndarray, np.ndarray]:

@@ -45,3 +45,4 @@ class PeerLink:
     data: Transport | None = None  # the transport that moves this link's bytes (None: the Consumer's own)
     data_peer: str = ""  # P's name on ``data`` ("" : ``agent``)
     choice: PathChoice | None = None  # why ``data`` was chosen and what its self-test measured
+    host: PreparedPlan | None = None  # reads from P's host staging pool (None: P offered none, or unreachable)

@@ -1,6 +1,10 @@
 """Producer (P): serves metadata, grants, claims and heartbeats on a side channel, writes pushes, and counts the
 consumers' completions. The flow and the threads are described in :mod:`kvlifecycle.handoff`, which shares its
-options, block mapping and messages with this module."""
+options, block mapping and messages with this module.
+
+One concept, longer than most: P's side of the handoff (handshake, grants, claims, renewals, pushes, notifications,
+its service loop), the mirror of the Consumer. Its host staging tier's plumbing lives in
+:mod:`kvlifecycle.handoff.staging_tier`; only the few points where a staged lease is routed there are here."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFa
 from kvlifecycle.digest import BlockDigester, BlockDigests, should_digest, slice_view
 from kvlifecycle.handoff.block_mapping import BlockMappingError, map_blocks
 from kvlifecycle.handoff.options import HandoffOptions
+from kvlifecycle.handoff.staging_tier import StagingTier
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
@@ -89,6 +94,7 @@ class Producer:
         thread: bool = True,
         digester: BlockDigester | None = None,
         slice_bytes: int = 0,
+        staging: StagingTier | None = None,
     ) -> None:
         """``digester``: reads P's blocks for their digests (``transports.digest_host.HostDigester`` over DRAM);
         with ``options.verify`` choosing a transfer, its grant is answered with a digest per block and per head
@@ -101,6 +107,12 @@ class Producer:
         Consumer takes: the transports' ``SameNodeSelector`` picks the fast path when both sides hold VRAM on one
         node and the self-test passes) picks the transport of P's writes into that D; the default keeps every
         write on ``transport``.
+
+        ``staging``: P's host staging tier (:mod:`kvlifecycle.handoff.staging_tier`): the service step copies
+        the leases its policy says are due to the host pool and hands their GPU blocks back (the ledger releases
+        them as ``staged``) once the copy is whole; a claim after that is answered with the host slots to read
+        (``Claimed.host_blocks``), one before it reads the GPU copy, which stays pinned until that read ends.
+        None (the default): nothing is staged.
 
         The simulator's seams (the defaults are the real ones): ``side_channel`` makes the server of the handlers
         (the real one listens on ``options.host``/``port``); ``thread`` False: no service thread; the caller turns
@@ -127,6 +139,9 @@ class Producer:
         self._failed_consumers: dict[tuple[str, int], tuple[set[int], str]] = {}  # (transfer, gen) -> failed, why
         self.protocol = ProducerProtocol(ledger)  # P's decisions (kvlifecycle.protocol), called under _lock
         self.claims = ClaimBook()  # per-claim tokens: only a lease's claimant may renew, fail or complete it
+        self.staging = staging
+        if staging is not None:
+            staging.attach(transport)
         handlers: Handlers = {
             GetMeta: self._on_get_meta,
             GetGrant: self._on_get_grant,
@@ -183,6 +198,9 @@ class Producer:
             raise SideChannelRefused("stale_epoch", f"{msg.agent}: epoch {msg.epoch} < known {change.previous}")
         if change.kind in ("new", "restarted"):
             self.ledger.peer_restarted(msg.agent, msg.epoch)  # records the epoch; drops push leases of the old one
+            if self.staging is not None:  # and the staged copies its old incarnation claimed
+                with self._lock:
+                    self.staging.staging.pool.peer_restarted(msg.agent, msg.epoch)
         with self._lock:
             self._peer_tp.pop(msg.agent, None)
             self._peer_tp[msg.agent] = msg.compat.tp_size
@@ -198,7 +216,8 @@ class Producer:
             else:
                 self._push_plans[(peer, msg.meta.epoch)] = self._select_push_path(primary, msg, plan)
         self._expect_activity(WIRE_UP_ACTIVITY_S)
-        return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta())
+        host = self.staging.metadata() if self.staging is not None else None
+        return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta(), host)
 
     def _select_push_path(self, primary: PushPath, msg: GetMeta, plan: HandshakePlan) -> PushPath:
         """Ask the path selector where P's writes into this D go (as D asks for its reads): the fast path gets a
@@ -301,6 +320,8 @@ class Producer:
         if reply.digests is not None or self.digester is None or \
                 not should_digest(self.options.verify, reply.transfer):
             return reply
+        if self.staging is not None and not self.protocol.lease_is_live(reply.transfer, reply.generation):
+            return reply  # staged (or ended): its GPU blocks may hold another request's bytes now
         blocks = np.asarray(reply.block_ids, dtype=np.int64)
         slices = max(reply.consumers, 1) if self.slice_bytes else 1
         views = [slice_view(self.slice_bytes, slices, c) for c in range(slices)] if self.slice_bytes else [(0, 0)]
@@ -320,7 +341,9 @@ class Producer:
 
     def _lease_is_live(self, transfer: str, generation: int) -> bool:
         lease = self.ledger.leases.get(transfer)
-        return lease is not None and lease.generation == generation
+        if lease is not None and lease.generation == generation:
+            return True
+        return self.staging is not None and self.staging.is_live(transfer, generation)  # carried on in host memory
 
     def _refuse_token(self, command: str, transfer: str, why: str) -> str:
         """A wrong or missing claim token: recorded as the ledger's refusal of ``command``; nothing changes."""
@@ -335,7 +358,7 @@ class Producer:
             why = self._check_claim(msg.transfer, msg.generation, msg.token, unclaimed_ok=not msg.token)
             if why:
                 return Ack(False, self._refuse_token("heartbeat", msg.transfer, why))
-            answer = self._renew(msg.transfer, msg.generation, msg.agent, claim=bool(msg.token))
+            answer, _ = self._renew(msg.transfer, msg.generation, msg.agent, claim=bool(msg.token))
             return Ack(answer.ok, answer.detail)
         return self._claim(msg)
 
@@ -348,18 +371,27 @@ class Producer:
         if token is None:
             why = f"claim token: consumer {msg.consumer} of this lease is claimed already"
             return Claimed(False, self._refuse_token("heartbeat", msg.transfer, why))
-        answer = self._renew(msg.transfer, msg.generation, msg.agent)
+        answer, host = self._renew(msg.transfer, msg.generation, msg.agent, first=True)
         if not answer.ok:
             self.claims.unclaim(msg.transfer, msg.generation, msg.consumer)
             return Claimed(False, answer.detail)
-        return Claimed(True, "", token)
+        if host is None:
+            return Claimed(True, "", token)
+        return Claimed(True, "", token, host.tolist(), self.ledger.hlc.tick())
 
-    def _renew(self, transfer: str, generation: int, agent: str, claim: bool = True) -> Answer:
+    def _renew(self, transfer: str, generation: int, agent: str, claim: bool = True,
+               first: bool = False) -> tuple[Answer, np.ndarray | None]:
+        """A claim (``first``), renewal or keepalive; with the host slots to read when a claim is served from the
+        staged copy."""
         with self._lock:  # a lease expired under its write is answered WRITE_IN_FLIGHT, not released under it
-            answer = self.protocol.renew(transfer, generation, agent, claim=claim)
+            if self.staging is None:
+                answer, host = self.protocol.renew(transfer, generation, agent, claim=claim), None
+            else:
+                answer, host = self.staging.renew(self.protocol, transfer, generation, agent, claim=claim,
+                                                  first=first)
         if answer.ok:  # a claim precedes a read: let the data plane poll tightly meanwhile
             self._expect_activity(1.0)
-        return answer
+        return answer, host
 
     def _expect_activity(self, seconds: float) -> None:
         for transport in (self.transport, self.fast_transport):  # a split fast path holds a NIXL agent too
@@ -377,6 +409,10 @@ class Producer:
             return Ack(False, self._refuse_token("fail", msg.transfer, why))
         if msg.hlc:  # D settled its load before telling us: our release must sort after that
             self.ledger.hlc.observe(msg.hlc)
+        if self.staging is not None:
+            with self._lock:  # a read of (or a hand-back of) the staged copy
+                if self.staging.read_ended(msg.transfer, msg.generation, msg.consumer, ok=False, reason=msg.reason):
+                    return Ack(True)
         lease = self.ledger.leases.get(msg.transfer)
         if lease is not None and lease.consumers > 1 and 0 <= msg.consumer < lease.consumers:
             with self._lock:
@@ -515,7 +551,8 @@ class Producer:
         notes = list(self.transport.notifications())
         if self.fast_transport is not None:  # D's reads through the fast path notify there, after their event
             notes += self.fast_transport.notifications()
-        for _sender, note in notes:
+        staged = [] if self.staging is None else self.staging.transport.notifications()  # reads of staged copies
+        for index, (_sender, note) in enumerate([*notes, *staged]):
             self.notifications_seen += 1
             if note.kind not in ("done", "failed"):
                 continue
@@ -529,6 +566,10 @@ class Producer:
             if note.hlc:
                 self.ledger.hlc.observe(note.hlc)
             with self._lock:
+                if index >= len(notes) and self.staging is not None:
+                    self.staging.read_ended(note.transfer, note.generation, note.part, ok=note.kind == "done",
+                                            reason=rest.decode(errors="replace"))
+                    continue
                 self.protocol.on_notification(note.kind, note.transfer, note.generation, note.part,
                                               rest.decode(errors="replace"))
 
@@ -555,9 +596,20 @@ class Producer:
             self._fail_when_settled(key)
         with self._lock:  # a lease expired under its write waits for the write's cancel
             self.protocol.sweep()
+        if self.staging is not None:
+            self._step_staging(self.staging)
         if len(self.claims):
             self.claims.prune(self._lease_is_live)
         self.ledger.commit()
+
+    def _step_staging(self, tier: StagingTier) -> None:
+        """Post the copies now due, settle those that ended (a whole one hands its GPU lease over: the engine
+        frees its blocks on ``take_released``'s ``staged``), expire staged copies; commit the pool's log."""
+        with self._lock:  # the lease's claim and its copy's post or completion are ordered
+            tier.post_due()
+            tier.poll_copies()
+            tier.staging.sweep()
+        tier.staging.pool.commit()
 
     def step_once(self) -> None:
         """One turn of the service loop without waiting (the simulator's scheduler turns it): every queued job,
@@ -575,4 +627,7 @@ class Producer:
         if self._thread.is_alive():
             self._thread.join(10)
         self.server.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging.staging.pool.commit()
         self.ledger.commit()

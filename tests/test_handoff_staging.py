@@ -1,0 +1,260 @@
+"""The host staging tier in the real handoff: a Producer with a :class:`StagingTier` and a Consumer over the loopback
+transport (the same flows the core's tests drive by hand, here through the side channel, the claim reply and D's
+reads). A slow D that claims after staging reads the host copy while P's GPU blocks hold another request's bytes; a
+D that claimed while the copy was in flight keeps the GPU copy pinned until its read ends; the logs of P, its pool
+and D replay clean with ``replay --check --quiescent``; the claim reply's new field decodes totally."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from fuzz_msgpack import FUZZ, hostile, tagged
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+
+from held_transport import Gated
+from kvlifecycle.transports.host_pool import HostPool
+from kvlifecycle.transports.loopback import LoopbackTransport
+from waiting import until
+
+from kvlifecycle import events as ev
+from kvlifecycle.clock import HybridLogicalClock, ManualClock
+from kvlifecycle.control import Claimed
+from kvlifecycle.eventlog import EventLog
+from kvlifecycle.handoff import REPLY_TYPES, Consumer, HandoffOptions, Producer
+from kvlifecycle.handoff.staging_tier import StagingTier
+from kvlifecycle.handshake import CompatInfo
+from kvlifecycle.invariants import check_merged, check_source, check_target
+from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.sidechannel import Ack, ErrorReply, FrameError, _decode_body
+from kvlifecycle.staging import HostStaging
+from kvlifecycle.staging_checks import check_staging, check_staging_events, check_staging_merged
+from kvlifecycle.staging_ledger import StagingLedger
+from kvlifecycle.staging_policy import StageWhen, StagingPolicy
+from kvlifecycle.transport import KVLayout, MemoryKind
+from kvlifecycle.untrusted import UntrustedInputError, check_msgpack
+
+BLOCKS, SLOTS, REGIONS, BYTES = 16, 6, 2, 64
+COMPAT = CompatInfo(model_id="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=16, block_size=1,
+                    kv_layout="NHD")
+
+
+class Rig:
+    """P (GPU ledger + host pool under a manual clock, its service loop turned by the test) and a threaded D, every
+    event kept, logs under ``log_dir``."""
+
+    def __init__(self, name: str, log_dir: Path, *, gate_d: bool = False, gate_copy: bool = False) -> None:
+        import torch
+
+        self.src = [torch.randint(0, 256, (BLOCKS, BYTES), dtype=torch.uint8) for _ in range(REGIONS)]
+        self.dst = [torch.zeros((BLOCKS, BYTES), dtype=torch.uint8) for _ in range(REGIONS)]
+        layout = KVLayout(MemoryKind.DRAM, 0, BLOCKS, tuple(x.data_ptr() for x in self.src), (BYTES,) * REGIONS)
+        self.tp, td = LoopbackTransport(f"p-{name}"), LoopbackTransport(f"d-{name}")
+        self.tp.register(layout)
+        td.register(KVLayout(MemoryKind.DRAM, 0, BLOCKS, tuple(x.data_ptr() for x in self.dst), (BYTES,) * REGIONS))
+        self.host = HostPool(layout, SLOTS)
+        self.th = LoopbackTransport(f"p-{name}~host")
+        self.th.register(self.host.layout)
+        self.clock, hlc = ManualClock(), HybridLogicalClock()
+        self.logs = {n: EventLog(log_dir / n, fsync="never") for n in ("p", "staging", "d")}
+        self.p = SourceLedger(BLOCKS, clock=self.clock, hlc=hlc, worker="p", default_ttl_s=30.0, log=self.logs["p"])
+        self.pool = StagingLedger(SLOTS, clock=self.clock, hlc=hlc, source_worker="p", log=self.logs["staging"])
+        self.d = TargetLedger(BLOCKS, worker="d", log=self.logs["d"])
+        self.events: dict[str, list[ev.Event]] = {"p": [], "staging": [], "d": []}
+        for n, ledger in (("p", self.p), ("staging", self.pool), ("d", self.d)):
+            ledger.listeners.append(self.events[n].append)
+        policy = StagingPolicy(when=StageWhen.AFTER, stage_after_ms=100, pool_blocks=SLOTS)
+        self.copy_gate = Gated(self.th) if gate_copy else None
+        tier = StagingTier(HostStaging(self.p, self.pool, policy), self.copy_gate or self.th)  # type: ignore[arg-type]
+        self.prod = Producer(self.p, self.tp, COMPAT, staging=tier, thread=False)
+        self.read_gate = Gated(td) if gate_d else None
+        self.cons = Consumer(self.d, self.read_gate or td, COMPAT,  # type: ignore[arg-type]
+                             options=HandoffOptions(heartbeat_every_s=0.01))
+        self.cons.connect(self.prod.address)
+        self._closers = [self.cons.close, self.prod.close, self.tp.close, td.close, self.th.close]
+
+    def grant(self, request: str, blocks: list[int]) -> object:
+        self.p.allocate(request, blocks)
+        self.p.prefill_done(request)
+        return self.prod.grant(request)
+
+    def p_steps_until(self, done: object) -> bool:
+        """Turn P's service loop until ``done()`` (D's notifications arrive on P's transports)."""
+        return until(lambda: (self.prod.step_once(), done())[1])  # type: ignore[operator]
+
+    def violations(self) -> list[str]:
+        e = self.events
+        out = check_source(self.p) + check_target(self.d) + check_staging(self.pool)
+        out += check_staging_events(e["staging"]) + check_staging_merged(e["p"], e["staging"], e["d"])
+        out += check_merged(e["p"], e["d"])
+        return [str(v) for v in out]
+
+    def close_and_replay_check(self, log_dir: Path) -> None:
+        for close in self._closers:
+            close()
+        for log in self.logs.values():
+            log.close()
+        out = subprocess.run([sys.executable, "-m", "kvlifecycle", "replay",
+                              *(str(log_dir / n) for n in ("p", "staging", "d")), "--check", "--quiescent"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture
+def make_rig(request: pytest.FixtureRequest, tmp_path: Path):
+    rigs: list[Rig] = []
+
+    def make(**kwargs: bool) -> Rig:
+        rig = Rig(f"{request.node.name}-{time.monotonic_ns()}", tmp_path, **kwargs)
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:  # a test that failed before its own close still closes its threads
+        for close in rig._closers:
+            close()
+
+
+def test_a_slow_d_claims_after_staging_and_reads_the_host_copy(make_rig, tmp_path: Path) -> None:
+    rig = make_rig()
+    g = rig.grant("slow", [1, 2, 3])
+    expected = [x[[1, 2, 3]].clone() for x in rig.src]
+    rig.prod.step_once()
+    assert rig.pool.occupancy() == 0  # not due yet: the lease has been unclaimed for less than stage_after_ms
+    rig.clock.advance(0.2)
+    rig.prod.step_once()  # posts the copy to host, polls it, hands the GPU lease over
+    assert [r.reason for r in rig.p.take_released()] == ["staged"]
+    assert rig.pool.counts()["STAGED"] == 3
+    rig.p.free("slow")  # the engine takes its GPU blocks back and reuses them before D reads
+    rig.p.allocate("next", [1, 2, 3])
+    for x in rig.src:
+        x[[1, 2, 3]] = 0xAB
+    rig.d.reserve("slow", [5, 6, 7])
+    rig.cons.pull("slow", g, address=rig.prod.address)  # type: ignore[arg-type]
+    assert rig.cons.wait_idle(10)
+    assert rig.d.stats["loaded"] == 1
+    for r in range(REGIONS):  # the bytes of the prefill, not of the blocks' new owner
+        assert np.array_equal(rig.dst[r][[5, 6, 7]].numpy(), expected[r].numpy())
+    assert rig.p_steps_until(lambda: rig.pool.stats["completed"] == 1)  # D's notification ends the host read
+    assert rig.pool.counts()["FREE"] == SLOTS and rig.pool.stats["served"] == 1
+    rig.d.finish("slow")
+    rig.p.cancel("next")
+    assert rig.violations() == []
+    rig.close_and_replay_check(tmp_path)
+
+
+def test_a_d_that_claimed_while_the_copy_was_in_flight_keeps_the_gpu_copy_pinned_until_its_read_ends(
+        make_rig, tmp_path: Path) -> None:
+    rig = make_rig(gate_d=True, gate_copy=True)
+    assert rig.read_gate is not None and rig.copy_gate is not None
+    g = rig.grant("early", [4, 5])
+    rig.clock.advance(0.2)
+    rig.prod.step_once()  # the copy is posted, and held in flight
+    assert rig.pool.counts()["STAGING"] == 2
+    rig.d.reserve("early", [8, 9])
+    rig.cons.pull("early", g, address=rig.prod.address)  # type: ignore[arg-type]
+    assert until(lambda: rig.p.leases[g.transfer].claimed)  # type: ignore[attr-defined]
+    assert until(lambda: rig.read_gate.pending)  # D's read of the GPU copy is in flight
+    rig.copy_gate.let_go()
+    rig.copy_gate.gate_open = True
+    rig.prod.step_once()  # the copy completed, but its lease was claimed: dropped, the GPU copy stays pinned
+    assert rig.pool.occupancy() == 0 and rig.pool.stats["cancelled"] == 1
+    assert g.transfer in rig.p.leases and rig.p.take_released() == []  # type: ignore[attr-defined]
+    for _ in range(5):
+        rig.prod.step_once()
+        assert g.transfer in rig.p.leases  # type: ignore[attr-defined]
+    rig.read_gate.gate_open = True
+    assert rig.cons.wait_idle(10)
+    for r in range(REGIONS):
+        assert np.array_equal(rig.dst[r][[8, 9]].numpy(), rig.src[r][[4, 5]].numpy())
+    assert rig.p_steps_until(lambda: g.transfer not in rig.p.leases)  # type: ignore[attr-defined]
+    assert [r.reason for r in rig.p.take_released()] == ["completed"]
+    rig.d.finish("early")
+    rig.p.free("early")
+    assert rig.violations() == []
+    rig.close_and_replay_check(tmp_path)
+
+
+def test_without_a_staging_tier_nothing_is_staged_and_the_claim_names_no_host_slots(make_rig) -> None:
+    rig = make_rig()
+    rig.prod.staging = None  # today's Producer: the same loop, no tier
+    g = rig.grant("plain", [2])
+    rig.clock.advance(10)
+    rig.prod.step_once()
+    assert rig.pool.occupancy() == 0 and g.transfer in rig.p.leases  # type: ignore[attr-defined]
+    rig.d.reserve("plain", [3])
+    rig.cons.pull("plain", g, address=rig.prod.address)  # type: ignore[arg-type]
+    assert rig.cons.wait_idle(10) and rig.d.stats["loaded"] == 1
+    assert rig.p_steps_until(lambda: g.transfer not in rig.p.leases)  # type: ignore[attr-defined]
+
+
+def test_a_claim_reply_whose_host_slots_do_not_fit_the_grant_fails_the_load_and_frees_the_copy(
+        make_rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig = make_rig()
+    g = rig.grant("odd", [1, 2])
+    rig.clock.advance(0.2)
+    rig.prod.step_once()
+    assert rig.pool.counts()["STAGED"] == 2
+    renew = StagingTier.renew
+
+    def short(self, *args, **kwargs):  # a P whose claim reply names one slot for two blocks
+        answer, host = renew(self, *args, **kwargs)
+        return answer, (None if host is None else host[:1])
+
+    monkeypatch.setattr(StagingTier, "renew", short)
+    rig.d.reserve("odd", [7, 8])
+    rig.cons.pull("odd", g, address=rig.prod.address)  # type: ignore[arg-type]
+    assert rig.cons.wait_idle(10)
+    assert "host slots" in rig.cons.abandoned["odd"] and rig.d.stats["loaded"] == 0
+    assert rig.p_steps_until(lambda: rig.pool.occupancy() == 0)  # D told P: the copy is released, not leaked
+    assert rig.pool.stats["failed"] == 1
+
+
+# --- the claim reply's new field on the wire ----------------------------------------------------------------------
+
+_replies = msgspec.msgpack.Decoder(Claimed | Ack | ErrorReply)  # what D's side-channel client decodes
+
+
+def decode_reply(raw: bytes) -> msgspec.Struct:
+    """A reply body as D's side-channel client opens it: the depth checked before any decoding, then decoded."""
+    check_msgpack(raw)
+    return _decode_body(_replies, raw)
+VALID = [msgspec.msgpack.encode(Claimed(True, "", b"t" * 16, [3, 4])), msgspec.msgpack.encode(Claimed(True))]
+typed = st.builds(Claimed, st.booleans(), st.text(max_size=8), st.binary(max_size=70),
+                  st.none() | st.lists(st.integers(-(2**40), 2**40), max_size=6),
+                  st.integers(-1, 2**64 - 1)).map(msgspec.msgpack.encode)
+
+
+REPLY_FIELDS = ["ok", "detail", "token", "host_blocks", "hlc"]
+
+
+@FUZZ
+@given(raw=st.one_of(typed, hostile(VALID, tagged(["Claimed", "Ack"], REPLY_FIELDS))))
+def test_the_claim_reply_decoder_is_total_and_bounds_the_host_slots(raw: bytes) -> None:
+    try:
+        msg = decode_reply(raw)
+    except (UntrustedInputError, FrameError):
+        pass
+    else:
+        if isinstance(msg, Claimed):
+            assert msg.host_blocks is None or all(0 <= b < 2**31 for b in msg.host_blocks)
+            assert 0 <= msg.hlc < 2**63
+    assert decode_reply(VALID[0]) == Claimed(True, "", b"t" * 16, [3, 4])
+    assert Claimed in REPLY_TYPES
+
+
+def test_an_older_claim_reply_decodes_with_no_host_slots() -> None:
+    class OldClaimed(msgspec.Struct, frozen=True, tag="Claimed"):
+        ok: bool
+        detail: str = ""
+        token: bytes = b""
+
+    assert decode_reply(msgspec.msgpack.encode(OldClaimed(True, "", b"x"))) == Claimed(True, "", b"x", None, 0)
