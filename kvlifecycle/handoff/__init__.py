@@ -5,8 +5,10 @@ The package: :mod:`~kvlifecycle.handoff.producer` (P), :mod:`~kvlifecycle.handof
 :mod:`~kvlifecycle.handoff.options` (the options both sides take), :mod:`~kvlifecycle.handoff.links` (D's view of
 one P rank), :mod:`~kvlifecycle.handoff.held_grants` (the grants of loads not started yet),
 :mod:`~kvlifecycle.handoff.unclaimed_grants` (D's messages about a grant before its claim),
-:mod:`~kvlifecycle.handoff.peer_calls` (D's side-channel calls off its service thread) and
-:mod:`~kvlifecycle.handoff.block_mapping` (which of P's blocks fill which of D's). The control messages are in
+:mod:`~kvlifecycle.handoff.peer_calls` (D's side-channel calls off its service thread),
+:mod:`~kvlifecycle.handoff.block_mapping` (which of P's blocks fill which of D's) and
+:mod:`~kvlifecycle.handoff.staging_tier` (P's host staging tier in the Producer's loop: the copy to host, the claim
+served from it). The control messages are in
 :mod:`kvlifecycle.control`, the claim tokens in :mod:`kvlifecycle.claims`.
 
 Flow (pull, the vLLM way): P's engine allocates and prefills (``SourceLedger.allocate`` / ``prefill_done``), then
