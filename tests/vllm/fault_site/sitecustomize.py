@@ -7,6 +7,8 @@ streamer changed from outside the library, without a test hook in it:
   while the test disconnects the client or kills P.
 - ``KVL_TEST_STREAM_TRACE=path``: one line per fact, in order: ``gate T``, ``cancel T``, ``post T layer``,
   ``release KEY writes_in_flight``.
+- ``KVL_TEST_CORRUPT_LANDED=n``: D's Consumer flips one byte of the first block that landed for each of its first
+  ``n`` parts with digests to check, just before the check (bytes changed after they landed, as a bad lane would).
 """
 
 from __future__ import annotations
@@ -89,3 +91,25 @@ if _FAIL is not None or _GATE is not None or _TRACE is not None:
     _producer.StreamProducer._on_stream_cancel = on_stream_cancel
     _producer.StreamProducer.cancel = cancel
     _producer.StreamProducer.release = release
+
+
+_CORRUPT = os.environ.get("KVL_TEST_CORRUPT_LANDED")
+
+if _CORRUPT is not None:
+    import numpy as _np
+
+    from kvlifecycle.handoff import consumer as _consumer
+
+    _corrupt_left = [int(_CORRUPT)]
+    _verified = _consumer.Consumer._verified
+
+    def verified(self, load, part):  # type: ignore[no-untyped-def]
+        _, grant, _ = load.parts[part]
+        mapped = load.mapped.get(part)
+        if _corrupt_left[0] > 0 and mapped is not None and grant.digests is not None and self.digester is not None:
+            _corrupt_left[0] -= 1
+            block = int(_np.asarray(mapped[0]).reshape(-1)[0])
+            self.digester._groups[0][0][block, 0] ^= 0x10  # D's own KV cache, where the bytes landed
+        return _verified(self, load, part)
+
+    _consumer.Consumer._verified = verified
