@@ -134,6 +134,8 @@ class StagingTier:
             return protocol.renew(transfer, generation, agent, claim=claim), None
         pool = self.staging.pool
         ok = pool.serve(transfer, generation, agent) if first else pool.renew(transfer, generation, agent)
+        if ok and first:  # written before D may read: a crash must not lose the record of a read it answered
+            pool.commit()
         return Answer(ok, "" if ok else LEASE_GONE), (copy.blocks if ok and first else None)
 
     def read_ended(self, transfer: str, generation: int, consumer: int, *, ok: bool, reason: str = "") -> bool:

@@ -23,6 +23,7 @@ from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.replay import check, check_pair, replay
 from kvlifecycle.sim.memory import read_tags
 from kvlifecycle.sim.messages import GrantInfo
+from kvlifecycle.sim.staging import HOST
 from kvlifecycle.sim.world import DWorker, World
 from kvlifecycle.transport import BlockView, XferOp
 
@@ -50,6 +51,8 @@ def step_checks(world: World) -> list[str]:
         ledger = watch.ledger
         found = check_source(ledger) if isinstance(ledger, SourceLedger) else check_target(ledger)
         out += [f"{ledger.worker}: {v}" for v in found]
+    for pool in world.pools():
+        out += pool.checks()
     out += in_flight_checks(world)
     return out
 
@@ -69,6 +72,18 @@ def in_flight_checks(world: World) -> list[str]:
         owner, remote = x.owner, x.remote
         if owner.closed or remote.closed:
             continue  # a crashed end: the transfer fails when next touched
+        pool = world.pool(owner.agent) or world.pool(remote.agent)
+        if pool is not None:  # a staging copy into P's host pool, or D's read of a staged copy
+            source = world.p_by_name[pool.name.removesuffix(HOST)].ledger
+            out += pool.in_flight_check(owner.agent, remote.agent, x.handle.transfer, x.local, x.remote_ids,
+                                        x.handle.op, source)
+            if world.pool(owner.agent) is not None:
+                continue
+            d = world.d_by_name.get(owner.agent)
+            if d is not None and (d.ledger.block_states(x.local) != _LOADING).any():
+                out.append(f"{d.name}: target block(s) {x.local.tolist()} not LOADING while transfer "
+                           f"{x.handle.transfer} writes them")
+            continue
         if x.handle.op is XferOp.READ:
             p, p_ids, d_name, d_ids = world.p_by_name.get(remote.agent), x.remote_ids, owner.agent, x.local
         else:
@@ -142,6 +157,8 @@ def quiescence_checks(world: World) -> list[str]:
             out.append(f"{w.name}: protocol core still busy (loads, pushes, streams or calls pending)")
     if world.fabric.in_flight:
         out.append(f"{len(world.fabric.in_flight)} transfer(s) still in flight")
+    for pool in world.pools():
+        out += pool.quiescence_checks()
     for watch in world.watches:
         worker = watch.ledger.worker
         out += [f"{worker}: {r} lived {n} times" for r, n in watch.lives.items() if n > 1]

@@ -62,6 +62,8 @@ _REFUSAL_FAULTS = {
     ("fail", "stale token"): "fail_after_release",
     ("start_load", "stale token"): "stale_epoch_refused",
     ("heartbeat", "stale token"): "stale_epoch_refused",
+    # the copy to host completed after a consumer claimed the GPU lease: the GPU copy stays pinned
+    ("hand_over_staged", "claimed"): "staging_copy_races_claim",
 }
 
 

@@ -31,7 +31,12 @@ STREAMS = ("stream", "stream_declined", "stream_write_fail", "stream_cancel_d", 
 # failed fsyncs, and the disk coming back
 STORAGE = ("enospc", "eio", "short_write", "fsync_fail", "disk_back")
 
-ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE + STREAMS + STORAGE
+# P's host staging tier (sim/staging.py): a copy posted; D's claim raced a copy in flight; P crashed mid-copy; a due
+# lease found the pool full; a staged copy's lease expired; D read a staged copy from the pool
+STAGING = ("staging", "staging_copy_races_claim", "staging_crash_mid_copy", "staging_pool_full",
+           "staging_lease_expired", "staging_read_host")
+
+ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE + STREAMS + STORAGE + STAGING
 
 # What --faults may switch off (the rest are observations of the run, not injections).
 INJECTABLE = {

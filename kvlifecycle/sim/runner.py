@@ -560,10 +560,11 @@ def _run(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_trace: 
             if not sim.violations and not sim.known:
                 leaks = checks.quiescence_checks(sim.world)
         sim.world.close()
-        dirs = [w.dir for w in sim.world.workers()]
+        dirs = [w.dir for w in sim.world.workers()] + [pool.dir for pool in sim.world.pools()]
         if not sim.violations and not leaks and not sim.known:
             try:
-                sim.violations += checks.log_checks((w.dir, bool(w.watch.events)) for w in sim.world.workers())
+                sim.violations += checks.log_checks([*((w.dir, bool(w.watch.events)) for w in sim.world.workers()),
+                                                     *((pool.dir, bool(pool.events)) for pool in sim.world.pools())])
                 sim.violations += checks.acknowledged_checks((w.dir, w.ledger.incarnation, w.watch.events)
                                                              for w in sim.world.workers())
             except Exception as exc:  # a log that cannot be read back (corrupt): a finding, not a crash

@@ -41,6 +41,7 @@ from kvlifecycle.sim.memory import tag_bytes
 from kvlifecycle.sim.messages import GrantArrived, GrantInfo, NoteMsg
 from kvlifecycle.sim.network import Message, Network
 from kvlifecycle.sim.peers import PeerReply, PeerRequest, SideChannels, SimPeerCalls, serve
+from kvlifecycle.sim.staging import HOST, SimPool, staging_policy
 from kvlifecycle.sim.streams import Loss, SimStreamConsumer, SimStreamProducer, reset_stream_ids
 from kvlifecycle.sim.transport import SimFabric, SimTransport, sim_layout
 from kvlifecycle.streaming import StreamOptions
@@ -154,9 +155,15 @@ class PWorker:
         self.world.watches.append(self.watch)
         self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots)
         self.transport.register(self.layout)
+        policy, world = self.world.staging, self.world
+        self.pool = None if policy is None else SimPool(
+            self.name, world.root / f"{self.name}{HOST}", world.fabric, policy, ledger, regions=cfg.regions,
+            block_bytes=self.block_bytes, incarnation=world.incarnation(f"{self.name}{HOST}", self.boots),
+            boots=self.boots, coverage=world.coverage)
         self.producer = Producer(ledger, self.transport, self.world.compat(self.ranks), tp_rank=self.rank,
                                  options=self.world.handoff_options,
-                                 side_channel=self.world.channels.server_for(self.name), thread=False)
+                                 side_channel=self.world.channels.server_for(self.name), thread=False,
+                                 staging=None if self.pool is None else self.pool.tier)
         self.streams = SimStreamProducer(self.producer, layers=cfg.regions, options=self.world.stream_options)
 
     def crash(self, tear: float | None) -> None:
@@ -166,6 +173,8 @@ class PWorker:
         assert self.ledger.log is not None  # boot() opened it
         storage.crash(self.ledger.log, tear)
         self.transport.close()
+        if self.pool is not None:  # its copies and reads fail, its memory is lost
+            self.pool.crash(self.world.fabric, tear)
         self.world.network.forget_node(self.name, keep=lambda payload: isinstance(payload, NoteMsg))
         self.watch.detach()
         self.world.crashed_requests += len(self.ledger.requests)
@@ -303,6 +312,8 @@ class PWorker:
             self.world.exercise("stream_d_silent")
         with self.log.runtime_loop():
             self.producer.step_once()
+        if self.pool is not None:
+            self.pool.after_service()
         for released in self.ledger.take_released():
             req = self.ledger.requests.get(released.request)
             if req is not None and not req.leases:
@@ -319,7 +330,8 @@ class PWorker:
             self.producer._jobs.get_nowait()()
 
     def busy(self) -> bool:
-        return bool(self.producer._pushes) or not self.producer._jobs.empty() or self.streams.busy()
+        staged = self.pool is not None and bool(self.pool.ledger.requests)  # a staged copy ends at its read or expiry
+        return bool(self.producer._pushes) or not self.producer._jobs.empty() or self.streams.busy() or staged
 
 
 @dataclass(slots=True)
@@ -585,6 +597,7 @@ class World:
         self.ready_checked = 0
         self._drift = drift
         self.on_ready_hook: Callable[[DWorker, str], None] | None = None
+        self.staging = staging_policy(config, seed)  # None: this seed's P workers stage nothing
         self.p: list[PWorker] = []
         index = 0
         for g, width in enumerate(config.p_groups):
@@ -637,9 +650,12 @@ class World:
 
     def deliver(self, msg: Message) -> None:
         node = self.node(msg.dst)
-        if node is None:
-            return
         payload = msg.payload
+        if node is None:
+            pool = self.pool(msg.dst)
+            if pool is not None and isinstance(payload, NoteMsg):  # D's read of a staged copy ended
+                pool.transport.inbox.append((msg.src, payload.note))
+            return
         if isinstance(payload, GrantArrived):
             assert isinstance(node, DWorker)
             node.on_grant(payload)
@@ -667,6 +683,14 @@ class World:
     def workers(self) -> list[PWorker | DWorker]:
         return [*self.p, *self.d]
 
+    def pool(self, agent: str) -> SimPool | None:
+        """The host staging pool whose agent is ``agent`` (``P0~host``), if its P stages."""
+        w = self.p_by_name.get(agent.removesuffix(HOST)) if agent.endswith(HOST) else None
+        return None if w is None else w.pool
+
+    def pools(self) -> list[SimPool]:
+        return [w.pool for w in self.p if w.pool is not None]
+
     def ledgers(self) -> list[SourceLedger | TargetLedger]:
         return [w.ledger for w in self.p] + [d.ledger for d in self.d]
 
@@ -675,6 +699,8 @@ class World:
             w.ledger.commit()
             assert w.ledger.log is not None  # boot() opened it
             w.ledger.log.close()
+        for pool in self.pools():
+            pool.close()
 
 
 def p_phase(w: PWorker, request: str) -> str:

@@ -15,6 +15,7 @@ from kvlifecycle.ledger import SourceLedger, TargetLedger
 from kvlifecycle.protocol import PushWrites, RenewalClock
 from kvlifecycle.protocol.bounds import READ_DEADLINE_FRACTION, WriteWindow
 from kvlifecycle.sim.world import World
+from kvlifecycle.staging import CopyPlan, HostStaging
 from kvlifecycle.streaming import StreamProducer
 
 
@@ -165,6 +166,29 @@ def retry_appends_after_a_partial_frame(mp: Any) -> None:
     mp.setattr(EventLog, "_cut_back", lambda self, fd, size: None)
 
 
+def released_before_the_staging_copy(mp: Any) -> None:
+    """P hands a lease's GPU blocks over (released as ``staged``, the engine frees and reuses them) as soon as its
+    copy to host starts, not once it completed: the copy reads blocks that hold another request's bytes."""
+    begin = HostStaging.begin
+
+    def begin_and_hand_over(self: HostStaging, transfer: str) -> CopyPlan | None:
+        plan = begin(self, transfer)
+        lease = self.source.leases.get(transfer)
+        if plan is not None and lease is not None:
+            self.source.hand_over_staged(transfer, lease.generation)
+        return plan
+
+    def copy_done(self: HostStaging, transfer: str, ok: bool = True, reason: str = "") -> bool:
+        if transfer not in self.pool.requests:
+            return False
+        if not ok:
+            return not self.pool.abort(transfer, reason or "copy failed")
+        return self.pool.copy_completed(transfer)
+
+    mp.setattr(HostStaging, "begin", begin_and_hand_over)
+    mp.setattr(HostStaging, "copy_done", copy_done)
+
+
 MUTANTS: dict[str, Callable[[Any], None]] = {
     "epoch check skipped": epoch_check_skipped,
     "release on lease expiry skipped": release_on_expiry_skipped,
@@ -181,4 +205,5 @@ MUTANTS: dict[str, Callable[[Any], None]] = {
     "a stream's source released under its writes": stream_released_under_its_writes,
     "a stream written past its window": stream_written_past_its_window,
     "retry appends after a partial frame": retry_appends_after_a_partial_frame,
+    "GPU blocks released before the staging copy completed": released_before_the_staging_copy,
 }

@@ -6,7 +6,8 @@ read outliving its lease 21, a stream READY after its first layer batch 5, a str
 writes 5, a stream written past its window 716, a retry appended after a partial frame 7 (see docs/simulation.md).
 Since the simulation runs the real Producer and Consumer: the read deadline over the latest part 427, the real
 ``Consumer._fail`` keeping its handles 3, a lease released at the first of two consumers' completions 15 (a seed
-whose decode side is a TP-2 instance). A stream written past its window is the weakest: about one seed in 300
+whose decode side is a TP-2 instance). GPU blocks released before the staging copy completed: 2 (seed 1, a seed
+whose P workers stage). A stream written past its window is the weakest: about one seed in 300
 catches it (9 of the first 3,000; 12 before the decode shapes), hence the budget."""
 
 from __future__ import annotations
