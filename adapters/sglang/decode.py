@@ -1,5 +1,5 @@
 """The decode half of the kvlifecycle SGLang backend: :class:`DecodeKVManager`, chosen by
-:class:`~kvlifecycle.adapters.sglang.conn.KVLifecycleKVManager` for ``DisaggregationMode.DECODE``.
+:class:`~kvlifecycle.adapters.sglang.manager.KVLifecycleKVManager` for ``DisaggregationMode.DECODE``.
 
 * The handoff's D side: a :class:`~kvlifecycle.handoff.Consumer` (the handshake with each prefill rank's side
   channel, its compatibility record and agent epoch, push metadata both ways) and a
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 import requests
-from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
+from kvlifecycle.adapters.sglang.manager import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
 from kvlifecycle.transports.select import SameNodeSelector
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
@@ -79,7 +79,7 @@ def _p_tp_rank(info: dict) -> int:
     return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else 0
 
 
-class DecodeKVManager(KVLifecycleKVManager):
+class DecodeKVManager(KVLifecycleKVManager, role=DisaggregationMode.DECODE):
     """The manager of a decode scheduler rank: reservations streamed into by prefill ranks, and their epochs."""
 
     ledger: TargetLedger

@@ -1,5 +1,5 @@
 """The prefill half of the kvlifecycle SGLang backend: :class:`PrefillKVManager`, chosen by
-:class:`~kvlifecycle.adapters.sglang.conn.KVLifecycleKVManager` for ``DisaggregationMode.PREFILL``.
+:class:`~kvlifecycle.adapters.sglang.manager.KVLifecycleKVManager` for ``DisaggregationMode.PREFILL``.
 
 * The handoff's P side: a :class:`~kvlifecycle.handoff.Producer` (side channel: handshake, compatibility record,
   epochs; D's push metadata becomes the push plan) and a :class:`~kvlifecycle.streaming.StreamProducer` of one
@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 import numpy as np
-from kvlifecycle.adapters.sglang.conn import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
+from kvlifecycle.adapters.sglang.manager import KVLifecycleKVManager, attention_tp, compat_of, logger, unit_bytes_of
 from kvlifecycle.transports.select import SameNodeSelector
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 from sglang.srt.disaggregation.common.conn import AbortNotification
@@ -56,7 +56,7 @@ class _PRoom:
         return sum(p.size for p in self.pages)
 
 
-class PrefillKVManager(KVLifecycleKVManager):
+class PrefillKVManager(KVLifecycleKVManager, role=DisaggregationMode.PREFILL):
     """The manager of a prefill scheduler rank: rooms as streams into decodes' reservations (module docstring)."""
 
     ledger: SourceLedger

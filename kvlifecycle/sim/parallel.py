@@ -1,7 +1,7 @@
 """Many seeds over several worker processes, their results in seed order (``run_many(..., jobs=N)``).
 
 Each seed is a run of its own (a fresh world, its own RNG, nothing carried between seeds), so where it runs changes
-nothing about it: a worker sums up a chunk of consecutive seeds (:class:`~kvlifecycle.sim.report.SeedBatch`: the
+nothing about it: a worker sums up a chunk of consecutive seeds (:class:`~kvlifecycle.sim.seed_batch.SeedBatch`: the
 coverage and counts, the failing runs whole) and the caller merges the chunks in the order the seeds were given,
 exactly as one process running them one after the other would; only a failure is shrunk and replayed, in the
 caller. One record per chunk keeps the caller's share of the cores small (it competes with the workers). The
@@ -20,8 +20,8 @@ import multiprocessing
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from kvlifecycle.sim.report import SeedBatch
 from kvlifecycle.sim.runner import run_seed
+from kvlifecycle.sim.seed_batch import SeedBatch
 from kvlifecycle.sim.world import SimConfig
 
 CHUNKS_PER_JOB = 8  # small enough chunks that the last one does not leave the other workers idle for long

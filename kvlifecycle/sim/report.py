@@ -15,7 +15,9 @@ from typing import Any
 
 from kvlifecycle.sim.coverage import ALL_EDGES, NOT_MODELED
 from kvlifecycle.sim.faults import ALL as ALL_FAULTS
+from kvlifecycle.sim.parallel import run_seeds
 from kvlifecycle.sim.runner import RunResult, Step, run_seed, run_steps
+from kvlifecycle.sim.seed_batch import SeedBatch
 from kvlifecycle.sim.shrink import shrink
 from kvlifecycle.sim.world import SimConfig
 
@@ -63,29 +65,6 @@ class Summary:
         }
 
 
-@dataclass
-class SeedBatch:
-    """Consecutive seeds' results summed up, the failing ones kept whole (in seed order): what a worker process of
-    ``run_many(..., jobs=N)`` sends back per chunk of seeds, so the caller merges one record per chunk."""
-
-    seeds: int = 0
-    coverage: Counter[str] = field(default_factory=Counter)
-    known: Counter[str] = field(default_factory=Counter)
-    violations: int = 0
-    leaks: int = 0
-    failed: list[RunResult] = field(default_factory=list)
-
-    def add(self, result: RunResult) -> SeedBatch:
-        self.seeds += 1
-        self.coverage.update(result.coverage)
-        self.known.update(k.split(":")[0] for k in result.known)
-        self.violations += len(result.violations)
-        self.leaks += len(result.leaks)
-        if not result.ok:
-            self.failed.append(result)
-        return self
-
-
 def reproducer(seed: int, cli_args: str) -> str:
     return f"kvlifecycle sim --seed {seed}{(' ' + cli_args) if cli_args else ''}"
 
@@ -125,8 +104,6 @@ def run_many(seeds: Iterable[int], config: SimConfig, *, out: Path | None, cli_a
     stream_log.setLevel(logging.ERROR)
     try:
         if jobs > 1:
-            from kvlifecycle.sim.parallel import run_seeds
-
             batches: Iterable[SeedBatch] = run_seeds(list(seeds), config, jobs, worker_init)
         else:  # one batch per seed: a failure is reported as soon as it is found
             batches = (SeedBatch().add(run_seed(seed, config)) for seed in seeds)

@@ -52,7 +52,7 @@ def test_plugin_path_adds_kvlifecycle_and_leaves_nixl_alone() -> None:
     assert "kvlifecycle" in probe["choices"]
     assert probe["parsed_backend"] == "kvlifecycle"
     assert probe["classes"] == {
-        "MANAGER": "kvlifecycle.adapters.sglang.conn.KVLifecycleKVManager",
+        "MANAGER": "kvlifecycle.adapters.sglang.manager.KVLifecycleKVManager",
         "SENDER": "kvlifecycle.adapters.sglang.conn.KVLifecycleKVSender",
         "RECEIVER": "kvlifecycle.adapters.sglang.conn.KVLifecycleKVReceiver",
         "BOOTSTRAP_SERVER": "kvlifecycle.adapters.sglang.conn.KVLifecycleKVBootstrapServer",

@@ -13,7 +13,7 @@ from test_sglang_backend import _ledgers_quiescent, _room
 
 SETTINGS = """
 import json
-from kvlifecycle.adapters.sglang.conn import Settings
+from kvlifecycle.adapters.sglang.manager import Settings
 s = Settings.from_env()
 print(json.dumps({"serve": s.serve_timeout_s, "claim": s.claim_timeout_s, "heartbeat": s.heartbeat_s,
                   "peer": s.peer_timeout_s}))
