@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
     from typing_extensions import Self
 
+    from kvlifecycle.transport import XferStats
+
 
 BLOCK_DTYPE = ev.BLOCK_DTYPE
 _MODE_SPELLINGS = TransferMode.spellings()  # start_load is on the launch path: a lookup, not an enum parse
@@ -516,6 +518,11 @@ class _Ledger(Generic[_RequestT]):
         with self._lock:
             hlc, at = self._stamp()
             self._record(ev.TransferObserved(hlc, at, transfer, t_post_s, t_xfer_s, nbytes, descriptors, backend, ok))
+
+    def observe_transfer_stats(self, transfer: str, stats: XferStats, *, ok: bool = True) -> None:
+        """:meth:`observe_transfer` of what a transport reports of a finished transfer (its ``stats(handle)``)."""
+        self.observe_transfer(transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s, nbytes=stats.bytes,
+                              descriptors=stats.desc_count, backend=stats.backend, ok=ok)
 
     def counts(self) -> dict[str, int]:
         values = np.bincount(self.state, minlength=len(self._machine.spec.states))

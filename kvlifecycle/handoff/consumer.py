@@ -889,15 +889,7 @@ class Consumer:
                 self._part_done(load, part)
                 stats = data.stats(handle)
                 if stats is not None:
-                    self.ledger.observe_transfer(
-                        load.transfer,
-                        t_post_s=stats.t_post_s,
-                        t_xfer_s=stats.t_xfer_s,
-                        nbytes=stats.bytes,
-                        descriptors=stats.desc_count,
-                        backend=stats.backend,
-                        ok=True,
-                    )
+                    self.ledger.observe_transfer_stats(load.transfer, stats)
                 data.release(handle)
             if load.transfer not in self._loads:
                 continue

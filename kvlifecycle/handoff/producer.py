@@ -530,15 +530,7 @@ class Producer:
             stats = via.stats(push.handle)
             if status is XferStatus.DONE:
                 if stats is not None:
-                    self.ledger.observe_transfer(
-                        push.transfer,
-                        t_post_s=stats.t_post_s,
-                        t_xfer_s=stats.t_xfer_s,
-                        nbytes=stats.bytes,
-                        descriptors=stats.desc_count,
-                        backend=stats.backend,
-                        ok=True,
-                    )
+                    self.ledger.observe_transfer_stats(push.transfer, stats)
                 self._write_settled(push.transfer, push.generation, push.note.part, status)
             else:
                 err = via.error(push.handle)

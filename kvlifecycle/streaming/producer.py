@@ -616,9 +616,7 @@ class StreamProducer:
                     continue
                 stats = via.stats(write.handle)
                 if stats is not None:
-                    self.ledger.observe_transfer(stream.ask.transfer, t_post_s=stats.t_post_s, t_xfer_s=stats.t_xfer_s,
-                                                 nbytes=stats.bytes, descriptors=stats.desc_count,
-                                                 backend=stats.backend, ok=status is XferStatus.DONE)
+                    self.ledger.observe_transfer_stats(stream.ask.transfer, stats, ok=status is XferStatus.DONE)
                 if status is XferStatus.FAILED:
                     self.counts["writes_failed"] += 1
                     self._stop_posting(stream, f"write of layer {write.layer} failed: "

@@ -240,8 +240,7 @@ class DecodeLoop:
             t_done = fastpath.done_at(transport, handle.id)
             st = transport.stats(handle)
             extra = transport.stage_times(handle)
-            ledger.observe_transfer(transfer, t_post_s=st.t_post_s, t_xfer_s=st.t_xfer_s, nbytes=st.bytes,
-                                    descriptors=st.desc_count, backend=st.backend, ok=True)
+            ledger.observe_transfer_stats(transfer, st)
             transport.release(handle)
             rnd.kernel_s += st.t_xfer_s
             if single:
