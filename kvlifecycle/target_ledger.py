@@ -60,6 +60,9 @@ class TargetLedger(_Ledger[_TargetRequest]):
         # reservation until then (docs/design.md, "Digests")
         self.quarantine: dict[int, tuple[float, str]] = {}
         self.mismatched: set[str] = set()  # live loads with a TgtDigestMismatch: only a failure ends them
+        # live loads from a source incarnation that restarted (transfer -> why): only a failure ends them, once
+        # their reads settled (:meth:`peer_restarted`)
+        self.doomed: dict[str, str] = {}
         self.stats = {"loaded": 0, "failed": 0, "recompute": 0, "cancelled": 0, "discarded": 0}
         self._handlers = {
             ev.TgtReserved: self._on_reserved,
@@ -161,6 +164,8 @@ class TargetLedger(_Ledger[_TargetRequest]):
             reason = reason or progress.problem(part, first_layer, num_layers, ids)
             if transfer in self.mismatched:
                 reason = "a part of this load failed its digest: only fail ends it"
+            elif transfer in self.doomed:
+                reason = f"{self.doomed[transfer]}: only fail ends it"
             if reason:
                 self._refuse("layers_landed", reason, load.request, transfer)
                 return False
@@ -188,6 +193,9 @@ class TargetLedger(_Ledger[_TargetRequest]):
             if transfer in self.mismatched:
                 self._refuse("part_done", "a part of this load failed its digest: only fail ends it", load.request,
                              transfer)
+                return False
+            if transfer in self.doomed:
+                self._refuse("part_done", f"{self.doomed[transfer]}: only fail ends it", load.request, transfer)
                 return False
             if transfer in self.layer_progress:  # its layers complete it: a part_done here could skip one
                 self._refuse("part_done", "a streaming load's parts complete by their layers", load.request, transfer)
@@ -219,11 +227,13 @@ class TargetLedger(_Ledger[_TargetRequest]):
             return True
 
     def fail(self, transfer: str, reason: str = "") -> bool:
-        """The load failed (any part). Policy ``recompute``: blocks go back to RESERVED; ``fail``: to FREE."""
+        """The load failed (any part). Policy ``recompute``: blocks go back to RESERVED; ``fail``: to FREE. A load
+        :meth:`peer_restarted` doomed fails with that reason (the first cause)."""
         with self._lock:
             load = self._live_load("fail", transfer)
             if load is None:
                 return False
+            reason = self.doomed.get(transfer, reason)
             req = self.requests[load.request]
             recompute = self.failure_policy == "recompute" and not req.cancel_pending
             hlc, at = self._stamp()
@@ -308,15 +318,18 @@ class TargetLedger(_Ledger[_TargetRequest]):
         self._simple("finish", request, ev.TgtFinished)
 
     def peer_restarted(self, peer: str, epoch: int) -> list[str]:
-        """A source peer came back with a new epoch: loads from its old incarnation fail cleanly."""
+        """A source peer came back with a new epoch (one ``PeerEpochChanged``): the live loads from its old
+        incarnation are doomed, and returned. They fail, but not here: a sibling part (another P rank of the load)
+        may still be reading into their blocks, and a copy its transport cannot cancel (CUDA IPC) may still be
+        landing. So, as a cancel with a transfer in flight (``LOADING -> LOADING``), the blocks stay LOADING until
+        the caller, once every read of the load settled, calls :meth:`fail`, which records this reason; until then
+        no part of a doomed load completes (``part_done`` and ``layers_landed`` are refused)."""
         with self._lock:
+            before = set(self.doomed)
             advanced, _known = self._advance_peer_epoch(peer, epoch)
             if not advanced:
                 return []
-            stale = [load for load in self.loads.values() if load.peer == peer and load.peer_epoch < epoch]
-            for load in stale:
-                self.fail(load.transfer, f"peer_restarted: {peer} epoch {load.peer_epoch} -> {epoch}")
-            return [load.transfer for load in stale]
+            return [transfer for transfer in self.doomed if transfer not in before]
 
     def _request(self, command: str, request: str, transfer: str = "") -> _TargetRequest:
         req = self.requests.get(request)
@@ -393,6 +406,7 @@ class TargetLedger(_Ledger[_TargetRequest]):
         req = self.requests[load.request]
         del self.loads[e.transfer]
         self.layer_progress.pop(e.transfer, None)
+        self.doomed.pop(e.transfer, None)  # only an older log completes a doomed load
         req.transfer = None
         if req.cancel_pending:
             self._drop(load.request, self._scalar("discard", req.state))
@@ -401,9 +415,18 @@ class TargetLedger(_Ledger[_TargetRequest]):
             self._set(req, self._scalar("part_done", req.state, True))
             self.stats["loaded"] += 1
 
+    def _on_peer_epoch(self, event: ev.PeerEpochChanged) -> None:
+        """The new epoch dooms the live loads of the peer's older incarnations (kept LOADING until their failure)."""
+        super()._on_peer_epoch(event)
+        for load in self.loads.values():
+            if load.peer == event.peer and load.peer_epoch < event.epoch:
+                self.doomed.setdefault(load.transfer,
+                                       f"peer_restarted: {event.peer} epoch {load.peer_epoch} -> {event.epoch}")
+
     def _on_load_failed(self, e: ev.TgtLoadFailed) -> None:
         load = self.loads.pop(e.transfer)
         self.mismatched.discard(e.transfer)
+        self.doomed.pop(e.transfer, None)
         self.layer_progress.pop(e.transfer, None)
         req = self.requests[load.request]
         req.transfer = None
@@ -429,6 +452,7 @@ class TargetLedger(_Ledger[_TargetRequest]):
     def _on_load_declined(self, e: ev.TgtLoadDeclined) -> None:
         load = self.loads.pop(e.transfer)
         self.mismatched.discard(e.transfer)
+        self.doomed.pop(e.transfer, None)
         self.layer_progress.pop(e.transfer)
         req = self.requests[load.request]
         req.transfer = None

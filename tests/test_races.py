@@ -199,8 +199,11 @@ def test_race_peer_restarted_on_same_host_port_with_new_epoch(pair) -> None:
     g = p.grant("r", peer="d0@127.0.0.1:5600")
     d.reserve("r", [2])
     d.start_load("r", g.transfer, generation=g.generation, peer="p0", peer_epoch=1)
-    # P restarted: D fails the load from the old incarnation cleanly
+    # P restarted: the load from the old incarnation is doomed; its blocks stay LOADING until its read settled
+    # (tests/test_target_ledger_peer_restart.py), then it fails cleanly with the restart as its reason
     assert d.peer_restarted("p0", 2) == [g.transfer]
+    assert [TargetState(int(s)).name for s in d.state[[2]]] == ["LOADING"]
+    assert d.fail(g.transfer, "read settled")
     assert [TargetState(int(s)).name for s in d.state[[2]]] == ["FREE"]
     # D restarted: P releases the lease bound to it
     assert p.peer_restarted("d0@127.0.0.1:5600", 2) == [g.transfer]

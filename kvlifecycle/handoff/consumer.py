@@ -60,6 +60,7 @@ from kvlifecycle.transport import (
     TransportError,
     XferOp,
     XferStatus,
+    cancels_in_flight,
 )
 from kvlifecycle.untrusted import RateLimitedLog
 
@@ -97,6 +98,7 @@ class _Load(LoadLaunch):  # its launch, progress and duties are the protocol cor
     blocks: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))  # D's reserved blocks
     mapped: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # part -> (local, remote)
     handed_back: set[int] = field(default_factory=set)  # push given up: the parts whose P released
+    lost: set[str] = field(default_factory=set)  # addresses of its P ranks invalidated: told nothing more
     hosts: dict[int, np.ndarray] = field(default_factory=dict)  # part -> P's host slots (claimed from its staging)
 
 
@@ -215,9 +217,10 @@ class Consumer:
         change = self.epochs.observe(address, reply.meta.epoch)
         if change.kind == "stale":
             raise SideChannelRefused("stale_epoch", f"{address}: epoch {reply.meta.epoch} < {change.previous}")
-        if change.kind == "restarted":
-            self._peer_restarted(reply.meta.agent, reply.meta.epoch)
-        self.ledger.peer_restarted(reply.meta.agent, reply.meta.epoch)  # records new epochs; fails stale loads
+        # records new epochs; dooms the old incarnation's loads, which fail once their sibling reads settled
+        doomed = self.ledger.peer_restarted(reply.meta.agent, reply.meta.epoch)
+        if change.kind == "restarted" or doomed:
+            self._peer_restarted(reply.meta.agent, reply.meta.epoch, doomed)
         agent = self.transport.add_peer(reply.meta)  # a new epoch: old agent removed first (vLLM #49238)
         steps.lap("add_peer")
         reads = [r for r in plan.reads if r.p_rank == reply.tp_rank]
@@ -316,11 +319,17 @@ class Consumer:
             )
         return result
 
-    def _peer_restarted(self, agent: str, epoch: int) -> None:
+    def _peer_restarted(self, agent: str, epoch: int, doomed: Sequence[str] = ()) -> None:
+        """P agent ``agent`` came back under ``epoch``: the loads reading an older incarnation (and those the ledger
+        doomed) fail at the next step, once their sibling reads settled; the layer-wise streams it wrote end (told
+        as for a lost peer, its epochs before this one)."""
         with self._lock:
             for load in self._loads.values():
-                if any(link.agent == agent and link.epoch < epoch for link, _, _ in load.parts):
+                if load.transfer in doomed or any(link.agent == agent and link.epoch < epoch
+                                                  for link, _, _ in load.parts):
                     load.failed = True
+        for sink in self.peer_lost_sinks:
+            sink(agent, epoch - 1, f"peer restarted: {agent} epoch {epoch}")
 
     def invalidate_peer(self, agent: str, epoch: int, reason: str = "peer lost", *,
                         timeout_s: float = 10.0) -> list[str]:
@@ -328,9 +337,13 @@ class Consumer:
         deleted): at once, its loads fail per the ledger's failure policy, its links and transport peer are dropped,
         and whatever it still sends (late notifications) matches no load and is ignored. The other P ranks of a
         failed multi-part load are told (``LoadFailed``, sent on their workers, not waited for); nothing more is
-        said to the lost one, and a launch whose claim is out is abandoned. Runs on the service thread, which no
-        peer's silence holds up; returns the D transfer ids it failed. A later :meth:`connect` to a new incarnation
-        works as usual. Never call it from the service thread (an ``on_abandoned`` hook): it waits for that thread."""
+        said to the lost one, and a launch whose claim is out is abandoned. A load with a copy still running that
+        releasing its handle cannot stop (CUDA IPC: a kernel on the device, any part's) is the exception: its other
+        reads are released (cancelled) now, and it fails, and its other P ranks are told, only once those copies
+        ended (the service step polls them, as for a failed part's siblings), so its blocks never leave LOADING
+        under a landing copy. Runs on the service thread, which no peer's silence holds up; returns the D transfer
+        ids it failed. A later :meth:`connect` to a new incarnation works as usual. Never call it from the service
+        thread (an ``on_abandoned`` hook): it waits for that thread."""
         done: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
 
         def lost(link: PeerLink) -> bool:
@@ -342,17 +355,28 @@ class Consumer:
                 loads = [ld for ld in hit if ld.live]
                 launching = [ld for ld in hit if not ld.live]  # a claim may be out: the launch ends here
                 links = [self.links.pop(addr) for addr in [a for a, lk in self.links.items() if lost(lk)]]
+                running = {ld.transfer: self._unstoppable(ld) for ld in loads}  # part -> copy still landing
                 for load in loads:
                     load.failed = True
-                    self._loads.pop(load.transfer, None)
+                    load.lost.update(lk.address for lk, _, _ in load.parts if lost(lk))
+                    if not running[load.transfer]:
+                        self._loads.pop(load.transfer, None)
                 self._settled.notify_all()
             why = f"{reason}: {agent} epoch {epoch}"
             for load in launching:  # the claimed leases of other P ranks are handed back
                 self._abandon(load, why)
             for load in loads:
-                for part, handle in load.handles.items():
-                    with contextlib.suppress(TransportError):
-                        load.via.get(part, self.transport).release(handle)
+                keep = running[load.transfer]
+                for part, handle in list(load.handles.items()):
+                    if part not in keep:
+                        with contextlib.suppress(TransportError):
+                            load.via.get(part, self.transport).release(handle)
+                        del load.handles[part]
+                if keep:  # fails once its running copies ended (``_fail`` from the service step), not before
+                    load.failing = load.failing or why
+                    log.warning("load %s of %s failing (%s): waiting for %d copy(ies) a release cannot stop",
+                                load.transfer, load.request, why, len(keep))
+                    continue
                 if load.transfer in self.ledger.loads:
                     self.ledger.fail(load.transfer, why)
                 for link, grant, part in load.parts:  # the other P ranks of a multi-part load release now
@@ -819,6 +843,13 @@ class Consumer:
                 log.warning("load %s of %s failing (%s): waiting for %d sibling read(s) in flight", load.transfer,
                             load.request, reason, len(pending))
             return
+        running = self._unstoppable(load, pending)
+        if running:  # a release would not stop them (a read's bound, a timeout): the rest are released (cancelled)
+            for part in [p for p in load.handles if p not in running]:
+                with contextlib.suppress(TransportError):
+                    load.via.get(part, self.transport).release(load.handles.pop(part))
+            load.failing = settle
+            return
         reason = settle
         load.failed = True
         with self._lock:
@@ -830,8 +861,19 @@ class Consumer:
         if load.transfer in self.ledger.loads:
             self.ledger.fail(load.transfer, reason)
             self.ledger.commit()  # durable before P hears of it (outside a launch step): P finds it in our log
-        for link, grant, part in load.parts:  # tell P now rather than at lease expiry
-            self._tell_failed(load, link, grant, part, reason)
+        for link, grant, part in load.parts:  # tell P now rather than at lease expiry (not an invalidated one)
+            if link.address not in load.lost:
+                self._tell_failed(load, link, grant, part, reason)
+
+    def _unstoppable(self, load: _Load, pending: Sequence[int] | None = None) -> set[int]:
+        """The parts of ``load`` (of ``pending``, else polled now) whose copy is still running and cannot be stopped
+        by releasing its handle (``cancels_in_flight`` False: CUDA IPC's kernel runs to its end): their bytes may
+        still land in the blocks, so the load's failure waits for them. Never blocks."""
+        parts = [part for part in load.handles if not cancels_in_flight(load.via.get(part, self.transport))]
+        if pending is not None:
+            return {part for part in parts if part in pending}
+        return {part for part in parts
+                if load.via.get(part, self.transport).poll(load.handles[part]) is XferStatus.PENDING}
 
     # -- service thread ---------------------------------------------------------------------------------------------
     def _call(self, link: PeerLink, message: msgspec.Struct, *, on_reply: Callable[[Any, float], None],
@@ -932,6 +974,8 @@ class Consumer:
         if due != "renew":
             return
         for link, grant, part in load.parts:
+            if link.address in load.lost:  # invalidated: nothing more is said to it
+                continue
             beat = Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
                              consumer=self._consumer_index(link), token=load.tokens.get(part, b""))
             # one renewal out per part (queued or in flight). One sent late, behind the peer's other calls, still

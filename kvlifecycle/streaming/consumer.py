@@ -220,8 +220,8 @@ class StreamConsumer:
     def peer_lost(self, agent: str, reason: str, *, before_epoch: int | None = None) -> int:
         """The P agent ``agent`` is gone (its process died, or it came back under a new epoch, then only its
         streams from epochs before ``before_epoch``): none of their writes can land any more, so they end now,
-        failing their loads (one the ledger already ended, e.g. through ``peer_restarted``, is only forgotten)
-        instead of waiting out the stream timeout. Returns how many."""
+        failing their loads (a load the ledger's ``peer_restarted`` doomed fails here; one it already ended is only
+        forgotten) instead of waiting out the stream timeout. Returns how many."""
         with self._lock:
             gone = [s for s in self._streams.values() if s.link.agent == agent
                     and (before_epoch is None or s.link.epoch < before_epoch)]
