@@ -65,18 +65,35 @@ class HybridLogicalClock:
 
     ``tick()`` stamps a local event; ``observe(remote)`` folds in a stamp received from a peer, so anything this side
     does after seeing a peer's message sorts after that message in a merged log.
+
+    The physical part is the wall clock read once, at construction, and carried forward by the monotonic clock
+    (``steady_ms``): NTP steps a host's wall clock by seconds when its offset grew too large, and a step mid-run
+    would move every later stamp of this process by that much against its peers' — causal order survives (the max
+    with the last stamp), but merged logs order the events no message links (P's lease expiry against D's end of
+    its read, ``replay --check``'s read-outlived-lease) by their wall clocks, which then disagree by the step. The
+    monotonic clock is slewed by NTP, never stepped; a step reaches the stamps at the next start (a new ledger and
+    its clock). With ``wall_ms`` and no ``steady_ms``, the stamps follow ``wall_ms`` as it is (tests).
     """
 
-    def __init__(self, wall_ms: Callable[[], int] | None = None) -> None:
+    def __init__(self, wall_ms: Callable[[], int] | None = None, *, steady_ms: Callable[[], int] | None = None) -> None:
         self._wall_ms = wall_ms  # None: the system clock
+        self._steady_ms = steady_ms
         self._last = 0
         self._lock = threading.Lock()
         if wall_ms is None:
+            self._anchor_ns = _time_ns() - time.monotonic_ns()  # wall minus monotonic, read once
             # shadow the method on the instance: the inlined system-clock tick, once per recorded event
             self.tick = self._tick_system_clock  # type: ignore[method-assign]
+        elif steady_ms is not None:
+            self._anchor_ms = wall_ms() - steady_ms()
 
     def _physical(self) -> int:
-        wall = _time_ns() // 1_000_000 if self._wall_ms is None else self._wall_ms()
+        if self._wall_ms is None:
+            wall = (self._anchor_ns + time.monotonic_ns()) // 1_000_000
+        elif self._steady_ms is not None:
+            wall = self._anchor_ms + self._steady_ms()
+        else:
+            wall = self._wall_ms()
         return wall << LOGICAL_BITS
 
     def tick(self) -> int:
@@ -89,7 +106,7 @@ class HybridLogicalClock:
 
     def _tick_system_clock(self) -> int:
         # tick() with the system clock inlined: this runs once per recorded event
-        physical = time.time_ns() // 1_000_000 << 16  # 16 = LOGICAL_BITS
+        physical = (self._anchor_ns + time.monotonic_ns()) // 1_000_000 << 16  # 16 = LOGICAL_BITS
         with self._lock:
             last = self._last
             stamp = physical if physical > last else last + 1

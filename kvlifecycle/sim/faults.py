@@ -3,7 +3,11 @@ here that no seed of a CI run exercised is reported as unexercised (and fails th
 
 from __future__ import annotations
 
-NETWORK = ("drop", "duplicate", "reorder", "slow_link", "partition", "heal")
+# late_redelivery: a push request or a transport notification delivered once arrives again later (a retransmit
+# whose first copy got through); late_push_after_settle: such a push request reaches P after its write settled, its
+# lease still live (P must not write it a second time)
+NETWORK = ("drop", "duplicate", "reorder", "slow_link", "partition", "heal", "late_redelivery",
+           "late_push_after_settle")
 TRANSPORT = ("post_fail", "handle_fail", "sibling_fail_in_flight", "duplicate_completion", "late_completion")
 CANCEL = (
     "cancel_p:before_grant",
@@ -19,7 +23,9 @@ CANCEL = (
 LEASES = ("lease_expired", "heartbeat_after_expiry", "fail_after_release")
 RESTARTS = ("p_restart", "torn_tail", "d_crash", "stale_epoch_refused")
 # tp_handles: a D rank reads two P ranks (P TP > D TP); two_consumer_lease: two D ranks read one P rank's lease
-ENGINE = ("allocator_reuse", "clock_drift", "push", "pull", "tp_handles", "two_consumer_lease", "prefix_share")
+# clock_jump_*: NTP stepped a node's wall clock (its HLC's source) by seconds; its monotonic clock did not move
+ENGINE = ("allocator_reuse", "clock_drift", "clock_jump_forward", "clock_jump_back", "push", "pull", "tp_handles",
+          "two_consumer_lease", "prefix_share")
 # layer-wise streaming: a stream began; D's reservation came after P's prefill began (declined); a layer's write
 # failed; D, or P, cancelled mid-stream; P died mid-stream; D timed a stream out (P lost, or its last note lost),
 # one P still held (its write window bounds P's writes); P's window closed with a write in flight (cancelled); P
@@ -53,6 +59,8 @@ INJECTABLE = {
     "p_restart": ("p_restart",),
     "d_crash": ("d_crash",),
     "drift": ("drift",),
+    "jump": ("clock_jump_forward", "clock_jump_back"),
+    "redeliver": ("late_redelivery", "late_push_after_settle"),
     "disk": STORAGE,
 }
 

@@ -1,16 +1,21 @@
 """The simulated network: every message between workers (side-channel requests and replies, the grants a proxy
 carries, transport notifications) waits in one list of in-flight deliveries, and the scheduler decides what happens
 to each: deliver it (any of them: reordering), drop it, duplicate it, or hold it back (a slow link). A partition
-between two nodes drops what is sent across it until it heals (packet simulator of TigerBeetle's VOPR).
+between two nodes drops what is sent across it until it heals (packet simulator of TigerBeetle's VOPR). The last
+few deliveries the world keeps (:meth:`Network.remember`) may arrive again much later (a retransmit whose first copy
+got through: :meth:`Network.echoes`).
 
 The list is ordered by send time and a sequence number, so a run that picks by index is reproducible.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+ECHOES = 8  # delivered messages kept for a late re-delivery
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +32,7 @@ class Network:
         self.in_flight: list[Message] = []
         self.partitions: set[frozenset[str]] = set()
         self._seq = 0
+        self._delivered: deque[Message] = deque(maxlen=ECHOES)  # what may arrive again, late
         self.sent = self.dropped = self.duplicated = self.delivered = 0
 
     def send(self, src: str, dst: str, payload: Any, now: float) -> None:
@@ -60,6 +66,14 @@ class Network:
         self.in_flight.append(Message(self._seq, msg.src, msg.dst, msg.sent_at, msg.payload))
         return msg
 
+    def remember(self, msg: Message) -> None:
+        """``msg`` was delivered; a late copy of it may arrive again (one of the last :data:`ECHOES` kept)."""
+        self._delivered.append(msg)
+
+    def echoes(self) -> list[Message]:
+        """The delivered messages a late copy of which may still arrive, oldest first."""
+        return list(self._delivered)
+
     def partition(self, a: str, b: str) -> None:
         self.partitions.add(frozenset((a, b)))
         # what is on the wire between them is lost too
@@ -78,3 +92,6 @@ class Network:
         """A crashed node: what was addressed to it is lost (its sockets are gone), except what ``keep`` says
         still reaches the node's next incarnation (transport notifications go to the agent's name)."""
         self.in_flight = [m for m in self.in_flight if m.dst != node or keep(m.payload)]
+        # no late copy comes through a connection that died with either end
+        self._delivered = deque((m for m in self._delivered if node not in (m.src, m.dst) or keep(m.payload)),
+                                maxlen=ECHOES)

@@ -17,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from kvlifecycle.choices import LoadFailurePolicy
+from kvlifecycle.control import PushRequest
 from kvlifecycle.machines import TargetState
 from kvlifecycle.sim import checks
+from kvlifecycle.sim.network import Message
+from kvlifecycle.sim.peers import PeerRequest
 from kvlifecycle.sim.streams import Loss
 from kvlifecycle.sim.world import DWorker, PPhase, PWorker, RequestMode, SimConfig, World, d_phase, p_phase
 
@@ -51,6 +54,7 @@ class Simulation:
     def __init__(self, config: SimConfig, seed: int, root: Path, *, keep_trace: bool = False) -> None:
         self.config, self.seed, self.root = config, seed, root
         self.rng = random.Random(seed)
+        self.late_rng = random.Random(f"{seed}/late")  # clock jumps and late re-deliveries (:meth:`_late_fault`)
         self.world = World(config, root, seed, drift=config.allows("drift"))
         self.world.on_ready_hook = self._on_ready
         self.violations: list[str] = []
@@ -89,6 +93,9 @@ class Simulation:
         return out
 
     def choose(self) -> Step:
+        late = self._late_fault()
+        if late is not None:
+            return late
         rng, cfg, world = self.rng, self.config, self.world
         menu: list[tuple[str, float]] = []
         if len(self.requests) < cfg.max_requests:
@@ -163,6 +170,20 @@ class Simulation:
         if kind == "heal":
             return (kind,)
         return (kind, pick)
+
+    def _late_fault(self) -> Step | None:
+        """A clock jump or a late re-delivery, drawn from a stream of their own, so the seed's other steps are drawn
+        as they were without them."""
+        rng, cfg, world = self.late_rng, self.config, self.world
+        echoes = world.network.echoes() if cfg.allows("redeliver") else []
+        # a late copy matters most where P's write settled under a live lease: P must not write it again
+        if echoes and rng.random() < (0.1 if any(_settled_push(world, m) for m in echoes) else 0.003):
+            return ("redeliver", rng.randrange(1 << 16))
+        if cfg.allows("jump") and rng.random() < 0.002:  # NTP steps a wall clock by seconds, either way
+            nodes = [w.name for w in world.p] + [d.name for d in world.d]
+            return ("clock_jump", nodes[rng.randrange(len(nodes))],
+                    rng.choice((0.5, 2.0, 5.0, 30.0)) * rng.choice((1, -1)))
+        return None
 
     # -- applying ---------------------------------------------------------------------------------------------------
     def apply(self, step: Step) -> None:
@@ -419,6 +440,32 @@ class Simulation:
             self.world.exercise("heal")
         self.world.network.heal()
 
+    def _do_clock_jump(self, node: str, seconds: float) -> None:
+        """NTP steps ``node``'s wall clock (its HLC's source) by ``seconds``; its monotonic clock runs on."""
+        w = self.world.node(node)
+        if w is not None:
+            w.clock.jump(seconds)
+            self.world.exercise("clock_jump_forward" if seconds > 0 else "clock_jump_back")
+
+    def _do_redeliver(self, pick: int) -> None:
+        """A late copy of a message delivered earlier arrives (a retransmit whose first copy got through): a push
+        request whose write settled under a live lease if there is one, else any kept push request or notification.
+        A partition between its ends stops it."""
+        world = self.world
+        echoes = [m for m in world.network.echoes() if not world.network.cut(m.src, m.dst)]
+        settled = [m for m in echoes if _settled_push(world, m)]
+        choices = settled or echoes
+        if not choices:
+            return
+        world.exercise("late_redelivery")
+        if settled:
+            world.exercise("late_push_after_settle")
+        msg = choices[pick % len(choices)]
+        world.deliver(msg)
+        p = world.p_by_name.get(msg.dst)
+        if p is not None and self.config.prompt_jobs:  # P's service thread runs a push it queued within a ms
+            p.run_jobs()
+
     def _do_post_fail(self, node: str) -> None:
         w = self.world.node(node)
         if w is not None:
@@ -499,6 +546,21 @@ class Simulation:
             new += [(watch.ledger.worker, e) for e in watch.events[seen:]]
             self._seen[id(watch)] = len(watch.events)
         self.trace.append((index, step, tuple(new)))
+
+
+def _settled_push(world: World, msg: Message) -> bool:
+    """``msg`` is a push request whose lease is still live on its P with no write of it in flight (settled, or
+    never accepted)."""
+    payload = msg.payload
+    if not isinstance(payload, PeerRequest) or not isinstance(payload.message, PushRequest):
+        return False
+    p = world.p_by_name.get(msg.dst)
+    if p is None:
+        return False
+    push = payload.message
+    lease = p.ledger.leases.get(push.transfer)
+    return (lease is not None and lease.generation == push.generation
+            and not p.producer.protocol.writes.in_flight(push.transfer, push.generation))
 
 
 def _same_load(world: World, x: Any, y: Any) -> bool:

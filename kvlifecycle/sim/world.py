@@ -27,7 +27,7 @@ import numpy as np
 
 from kvlifecycle.choices import Choice, LoadFailurePolicy, TransferMode
 from kvlifecycle.clock import ManualClock
-from kvlifecycle.control import GrantReply
+from kvlifecycle.control import GrantReply, PushRequest
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.layout import tp_source_ranks
@@ -661,7 +661,10 @@ class World:
             node.on_grant(payload)
         elif isinstance(payload, NoteMsg):
             node.transport.inbox.append((msg.src, payload.note))
+            self.network.remember(msg)
         elif isinstance(payload, PeerRequest):
+            if isinstance(payload.message, PushRequest):
+                self.network.remember(msg)
             reply = serve(payload, self.channels.servers.get(msg.dst))
             if reply is not None:
                 self.network.send(msg.dst, msg.src, reply, self.clock.now())

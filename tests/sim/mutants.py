@@ -87,7 +87,8 @@ def released_under_its_write(mp: Any) -> None:
 def settled_writes_forgotten(mp: Any) -> None:
     """P's record of accepted writes forgets every write that settled, its lease still live: a duplicated
     PushRequest that arrives after the first write failed (and before D's hand-back released the lease) is written
-    a second time."""
+    a second time — into blocks D freed or gave back once it heard of the failure (the simulated network's late
+    re-delivery of a push request)."""
     mp.setattr(PushWrites, "prune", lambda self, is_live: setattr(
         self, "accepted", {k for k in self.accepted if self.in_flight(k[0], k[1])}))
 
@@ -196,6 +197,7 @@ MUTANTS: dict[str, Callable[[Any], None]] = {
     "READY before the last handle finished": ready_before_last_handle,
     "notification accepted from an old agent epoch": old_epoch_notification_accepted,
     "a lease released under its write": released_under_its_write,
+    "settled writes forgotten": settled_writes_forgotten,
     "a push timeout fails the load": push_timeout_fails_the_load,
     "a read outlives its lease": read_outlives_its_lease,
     "a lease released at the first of two consumers' completions": released_at_the_first_consumer,

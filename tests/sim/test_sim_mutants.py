@@ -7,8 +7,11 @@ writes 5, a stream written past its window 716, a retry appended after a partial
 Since the simulation runs the real Producer and Consumer: the read deadline over the latest part 427, the real
 ``Consumer._fail`` keeping its handles 3, a lease released at the first of two consumers' completions 15 (a seed
 whose decode side is a TP-2 instance). GPU blocks released before the staging copy completed: 2 (seed 1, a seed
-whose P workers stage). A stream written past its window is the weakest: about one seed in 300
-catches it (9 of the first 3,000; 12 before the decode shapes), hence the budget."""
+whose P workers stage). Settled writes forgotten (a duplicated push written twice) 15 (seed 14), caught by the
+late re-delivery of a push request after its write failed, its lease still live (3 of the first 1,000 seeds: the
+real code's hand-back deferral stops most second writes too); clock jumps and late re-deliveries are drawn from a
+stream of their own, so the other mutants' seeds are those above. A stream written past its window is the weakest:
+about one seed in 300 catches it (9 of the first 3,000; 12 before the decode shapes), hence the budget."""
 
 from __future__ import annotations
 
