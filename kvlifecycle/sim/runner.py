@@ -2,6 +2,9 @@
 a plain tuple, so a run is also a step list that :func:`run_steps` replays (the shrinker drops steps and replays the
 rest; a step that no longer applies is a no-op). After the steps a fixed drain (no faults, no randomness) brings the
 cluster to quiescence; the checks run after every step and at the end.
+
+One concept, longer than most: the step menu and each step's enactment read one RNG and one world, so a step and
+its weight stay side by side (splitting them would spread a seed's one sequence of draws over several files).
 """
 
 from __future__ import annotations
