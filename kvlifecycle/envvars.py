@@ -228,6 +228,9 @@ TEST_STREAM_GATE_LAYER = _var("KVL_TEST_STREAM_GATE_LAYER", int, None, "tests: P
                               "tests/vllm/fault_site/sitecustomize.py")
 TEST_STREAM_TRACE = _var("KVL_TEST_STREAM_TRACE", str, None, "tests: a file P's layer-wise streamer appends one line "
                          "per gate, cancel, post and release to", "tests/vllm/fault_site/sitecustomize.py")
+TEST_CORRUPT_LANDED = _var("KVL_TEST_CORRUPT_LANDED", int, None, "tests: D's Consumer flips one byte of the "
+                            "first landed block of each of its first n parts with digests, just before the check",
+                            "tests/vllm/fault_site/sitecustomize.py", "tests/vllm/test_vllm_verify.py")
 
 REGISTRY: Mapping[str, EnvVar[object]] = {
     v.name: v for v in globals().copy().values() if isinstance(v, EnvVar)
