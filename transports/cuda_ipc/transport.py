@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import msgspec
 import numpy as np
 
@@ -69,6 +70,15 @@ SETTLE_AFTER_S = 0.0005  # a completed copy's notification waits at most this lo
 # The settler keeps watching this long after the last copy settled before it sleeps until the next post: a
 # transport in use then never pays the wake-up (a futex syscall, and a thread asking for the GIL) inside a post.
 SETTLER_LINGER_S = 0.05
+
+
+@attrs.define
+class _Unmapping:
+    """A removed peer whose mapping waits for the copies that may still touch it."""
+
+    peer: Peer
+    running: list[Inflight]
+    deadline: float  # monotonic: past it the mapping is kept and an error logged
 
 
 class CudaIpcTransport:
@@ -129,6 +139,9 @@ class CudaIpcTransport:
         self._handles = HandleTable()
         self._inflight: dict[int, Inflight] = {}
         self._draining: list[tuple[str, Inflight]] = []  # released handles whose copy is still running
+        # Removed peers whose mapping a running copy may still touch: unmapped by _progress once those copies
+        # ended (or, past DRAIN_TIMEOUT_S, left mapped), so removing a peer never waits on the device.
+        self._unmapping: list[_Unmapping] = []
         # What posting needs, built at register: the streams, events and id ring, and the two post paths (the
         # compiled one only where it builds and loads, see native_post).
         self._streams: PostStreams | None = None
@@ -271,6 +284,7 @@ class CudaIpcTransport:
                 if meta.epoch < known.epoch:
                     raise PeerEpochError(f"{meta.agent}: metadata epoch {meta.epoch} older than known {known.epoch}")
                 self._drop_peer(known, f"peer restarted: epoch {known.epoch} -> {meta.epoch}")
+            self._finish_unmapping(meta.agent, meta.epoch)
             peer = map_peer(self._driver, self._torch, self.device, self._context, meta, blob, remote)
             try:
                 if self.self_test:
@@ -317,33 +331,71 @@ class CudaIpcTransport:
                 "self_test_us": round(p.self_test_s * 1e6, 2), "self_test_gbps": round(p.self_test_gbps, 2)}
 
     def remove_peer(self, peer: str) -> None:
+        """Forget ``peer`` without waiting on the device: its pending copies that already ended fail now; one
+        still running stays PENDING (the caller must not free blocks it writes) and fails when its kernel ends;
+        the peer's mapping is closed once no copy touches it (:meth:`_progress`)."""
         with self._lock:
             p = self._peers.get(peer)
             if p is not None:
                 self._drop_peer(p, "peer removed")
 
     def _drop_peer(self, peer: Peer, reason: str) -> None:
-        """Void the peer's plans, fail its pending transfers, wait for copies that touch its memory, unmap it."""
+        """Void the peer's plans, fail its pending transfers (a running one once its kernel ended), and queue its
+        unmapping behind every copy that touches its memory."""
         del self._peers[peer.name]
         self._plans = {k: p for k, p in self._plans.items() if p.plan.peer != peer.name}
-        flights = []
-        for rec in self._handles.live.values():
-            if rec.handle.peer == peer.name and rec.status is XferStatus.PENDING:
-                flight = self._inflight.pop(rec.handle.id, None)
-                if flight is not None:
-                    flights.append(flight)
-                rec.status, rec.error = XferStatus.FAILED, PeerEpochError(f"{peer.name}: {reason}")
-        flights += [f for name, f in self._draining if name == peer.name]
-        self._draining = [(n, f) for n, f in self._draining if n != peer.name]
-        if self._wait([f.end for f in flights if f.end is not None]):
-            for flight in flights:
-                self._retire(flight)
-            unmap_peer(self._driver, self._torch, self.device, peer)
-        else:  # never unmap under a running kernel: leak the mapping instead
-            log.error("cuda_ipc: copies touching %s still running after %.0f s; its mapping is kept",
-                      peer.name, DRAIN_TIMEOUT_S)
-            if peer.dealer is not None:
-                peer.dealer.close(0)
+        running: list[Inflight] = []
+        with self._context():
+            for rec in self._handles.live.values():
+                if rec.handle.peer == peer.name and rec.status is XferStatus.PENDING:
+                    rec.error = PeerEpochError(f"{peer.name}: {reason}")  # _complete reads it: FAILED, not DONE
+                    flight = self._inflight.get(rec.handle.id)
+                    if flight is None or flight.end is None or flight.end.query():
+                        if flight is not None:
+                            del self._inflight[rec.handle.id]
+                            self._retire(flight)
+                        rec.status = XferStatus.FAILED
+                    else:
+                        running.append(flight)
+            running += [f for name, f in self._draining if name == peer.name and f.end is not None]
+        self._unmapping.append(_Unmapping(peer, running, time.monotonic() + DRAIN_TIMEOUT_S))
+        self._unmap_ended()
+
+    def _finish_unmapping(self, name: str, epoch: int) -> None:
+        """The same incarnation added again while its old mapping waits for copies (remove, then add): its IPC
+        handles are the ones still open, so the old mapping is closed first, after a bounded wait (a rare path:
+        the only place removing a peer can wait on the device)."""
+        for gone in [g for g in self._unmapping if g.peer.name == name and g.peer.epoch == epoch]:
+            if self._wait([f.end for f in gone.running if self._running(f)]):
+                unmap_peer(self._driver, self._torch, self.device, gone.peer)
+                self._unmapping.remove(gone)
+
+    def _running(self, flight: Inflight) -> bool:
+        """Whether ``flight``'s copy may still run: it is still tracked (in flight, or released and draining) and
+        its event has not fired. A retired flight's event may already serve another copy, so it is not asked."""
+        tracked = any(f is flight for f in self._inflight.values()) or any(f is flight for _, f in self._draining)
+        return tracked and flight.end is not None and not flight.end.query()
+
+    def _unmap_ended(self) -> None:
+        """Unmap every removed peer no running copy touches any more. A peer whose copies run past
+        DRAIN_TIMEOUT_S stays mapped (never unmap under a running kernel), with an error logged."""
+        if not self._unmapping:
+            return
+        still = []
+        with self._context():
+            for gone in self._unmapping:
+                gone.running = [flight for flight in gone.running if self._running(flight)]
+                if not gone.running:
+                    unmap_peer(self._driver, self._torch, self.device, gone.peer)
+                elif time.monotonic() > gone.deadline:
+                    log.error("cuda_ipc: copies touching %s still running after %.0f s; its mapping is kept",
+                              gone.peer.name, DRAIN_TIMEOUT_S)
+                    if gone.peer.dealer is not None:
+                        gone.peer.dealer.close(0)
+                        gone.peer.dealer = None
+                else:
+                    still.append(gone)
+        self._unmapping = still
 
     def _wait(self, events: list[Any]) -> bool:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -583,6 +635,10 @@ class CudaIpcTransport:
         settler thread if no call came: after the caller saw DONE, never before the bytes landed."""
         flight = self._inflight.pop(rec.handle.id)
         rec.t_done = time.perf_counter()
+        if rec.error is not None:  # its peer was removed while the kernel ran: ended now, failed, told to no one
+            rec.status = XferStatus.FAILED
+            self._retire(flight)
+            return
         rec.status = XferStatus.DONE
         self._settling.append((rec, flight))
 
@@ -667,6 +723,7 @@ class CudaIpcTransport:
             else:
                 still.append((name, flight))
         self._draining = still
+        self._unmap_ended()
 
     def poll(self, handle: TransferHandle) -> XferStatus:
         with self._lock:
@@ -757,7 +814,7 @@ class CudaIpcTransport:
         with self._lock:
             if self._closed:
                 return []
-            if self._inflight or self._draining or self._settling:
+            if self._inflight or self._draining or self._settling or self._unmapping:
                 with self._context():
                     self._progress()
                     self._settle()
@@ -784,12 +841,15 @@ class CudaIpcTransport:
             if self._wait([f.end for f in flights if f.end is not None]):
                 for flight in flights:
                     self._retire(flight)
+                for gone in self._unmapping:
+                    unmap_peer(self._driver, self._torch, self.device, gone.peer)
                 if self._streams is not None:
                     self._streams.destroy_events()
-            else:  # never free what a running kernel may still touch
-                log.error("cuda_ipc: copies still running at close; their events and ids are kept")
+            else:  # never free or unmap what a running kernel may still touch
+                log.error("cuda_ipc: copies still running at close; their events, ids and mappings are kept")
             self._inflight.clear()
             self._draining.clear()
+            self._unmapping.clear()
             self._streams = self._python_post = self._compiled = None
             self._handles.live.clear()
             self._channel.close()
