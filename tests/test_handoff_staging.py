@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import msgspec
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from held_transport import Gated
+from kvlifecycle.transports.digest_host import HostDigester
 from kvlifecycle.transports.host_pool import HostPool
 from kvlifecycle.transports.loopback import LoopbackTransport
 from waiting import until
@@ -51,7 +53,8 @@ class Rig:
     """P (GPU ledger + host pool under a manual clock, its service loop turned by the test) and a threaded D, every
     event kept, logs under ``log_dir``."""
 
-    def __init__(self, name: str, log_dir: Path, *, gate_d: bool = False, gate_copy: bool = False) -> None:
+    def __init__(self, name: str, log_dir: Path, *, gate_d: bool = False, gate_copy: bool = False,
+                 verify: bool = False) -> None:
         import torch
 
         self.src = [torch.randint(0, 256, (BLOCKS, BYTES), dtype=torch.uint8) for _ in range(REGIONS)]
@@ -63,6 +66,10 @@ class Rig:
         self.host = HostPool(layout, SLOTS)
         self.th = LoopbackTransport(f"p-{name}~host")
         self.th.register(self.host.layout)
+        d_layout = KVLayout(MemoryKind.DRAM, 0, BLOCKS, tuple(x.data_ptr() for x in self.dst), (BYTES,) * REGIONS)
+        digesters = (HostDigester(layout), HostDigester(self.host.layout), HostDigester(d_layout)) if verify \
+            else (None, None, None)
+        options = HandoffOptions(verify="all" if verify else "none")
         self.clock, hlc = ManualClock(), HybridLogicalClock()
         self.logs = {n: EventLog(log_dir / n, fsync="never") for n in ("p", "staging", "d")}
         self.p = SourceLedger(BLOCKS, clock=self.clock, hlc=hlc, worker="p", default_ttl_s=30.0, log=self.logs["p"])
@@ -73,11 +80,13 @@ class Rig:
             ledger.listeners.append(self.events[n].append)
         policy = StagingPolicy(when=StageWhen.AFTER, stage_after_ms=100, pool_blocks=SLOTS)
         self.copy_gate = Gated(self.th) if gate_copy else None
-        tier = StagingTier(HostStaging(self.p, self.pool, policy), self.copy_gate or self.th)  # type: ignore[arg-type]
-        self.prod = Producer(self.p, self.tp, COMPAT, staging=tier, thread=False)
+        tier = StagingTier(HostStaging(self.p, self.pool, policy), self.copy_gate or self.th,  # type: ignore[arg-type]
+                           digester=digesters[1])
+        self.prod = Producer(self.p, self.tp, COMPAT, staging=tier, thread=False, options=options,
+                             digester=digesters[0])
         self.read_gate = Gated(td) if gate_d else None
         self.cons = Consumer(self.d, self.read_gate or td, COMPAT,  # type: ignore[arg-type]
-                             options=HandoffOptions(heartbeat_every_s=0.01))
+                             options=attrs.evolve(options, heartbeat_every_s=0.01), digester=digesters[2])
         self.cons.connect(self.prod.address)
         self._closers = [self.cons.close, self.prod.close, self.tp.close, td.close, self.th.close]
 
@@ -146,6 +155,50 @@ def test_a_slow_d_claims_after_staging_and_reads_the_host_copy(make_rig, tmp_pat
     assert rig.p_steps_until(lambda: rig.pool.stats["completed"] == 1)  # D's notification ends the host read
     assert rig.pool.counts()["FREE"] == SLOTS and rig.pool.stats["served"] == 1
     rig.d.finish("slow")
+    rig.p.cancel("next")
+    assert rig.violations() == []
+    rig.close_and_replay_check(tmp_path)
+
+
+def _stage_then_reuse(rig: Rig, request: str, blocks: list[int]) -> object:
+    """Grant ``request``, stage it (the clock past stage_after_ms), then let P's engine reuse its GPU blocks."""
+    g = rig.grant(request, blocks)
+    rig.clock.advance(0.2)
+    rig.prod.step_once()
+    assert [r.reason for r in rig.p.take_released()] == ["staged"]
+    rig.p.free(request)
+    rig.p.allocate("next", blocks)
+    for x in rig.src:
+        x[blocks] = 0xAB
+    return g
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_lease_staged_before_d_asked_is_verified_against_its_host_copy(make_rig, tmp_path: Path,
+                                                                         corrupt: bool) -> None:
+    """D asks for the grant only after staging and P's reuse: the digests come from the host copy (the GPU blocks
+    hold the new owner's bytes), D checks what landed against them, and a byte flipped in a host slot after P
+    digested it is refused before attention could read it."""
+    rig = make_rig(verify=True)
+    g = _stage_then_reuse(rig, "slow", [1, 2, 3])
+    asked = rig.cons.fetch_grant(rig.prod.address, "slow")  # P digests the host copy now, once, for every ask
+    assert asked.digests is not None and asked.transfer == g.transfer  # type: ignore[attr-defined]
+    if corrupt:  # a fault in host memory after P digested it: the slot no longer holds what P sent digests of
+        slot = int(rig.pool.requests[g.transfer].blocks[1])  # type: ignore[attr-defined]
+        rig.host._buffers[0][slot * BYTES + 7] ^= 0x5A
+    rig.d.reserve("slow", [5, 6, 7])
+    assert rig.cons.load("slow", "slow", [rig.prod.address]) is not None  # D fetches the grant from P now
+    assert rig.cons.wait_idle(10)
+    mismatches = [e for e in rig.events["d"] if isinstance(e, ev.TgtDigestMismatch)]
+    verified = sum(e.verified for e in rig.events["d"] if isinstance(e, ev.TgtPartDone))
+    if corrupt:
+        assert rig.d.stats["loaded"] == 0 and len(mismatches) == 1 and verified == 0
+        assert np.frombuffer(mismatches[0].blocks, dtype=np.int32).tolist() == [6]
+    else:
+        assert rig.d.stats["loaded"] == 1 and mismatches == [] and verified == 3
+    assert rig.p_steps_until(lambda: rig.pool.stats["completed"] + rig.pool.stats["failed"] == 1)
+    if not corrupt:
+        rig.d.finish("slow")
     rig.p.cancel("next")
     assert rig.violations() == []
     rig.close_and_replay_check(tmp_path)

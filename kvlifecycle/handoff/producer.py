@@ -316,16 +316,29 @@ class Producer:
 
     def _with_digests(self, request: str, reply: GrantReply) -> GrantReply:
         """``reply`` with P's digests of its blocks when verification chooses its transfer (computed once, here on
-        the side-channel thread: the bytes are final since the grant, and the engine's thread never waits)."""
-        if reply.digests is not None or self.digester is None or \
-                not should_digest(self.options.verify, reply.transfer):
+        the side-channel thread: the bytes are final since the grant, and the engine's thread never waits). A lease
+        staged meanwhile is digested from its host copy; one whose blocks were released while they were read (the
+        lease checked live again after) goes without digests, D loading it unchecked, never against wrong ones."""
+        if reply.digests is not None or not should_digest(self.options.verify, reply.transfer):
             return reply
-        if self.staging is not None and not self.protocol.lease_is_live(reply.transfer, reply.generation):
-            return reply  # staged (or ended): its GPU blocks may hold another request's bytes now
-        blocks = np.asarray(reply.block_ids, dtype=np.int64)
         slices = max(reply.consumers, 1) if self.slice_bytes else 1
         views = [slice_view(self.slice_bytes, slices, c) for c in range(slices)] if self.slice_bytes else [(0, 0)]
-        values = np.stack([self.digester.digests(blocks, offset=o, length=n) for o, n in views])
+        values: np.ndarray | None = None
+        staging, key = self.staging, (reply.transfer, reply.generation)
+        if self.digester is not None and (staging is None or self.protocol.lease_is_live(*key)):
+            blocks = np.asarray(reply.block_ids, dtype=np.int64)
+            values = np.stack([self.digester.digests(blocks, offset=o, length=n) for o, n in views])
+            if staging is not None and not self.protocol.lease_is_live(*key):
+                values = None  # staged while read: the GPU blocks may hold another request's bytes now
+        if values is None and staging is not None and staging.digester is not None:
+            with self._lock:
+                copy = staging.whole_copy(*key)
+            if copy is not None:  # read outside the lock (the service step goes on), kept if still that copy
+                values = staging.digests_of(copy, views)
+                with self._lock:
+                    values = values if staging.whole_copy(*key) is copy else None
+        if values is None:
+            return reply
         digested = msgspec.structs.replace(reply, digests=BlockDigests.of(values))
         with self._lock:
             if self.grants.get(request) is reply:  # still this grant: every later ask gets the same digests

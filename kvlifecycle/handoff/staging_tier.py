@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlifecycle.digest import BlockDigester
 from kvlifecycle.machines import HostSlotState
 from kvlifecycle.protocol.producer import LEASE_GONE, Answer, ProducerProtocol
 from kvlifecycle.staging import HostStaging
@@ -57,6 +58,9 @@ class StagingTier:
     staging: HostStaging
     transport: Transport  # registered over the host pool's layout (one slot per block, regions like the KV cache)
     free_gpu_blocks: Callable[[], int] | None = None
+    # reads the pool's slots for their digests (a HostDigester over the pool's layout): a lease staged before D
+    # asked for its grant is digested from its host copy, the same bytes (a digest does not depend on the slot)
+    digester: BlockDigester | None = None
     _kv_plan: PreparedPlan | None = None
     _copies: dict[str, TransferHandle] = field(default_factory=dict)  # transfer -> its copy in flight
 
@@ -120,6 +124,12 @@ class StagingTier:
         if copy is None or copy.generation != generation or HostSlotState(copy.state) not in _WHOLE:
             return None
         return copy
+
+    def digests_of(self, copy: StagedCopy, views: list[tuple[int, int]]) -> np.ndarray:
+        """A staged copy's digests per (view, block), in the grant's block order, read from its host slots (the
+        caller checks that the copy was whole before and after)."""
+        assert self.digester is not None
+        return np.stack([self.digester.digests(copy.blocks, offset=o, length=n) for o, n in views])
 
     def is_live(self, transfer: str, generation: int) -> bool:
         copy = self.staging.pool.requests.get(transfer)
