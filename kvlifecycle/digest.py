@@ -109,14 +109,16 @@ def slice_view(block_bytes: int, slices: int, index: int) -> tuple[int, int]:
 
 
 def digest_units(regions: Sequence[Sequence[np.ndarray]], units: np.ndarray, *, offset: int = 0,
-                 length: int = 0) -> np.ndarray:
+                 length: int = 0, only: Sequence[int] | None = None) -> np.ndarray:
     """The digest of each unit of blocks (one row of ``units``: one block, or the pieces of one), position
     independent.
 
     ``regions[g]`` holds group ``g``'s regions, each a ``(blocks of the group, block bytes)`` uint8 array; block
     ids run over the groups in order (group ``g`` starts after the blocks of the groups before it). ``offset`` and
     ``length`` (0: to the block's end) slice each block of the first group; other groups are digested whole. Every
-    piece of a unit must be in the same group. ``units``: int array, ``(n,)`` or ``(n, pieces)``."""
+    piece of a unit must be in the same group. ``units``: int array, ``(n,)`` or ``(n, pieces)``. ``only``: the
+    regions to digest (indices over every group's regions in registration order: a layer's, for a stream's layer
+    batch); a unit reads those of its own group, in that order."""
     ids = np.asarray(units, dtype=np.int64)
     ids = ids.reshape(-1, 1) if ids.ndim == 1 else ids
     starts = np.cumsum([0] + [int(g[0].shape[0]) if len(g) else 0 for g in regions])
@@ -128,12 +130,21 @@ def digest_units(regions: Sequence[Sequence[np.ndarray]], units: np.ndarray, *, 
             raise DigestError(f"unit {pieces.tolist()} is not within one region group of {int(starts[-1])} blocks")
         local = pieces - starts[group]
         h = xxhash.xxh3_64()
-        for region in regions[group]:
+        first = sum(len(g) for g in regions[:group])  # the group's first region, over every group's regions
+        chosen = regions[group] if only is None else \
+            [regions[group][r - first] for r in only if first <= r < first + len(regions[group])]
+        for region in chosen:
             lo, hi = (offset, offset + length if length else region.shape[1]) if group == 0 else (0, region.shape[1])
             for block in local:
                 h.update(region[block, lo:hi].data)  # a view: no copy of the block's bytes
         out[row] = h.intdigest()
     return out
+
+
+def batch_digest(digests: np.ndarray) -> int:
+    """One digest of a batch of blocks (a stream's layer batch): XXH3-64 over their digests in order, so one u64
+    rides in the batch's notification however many blocks it names (a list would outgrow the note's cap)."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(digests, dtype=DIGEST_DTYPE).tobytes())
 
 
 def mismatched(expected: np.ndarray, found: np.ndarray) -> np.ndarray:
@@ -145,6 +156,8 @@ class BlockDigester(Protocol):
     """Digests blocks where they live (host DRAM, a GPU): a transport implements it over its registered regions.
     The core never reads KV memory itself."""
 
-    def digests(self, units: np.ndarray, *, offset: int = 0, length: int = 0) -> np.ndarray:
-        """:func:`digest_units` over this worker's KV regions: one u64 per unit (row of ``units``)."""
+    def digests(self, units: np.ndarray, *, offset: int = 0, length: int = 0,
+                only: Sequence[int] | None = None) -> np.ndarray:
+        """:func:`digest_units` over this worker's KV regions: one u64 per unit (row of ``units``); ``only``: the
+        regions to read (a layer's), in order, indexed over every group's regions."""
         ...

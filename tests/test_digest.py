@@ -24,6 +24,7 @@ from kvlifecycle.digest import (
     BlockDigests,
     DigestError,
     VerifyMode,
+    batch_digest,
     digest_units,
     expected_digests,
     mismatched,
@@ -51,6 +52,23 @@ def test_a_block_keeps_its_digest_in_another_slot_and_loses_it_to_one_flipped_by
     assert digest_units(dst, np.array([4])) != want  # the wrong slot
     dst[0][1][5, 17] ^= 0x01  # one bit of one byte in the middle region
     assert digest_units(dst, np.array([5])) != want
+
+
+def test_a_region_subset_reads_each_units_own_group_in_order_and_combines_into_one_batch_digest() -> None:
+    """A stream's layer batch digests only its layer's regions (indexed over every group's regions): a unit of
+    the first group reads the chosen regions of that group, one of the second group (SGLang's aux row) those of
+    its own; the batch digest is XXH3-64 over the units' digests, so it changes with any unit or their order."""
+    import xxhash
+
+    groups = [[RNG.integers(0, 256, (4, 32), dtype=np.uint8) for _ in range(3)],
+              [RNG.integers(0, 256, (2, 8), dtype=np.uint8)]]
+    page, aux = digest_units(groups, np.array([1, 4]), only=[2, 0, 3])  # block 4: the second group's row 0
+    assert page == xxhash.xxh3_64_intdigest(groups[0][2][1].tobytes() + groups[0][0][1].tobytes())
+    assert aux == xxhash.xxh3_64_intdigest(groups[1][0][0].tobytes())
+    assert digest_units(groups, np.array([1]), only=[1])[0] != digest_units(groups, np.array([1]))[0]
+    both = digest_units(groups, np.array([1, 4]), only=[2, 0, 3])
+    assert batch_digest(both) == xxhash.xxh3_64_intdigest(both.astype("<u8").tobytes())
+    assert batch_digest(both) != batch_digest(both[::-1]) and batch_digest(both) != batch_digest(both[:1])
 
 
 def test_head_slices_are_digested_apart_and_a_swapped_slice_is_caught() -> None:

@@ -8,6 +8,7 @@ at memory bandwidth (``kvlifecycle bench transport --verify all`` measures it ag
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -31,5 +32,6 @@ class HostDigester:
             self._groups.append(regions[first:first + group.regions])
             first += group.regions
 
-    def digests(self, units: np.ndarray, *, offset: int = 0, length: int = 0) -> np.ndarray:
-        return digest_units(self._groups, units, offset=offset, length=length)
+    def digests(self, units: np.ndarray, *, offset: int = 0, length: int = 0,
+                only: Sequence[int] | None = None) -> np.ndarray:
+        return digest_units(self._groups, units, offset=offset, length=length, only=only)

@@ -46,9 +46,17 @@ import numpy as np
 
 from kvlifecycle.claims import TOKEN_BYTES
 from kvlifecycle.control import StreamCancel, StreamRequest
+from kvlifecycle.digest import DigestError, VerifyMode, batch_digest
 from kvlifecycle.protocol.bounds import STREAM_MARGIN_FRACTION, STREAM_SETTLE_S
 from kvlifecycle.sidechannel import SideChannelError, SideChannelRefused
-from kvlifecycle.streaming.wire import NOTE_FAILED, NOTE_LAYERS, StreamHeartbeat, StreamOptions, decode_batch
+from kvlifecycle.streaming.wire import (
+    NOTE_FAILED,
+    NOTE_LAYERS,
+    LayerBatch,
+    StreamHeartbeat,
+    StreamOptions,
+    decode_batch,
+)
 from kvlifecycle.transport import Notification
 from kvlifecycle.untrusted import RateLimitedLog
 
@@ -127,7 +135,9 @@ class StreamConsumer:
         self._lock = threading.Lock()
         self.declines: OrderedDict[str, str] = OrderedDict()  # request -> why P declined its stream, newest last
         self.counts = {"requested": 0, "declined": 0, "completed": 0, "failed": 0, "timed_out": 0, "forged": 0,
-                       "peer_lost": 0, "heartbeats_unanswered": 0}
+                       "peer_lost": 0, "heartbeats_unanswered": 0,
+                       # layer batches checked against P's digest before they counted, and those not checked
+                       "verified_batches": 0, "unverified_batches": 0, "digest_mismatches": 0}
         self._last_beat = -math.inf
         self._log_forged = RateLimitedLog(log)
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -274,11 +284,52 @@ class StreamConsumer:
                              stream.blocks.size)
             return
         stream.last_progress = stream.answered = self._now()  # a landed layer: P is alive too
+        if not self._batch_verified(stream, batch):
+            return  # a mismatch: recorded, the load fails once every part settled; these layers never count
         landed = self.ledger.layers_landed(stream.transfer, stream.part, batch.first_layer, batch.num_layers,
                                            stream.blocks[batch.lo:batch.hi])
         progress = self.ledger.layer_progress.get(stream.transfer)
         if landed and (progress is None or progress.complete(stream.part)):  # this part's last layer of its last block
             self._settle(stream)
+
+    def _batch_verified(self, stream: _Stream, batch: LayerBatch) -> bool:
+        """Check what landed for ``batch`` against P's digest when it carries one and this D verifies (the
+        Consumer's ``verify`` and digester), before the layers count as landed: False on a mismatch, which the
+        ledger records (``TgtDigestMismatch``: the batch is one unit, ``blocks`` its D blocks, ``source_blocks``
+        its first position) and which fails the load. Unchecked (True): no digest, no digester, or a plan that
+        splits blocks (P digests whole ones)."""
+        consumer = self.consumer
+        digester = getattr(consumer, "digester", None)
+        options = getattr(consumer, "options", None)
+        if batch.digest is None or digester is None or options is None or options.verify is VerifyMode.NONE:
+            self.counts["unverified_batches"] += 1
+            return True
+        view = stream.link.prepared.local_view
+        plan = stream.link.plan
+        if view.split != 1 or plan.local_split != 1 or plan.remote_split != 1:
+            self.counts["unverified_batches"] += 1
+            return True
+        rpl = self.options.regions_per_layer
+        regions = list(range(batch.first_layer * rpl, (batch.first_layer + batch.num_layers) * rpl))
+        blocks = stream.blocks[batch.lo:batch.hi]
+        try:
+            found = batch_digest(digester.digests(blocks, offset=view.offset, length=view.length, only=regions))
+        except (DigestError, IndexError) as exc:  # a batch naming layers this D does not have
+            found, why = -1, f"digests unusable: {exc}"
+        else:
+            why = (f"digest mismatch: layers [{batch.first_layer}, {batch.first_layer + batch.num_layers}) of "
+                   f"positions [{batch.lo}, {batch.hi}), part {stream.part}")
+        if found == batch.digest:
+            self.counts["verified_batches"] += 1
+            return True
+        if found >= 0:
+            self.ledger.digest_mismatch(stream.transfer, stream.part, blocks=blocks, source_blocks=[batch.lo],
+                                        expected=np.array([batch.digest], dtype="<u8"),
+                                        found=np.array([found], dtype="<u8"), quarantine_s=options.quarantine_s)
+        self.counts["digest_mismatches"] += 1
+        log.error("stream %s of %s: %s", stream.transfer, stream.request, why)
+        self._failing(stream.load, why)
+        return False
 
     def _settle(self, stream: _Stream, failure: str = "", outcome: str = "failed") -> None:
         """``stream``'s part settled: no write of its P rank can land any more (completed when ``failure`` is "").

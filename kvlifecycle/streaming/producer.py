@@ -64,6 +64,7 @@ import numpy as np
 
 from kvlifecycle.claims import TOKEN_BYTES
 from kvlifecycle.control import StreamCancel, StreamQuery, StreamRequest
+from kvlifecycle.digest import DigestError, batch_digest, should_digest
 from kvlifecycle.path_selection import PushPath
 from kvlifecycle.protocol.bounds import WriteWindow
 from kvlifecycle.sidechannel import Ack
@@ -575,8 +576,9 @@ class StreamProducer:
             self._halt(stream, f"P holds {hi} blocks, D reserved {stream.dst.size}")
             return
         ask, via, plan = stream.ask, stream.path.transport, stream.path.plan
+        digest = self._batch_digest(stream, layer, src[lo:hi]) if after is None else None
         note = Notification(ask.transfer, ask.transfer, 0, via.epoch, NOTE_LAYERS, ask.part,
-                            encode_batch(ask.token, LayerBatch(layer, 1, lo, hi)), hlc=self.ledger.hlc.tick())
+                            encode_batch(ask.token, LayerBatch(layer, 1, lo, hi, digest)), hlc=self.ledger.hlc.tick())
         try:
             if after is not None:
                 ordered = cast(DeviceOrderedPost, via)  # ``after`` is set only where the transport orders so
@@ -591,6 +593,22 @@ class StreamProducer:
         stream.sent[layer] = hi
         stream.writes.append(_Write(handle, layer, hi - lo))
         self.counts["layers_posted"] += 1
+
+    def _batch_digest(self, stream: _Stream, layer: int, blocks: np.ndarray) -> int | None:
+        """The layer batch's digest when verification chooses the stream (the Producer's ``verify`` and digester):
+        over the layer's regions of the blocks, as the write's plan cuts them. Only for bytes final on the host
+        (not a write ordered after a device event, whose layer may still be computing) and whole blocks (not
+        sub-blocks of a block-size split): else None, and D loads the batch unchecked."""
+        digester, view = self.producer.digester, stream.path.plan.local_view
+        if digester is None or view.split != 1 or not should_digest(self.producer.options.verify,
+                                                                    stream.ask.transfer):
+            return None
+        try:
+            return batch_digest(digester.digests(blocks, offset=view.offset, length=view.length,
+                                                 only=self._regions[layer].tolist()))
+        except (DigestError, IndexError) as exc:  # blocks or regions the digester cannot read: the batch goes unchecked
+            log.warning("stream %s: layer %d not digested: %s", stream.ask.transfer, layer, exc)
+            return None
 
     def _halt(self, stream: _Stream, reason: str) -> None:
         self._stop_posting(stream, reason)

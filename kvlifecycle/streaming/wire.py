@@ -71,13 +71,21 @@ class StreamHeartbeat(msgspec.Struct, frozen=True, tag=True):
 Position = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 
 
+Digest = Annotated[int, msgspec.Meta(ge=0)]  # a u64: msgpack carries no larger integer
+
+
 class LayerBatch(msgspec.Struct, frozen=True, array_like=True):
-    """Layers ``[first_layer, first_layer + num_layers)`` of D's blocks at positions ``[lo, hi)`` landed."""
+    """Layers ``[first_layer, first_layer + num_layers)`` of D's blocks at positions ``[lo, hi)`` landed.
+
+    ``digest`` (appended; None from a P that does not verify this stream): P's
+    :func:`~kvlifecycle.digest.batch_digest` of the batch's blocks over the batch's layers' regions, checked by D
+    before the layers count as landed."""
 
     first_layer: Position
     num_layers: Position
     lo: Position
     hi: Position
+    digest: Digest | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
