@@ -174,6 +174,9 @@ def sglang_peer_timeout_s(environ: Mapping[str, str] | None = None) -> float:
 SGLANG_WRITE_TIMEOUT_S = _var("KVL_SGLANG_WRITE_TIMEOUT_S", float, 60.0, "a room's writes end within the serve "
                               "bound + this of the decode's reservation (its stream's write window)",
                               "kvlifecycle.adapters.sglang")
+SGLANG_VERIFY = _var("KVL_SGLANG_VERIFY", str, None, "per-block digests of each room: `none`, `sample` or `all` "
+                     "(docs/design.md); on KV in host memory only", "kvlifecycle.adapters.sglang",
+                     default_doc="`all` where SGLang's `--disaggregation-enable-kv-checksum` is set, else `none`")
 SGLANG_LOG_DIR = _var("KVL_SGLANG_LOG_DIR", Path, None, "an event log per manager, in `<dir>/<agent>.<epoch>`",
                       "kvlifecycle.adapters.sglang", default_doc="no log")
 

@@ -127,13 +127,16 @@ class TgtLoadStarted(Event, tag="tl", frozen=True):
 
 class TgtLayersLanded(Event, tag="ty", frozen=True):
     """Layers ``[first_layer, first_layer + num_layers)`` of ``blocks`` (D's block ids) landed for ``part`` of a
-    streaming load: one event per layer batch, never one per block. A (part, block, layer) lands once."""
+    streaming load: one event per layer batch, never one per block. A (part, block, layer) lands once.
+    ``verified`` (appended): the batch's bytes matched P's digest where they landed (False: not checked); a part
+    all of whose batches were verified records its blocks as ``TgtPartDone.verified``."""
 
     transfer: str
     part: int
     first_layer: int
     num_layers: int
     blocks: bytes
+    verified: bool = False
 
 
 class TgtLoadDeclined(Event, tag="tw", frozen=True):

@@ -17,7 +17,7 @@ MAX_LAYERS = 1 << 12  # more model layers than any model has: a bigger number is
 class LayerProgress:
     """The landed flags of one streaming load. ``blocks``: the request's D block ids, in token order."""
 
-    __slots__ = ("_order", "_sorted", "blocks", "landed", "layers", "remaining")
+    __slots__ = ("_order", "_sorted", "blocks", "landed", "layers", "remaining", "unchecked")
 
     def __init__(self, blocks: np.ndarray, parts: int, layers: int) -> None:
         self.blocks = blocks
@@ -26,6 +26,7 @@ class LayerProgress:
         self._sorted = blocks[self._order]
         self.landed = np.zeros((parts, blocks.size, layers), dtype=bool)
         self.remaining = np.full(parts, blocks.size * layers, dtype=np.int64)  # flags still unset, per part
+        self.unchecked: set[int] = set()  # parts with a batch that landed without a digest check
 
     def positions(self, block_ids: np.ndarray) -> np.ndarray | None:
         """The positions of ``block_ids`` in the request's blocks; ``None`` if one is not the request's."""

@@ -147,11 +147,13 @@ class TargetLedger(_Ledger[_TargetRequest]):
             )
 
     def layers_landed(self, transfer: str, part: int, first_layer: int, num_layers: int,
-                      block_ids: Iterable[int] | np.ndarray) -> bool:
+                      block_ids: Iterable[int] | np.ndarray, *, verified: bool = False) -> bool:
         """Layers ``[first_layer, first_layer + num_layers)`` of ``block_ids`` landed for ``part`` of a streaming
-        load. The batch that completes the part also records its ``TgtPartDone`` (the last part's makes the blocks
-        READY_FOR_ATTENTION). Refused (recorded, False): no live streaming load, a layer or part out of range, a
-        block not the request's, or a (block, layer) that landed already."""
+        load; ``verified``: their bytes matched P's digest. The batch that completes the part also records its
+        ``TgtPartDone`` (the last part's makes the blocks READY_FOR_ATTENTION), whose ``verified`` counts the
+        request's blocks when every batch of the part was verified (else 0). Refused (recorded, False): no live
+        streaming load, a layer or part out of range, a block not the request's, or a (block, layer) that landed
+        already."""
         with self._lock:
             load = self._live_load("layers_landed", transfer)
             if load is None:
@@ -170,10 +172,12 @@ class TargetLedger(_Ledger[_TargetRequest]):
                 self._refuse("layers_landed", reason, load.request, transfer)
                 return False
             hlc, at = self._stamp()
-            self._record(ev.TgtLayersLanded(hlc, at, transfer, part, first_layer, num_layers, ev.pack_blocks(ids)))
+            self._record(ev.TgtLayersLanded(hlc, at, transfer, part, first_layer, num_layers, ev.pack_blocks(ids),
+                                            bool(verified)))
             if progress.complete(part):
                 hlc, at = self._stamp()
-                self._record(ev.TgtPartDone(hlc, at, transfer, part))
+                checked = 0 if part in progress.unchecked else int(progress.blocks.size)
+                self._record(ev.TgtPartDone(hlc, at, transfer, part, checked))
             return True
 
     def part_done(self, transfer: str, part: int = 0, *, verified: int = 0) -> bool:
@@ -387,6 +391,8 @@ class TargetLedger(_Ledger[_TargetRequest]):
         if self._replaying and not 0 <= e.first_layer <= e.first_layer + e.num_layers <= progress.layers:
             raise ValueError(f"layers [{e.first_layer}, {e.first_layer + e.num_layers}) out of range")
         progress.land(e.part, e.first_layer, e.num_layers, self._logged_blocks(e.blocks))
+        if not e.verified:
+            progress.unchecked.add(e.part)
 
     def _on_part_done(self, e: ev.TgtPartDone) -> None:
         load = self.loads[e.transfer]

@@ -112,6 +112,10 @@ def test_every_layer_batch_is_checked_and_the_stream_lands(make_pair) -> None:
     pair.stream([1, 2, 3], [7, 8, 9])
     assert pair.sc.counts["completed"] == 1 and (pair.tl.state[[7, 8, 9]] == READY).all()
     assert pair.sc.counts["verified_batches"] == LAYERS and pair.sc.counts["unverified_batches"] == 0
+    landed = [e for e in pair.events if isinstance(e, ev.TgtLayersLanded)]
+    assert len(landed) == LAYERS and all(e.verified for e in landed)
+    done = [e for e in pair.events if isinstance(e, ev.TgtPartDone)]
+    assert [e.verified for e in done] == [3] and pair.tl.stats["verified_blocks"] == 3  # the log says it was checked
     pair.tl.finish("r")
     pair.close()
 
@@ -172,6 +176,7 @@ def test_a_p_that_does_not_verify_sends_no_digest_and_d_loads_unchecked(make_pai
     pair.stream([1, 2, 3], [7, 8, 9])
     assert pair.sc.counts["completed"] == 1
     assert pair.sc.counts["unverified_batches"] == LAYERS and pair.sc.counts["verified_batches"] == 0
+    assert [e.verified for e in pair.events if isinstance(e, ev.TgtPartDone)] == [0]  # the log says: unchecked
     pair.tl.finish("r")
     pair.close()
 

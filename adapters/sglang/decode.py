@@ -105,8 +105,10 @@ class DecodeKVManager(KVLifecycleKVManager, role=DisaggregationMode.DECODE):
         self._heads_known = bool(getattr(args, "total_kv_head_num", 0) or getattr(args, "kv_head_num", 0))
         # the fast path's metadata goes to each prefill rank with the handshake (P's selector picks its writes')
         self.consumer = Consumer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
-                                 options=HandoffOptions(probe=False, unit_bytes=self.kvl_unit_bytes),
-                                 fast_transport=self.plane.fast_transport, path_selector=SameNodeSelector())
+                                 options=HandoffOptions(probe=False, unit_bytes=self.kvl_unit_bytes,
+                                                        verify=self.kvl_verify),
+                                 fast_transport=self.plane.fast_transport, path_selector=SameNodeSelector(),
+                                 digester=self.kvl_digester)
         self.streams = StreamConsumer(self.consumer, options=self.stream_options)
 
     def _close_handoff(self) -> None:

@@ -30,11 +30,12 @@ from sglang.srt.server_args import ServerArgs
 
 from kvlifecycle import envvars
 from kvlifecycle.choices import Side
+from kvlifecycle.digest import BlockDigester, VerifyMode
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.ledger import SourceLedger, TargetLedger, open_ledger
 from kvlifecycle.protocol.bounds import min_stream_timeout
 from kvlifecycle.streaming import StreamOptions
-from kvlifecycle.transport import MemoryKind
+from kvlifecycle.transport import KVLayout, MemoryKind
 from kvlifecycle.untrusted import RateLimitedLog
 
 # the backend's one logger (the halves log through it too), named for the module SGLang's lookup loads
@@ -51,6 +52,7 @@ class Settings:
     serve_timeout_s: float = 300.0  # a reserved room the prefill has not served by then fails on both sides
     write_timeout_s: float = 60.0  # the last chunk's writes must land within this after the serve bound
     log_dir: str = ""
+    verify: str = ""  # per-block digests (none | sample | all); "": SGLang's own checksum setting decides
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -62,7 +64,29 @@ class Settings:
             serve_timeout_s=_float(envvars.SGLANG_SERVE_TIMEOUT_S.read()),
             write_timeout_s=_float(envvars.SGLANG_WRITE_TIMEOUT_S.read()),
             log_dir=str(envvars.SGLANG_LOG_DIR.read() or ""),
+            verify=str(envvars.SGLANG_VERIFY.read() or ""),
         )
+
+    def verification(self, server_args: ServerArgs, layout: KVLayout) -> tuple[VerifyMode, BlockDigester | None]:
+        """The ``verify`` of both halves and the digester over this rank's regions. ``KVL_SGLANG_VERIFY`` if set;
+        else ``all`` where the operator turned on SGLang's own KV checksum (``--disaggregation-enable-kv-checksum``,
+        which still runs: its aux buffer travels as any aux row), on KV in host memory. Explicit verification of KV
+        in VRAM is refused in words (no GPU digester in this backend)."""
+        asked = bool(getattr(server_args, "disaggregation_enable_kv_checksum", False))
+        host = layout.kind is MemoryKind.DRAM and all(k is MemoryKind.DRAM for k in layout.group_kinds)
+        if self.verify:
+            mode = VerifyMode.parse(self.verify, "KVL_SGLANG_VERIFY")
+            if mode is not VerifyMode.NONE and not host:
+                raise ValueError(f"KVL_SGLANG_VERIFY={self.verify}: per-block digests read KV in host memory, and "
+                                 "this rank's pages are in VRAM; unset it or set none (SGLang's own "
+                                 "--disaggregation-enable-kv-checksum still works)")
+        else:
+            mode = VerifyMode.ALL if asked and host else VerifyMode.NONE
+        if mode is VerifyMode.NONE:
+            return mode, None
+        from kvlifecycle.transports.digest_host import HostDigester
+
+        return mode, HostDigester(layout)
 
     def stream_options(self, regions: int) -> StreamOptions:
         """One stream per room, one "layer" over all ``regions``: P's writes of a room end within the serve bound
@@ -181,6 +205,7 @@ class KVLifecycleKVManager(CommonKVManager):
                                                                worker=self.kvl_agent)
         self.ledger_log_dir = log_dir
         self.stream_options = self.settings.stream_options(self.kv_layout.num_regions)
+        self.kvl_verify, self.kvl_digester = self.settings.verification(server_args, self.kv_layout)
         self.malformed = 0  # frames on SGLang's rank socket that are not SGLang's ABORT (counted, logged bounded)
         self._log_malformed = RateLimitedLog(logger)
         self._log_handler_error = RateLimitedLog(logger, level=logging.ERROR)

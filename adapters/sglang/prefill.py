@@ -82,8 +82,10 @@ class PrefillKVManager(KVLifecycleKVManager, role=DisaggregationMode.PREFILL):
         unit = unit_bytes_of(args, self.kvl_tp_size)
         # P picks each decode rank's write path at its handshake: CUDA IPC on one node with VRAM on both sides
         self.producer = Producer(self.ledger, self.plane.transport, compat, tp_rank=tp_rank,
-                                 options=HandoffOptions(host=get_local_ip_auto(), probe=False, unit_bytes=unit),
-                                 fast_transport=self.plane.fast_transport, path_selector=SameNodeSelector())
+                                 options=HandoffOptions(host=get_local_ip_auto(), probe=False, unit_bytes=unit,
+                                                        verify=self.kvl_verify),
+                                 fast_transport=self.plane.fast_transport, path_selector=SameNodeSelector(),
+                                 digester=self.kvl_digester)
         self.streamer = StreamProducer(self.producer, layers=1, options=self.stream_options)
 
     def expected_reservations(self, key: str) -> int:

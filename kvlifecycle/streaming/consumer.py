@@ -284,31 +284,32 @@ class StreamConsumer:
                              stream.blocks.size)
             return
         stream.last_progress = stream.answered = self._now()  # a landed layer: P is alive too
-        if not self._batch_verified(stream, batch):
+        verified = self._batch_verified(stream, batch)
+        if verified is None:
             return  # a mismatch: recorded, the load fails once every part settled; these layers never count
         landed = self.ledger.layers_landed(stream.transfer, stream.part, batch.first_layer, batch.num_layers,
-                                           stream.blocks[batch.lo:batch.hi])
+                                           stream.blocks[batch.lo:batch.hi], verified=verified)
         progress = self.ledger.layer_progress.get(stream.transfer)
         if landed and (progress is None or progress.complete(stream.part)):  # this part's last layer of its last block
             self._settle(stream)
 
-    def _batch_verified(self, stream: _Stream, batch: LayerBatch) -> bool:
+    def _batch_verified(self, stream: _Stream, batch: LayerBatch) -> bool | None:
         """Check what landed for ``batch`` against P's digest when it carries one and this D verifies (the
-        Consumer's ``verify`` and digester), before the layers count as landed: False on a mismatch, which the
-        ledger records (``TgtDigestMismatch``: the batch is one unit, ``blocks`` its D blocks, ``source_blocks``
-        its first position) and which fails the load. Unchecked (True): no digest, no digester, or a plan that
-        splits blocks (P digests whole ones)."""
+        Consumer's ``verify`` and digester), before the layers count as landed: True when it matched; None on a
+        mismatch, which the ledger records (``TgtDigestMismatch``: the batch is one unit, ``blocks`` its D blocks,
+        ``source_blocks`` its first position) and which fails the load; False when unchecked (no digest, no
+        digester, or a plan that splits blocks: P digests whole ones)."""
         consumer = self.consumer
         digester = getattr(consumer, "digester", None)
         options = getattr(consumer, "options", None)
         if batch.digest is None or digester is None or options is None or options.verify is VerifyMode.NONE:
             self.counts["unverified_batches"] += 1
-            return True
+            return False
         view = stream.link.prepared.local_view
         plan = stream.link.plan
         if view.split != 1 or plan.local_split != 1 or plan.remote_split != 1:
             self.counts["unverified_batches"] += 1
-            return True
+            return False
         rpl = self.options.regions_per_layer
         regions = list(range(batch.first_layer * rpl, (batch.first_layer + batch.num_layers) * rpl))
         blocks = stream.blocks[batch.lo:batch.hi]
@@ -329,7 +330,7 @@ class StreamConsumer:
         self.counts["digest_mismatches"] += 1
         log.error("stream %s of %s: %s", stream.transfer, stream.request, why)
         self._failing(stream.load, why)
-        return False
+        return None
 
     def _settle(self, stream: _Stream, failure: str = "", outcome: str = "failed") -> None:
         """``stream``'s part settled: no write of its P rank can land any more (completed when ``failure`` is "").

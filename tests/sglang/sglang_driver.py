@@ -375,10 +375,28 @@ def run_prefill(args: argparse.Namespace, plan: Plan) -> dict:
     return result
 
 
+def _corrupt_landed(streams: Any, count: int) -> None:
+    """A fault on the way: the first ``count`` layer batches that carry P's digest get one byte of their first page
+    flipped in D's memory after they landed, just before D checks them (the check must refuse each)."""
+    left = [count]
+    check = streams._batch_verified
+
+    def flip_then_check(stream: Any, batch: Any) -> Any:
+        if left[0] > 0 and batch.digest is not None:
+            left[0] -= 1
+            first_region = streams.consumer.digester._groups[0][0]  # D's pages, in place
+            first_region[int(stream.blocks[batch.lo]), 0] ^= 0x01
+        return check(stream, batch)
+
+    streams._batch_verified = flip_then_check
+
+
 def run_decode(args: argparse.Namespace, plan: Plan) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     side = Side(args, plan)
+    if args.corrupt_landed:
+        _corrupt_landed(side.mgr.streams, args.corrupt_landed)
     Receiver = side.get("RECEIVER")
     ids = plan.room_ids
     addr = side.addr
@@ -589,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-dir", default="")
     ap.add_argument("--chunked", action="store_true", help="send odd rooms in two chunks (chunked prefill)")
     ap.add_argument("--mla", action="store_true", help="make the manager an MLA backend's (replicated latent KV)")
+    ap.add_argument("--corrupt-landed", type=int, default=0,
+                    help="decode: flip one byte of the first page of each of the first N verified layer batches "
+                         "after it landed, before the digest check (KVL_SGLANG_VERIFY)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     plan = Plan(args.seed, args.num_pages, args.layers, args.item_bytes, args.pages_per_room, args.rooms,
