@@ -1,5 +1,6 @@
 """Layer-wise streaming on real vLLM (CPU, float32): the proxy's ``--layerwise`` submits to D first, D reserves
-and sends its reservation to P, P streams each layer as it returns (chunked prefill on: 64 tokens a step).
+and sends its reservation to P, P streams each layer as it returns (chunked prefill on: 64 tokens a step). The
+main pair runs with ``"verify": "all"``: each layer batch carries P's digest and D checks it before it counts.
 
 The reference is P itself answering the whole request alone (same model, same single OpenMP thread). Further pairs
 change P's streamer from outside the library (``fault_site``): the post of layer 2 fails (the request fails under
@@ -32,7 +33,8 @@ LONG = 1500  # 24 chunks of 64: D's reservation reaches P while this prefill is 
 FAULT_SITE = Path(__file__).resolve().parent / "fault_site"
 
 
-def kv_config(role: str, events: Path, port: int, policy: str = "fail", load_timeout_s: float = 20.0) -> dict:
+def kv_config(role: str, events: Path, port: int, policy: str = "fail", load_timeout_s: float = 20.0,
+              verify: str = "none") -> dict:
     return {
         "kv_connector": "KVLifecycleConnector",
         "kv_connector_module_path": "kvlifecycle.adapters.vllm",
@@ -40,19 +42,21 @@ def kv_config(role: str, events: Path, port: int, policy: str = "fail", load_tim
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"log_dir": str(events), "side_channel_port": port, "lease_ttl_s": 8.0,
-                                      "load_timeout_s": load_timeout_s},  # D's stream timeout too
+                                      "load_timeout_s": load_timeout_s,  # D's stream timeout too
+                                      "verify": verify},
     }
 
 
 def layerwise_pair(model: Path, logs: Path, p_env: dict[str, str] | None = None, policy: str = "fail",
-                   load_timeout_s: float = 20.0) -> list[h.VLLMServer]:
+                   load_timeout_s: float = 20.0, verify: str = "none") -> list[h.VLLMServer]:
     events = logs / "events"
     side = h.free_port_pair()
     prefill = h.vllm_server("prefill", model, h.free_port(), logs, cores=[0], extra_env=p_env,
                             extra_args=["--max-num-batched-tokens", "64"],  # chunked prefill: 64 tokens a step
-                            kv_transfer_config=kv_config("kv_producer", events, side))
+                            kv_transfer_config=kv_config("kv_producer", events, side, verify=verify))
     decode = h.vllm_server("decode", model, h.free_port(), logs, cores=[1],
-                           kv_transfer_config=kv_config("kv_consumer", events, side, policy, load_timeout_s))
+                           kv_transfer_config=kv_config("kv_consumer", events, side, policy, load_timeout_s,
+                                                        verify))
     proxy = h.proxy_process(h.free_port(), [prefill.url], [decode.url], logs,
                             extra_args=["--layerwise", f"{h.HOST}:{side}"])
     return [prefill, decode, proxy]
@@ -61,7 +65,7 @@ def layerwise_pair(model: Path, logs: Path, p_env: dict[str, str] | None = None,
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("vllm-layerwise")
-    servers = layerwise_pair(tiny_model, logs)
+    servers = layerwise_pair(tiny_model, logs, verify="all")  # every layer batch checked on D, as it lands
     try:
         start_all(servers)
         yield (*servers, logs / "events")
@@ -102,6 +106,11 @@ def test_layerwise_logs_replay_clean_and_every_request_streamed_layer_by_layer(p
     assert min(batches.values()) > 1, "a long prompt lands in several chunks per layer"
     done = {e.transfer for e in d_events if isinstance(e, ev.TgtPartDone)}
     assert set(streams) <= done
+    # verify: all: each streamed batch matched P's digest before it counted, so each stream's part says so
+    assert all(e.verified for e in landed if e.transfer in streams), [e for e in landed if not e.verified]
+    verified = {e.transfer: e.verified for e in d_events if isinstance(e, ev.TgtPartDone) and e.transfer in streams}
+    assert all(verified[t] == blocks[request_of[t]] for t in streams), (verified, blocks)
+    assert not [e for e in d_events if isinstance(e, ev.TgtDigestMismatch)]
     p_posts = [e for s in sources for e in read_events(s)
                if isinstance(e, ev.TransferObserved) and e.transfer in streams]
     assert len(p_posts) == len(landed)  # one settled WRITE on P per layer batch landed on D
