@@ -169,7 +169,9 @@ class TgtDigestMismatch(Event, tag="tv", frozen=True):
     under the failure policy (the ``TgtLoadFailed`` that follows), and ``blocks`` (D's ids, ``pieces`` per unit: a
     P block under a block-size split) stay out of any reservation until ``quarantine_until``. ``expected`` and
     ``found`` hold one little-endian u64 digest per unit; ``slice_index`` is the head slice checked (the consumer
-    index of a lease several D ranks read), ``source_blocks`` P's ids of the units."""
+    index of a lease several D ranks read), ``source_blocks`` P's ids of the units. A stream's layer batch
+    (``num_layers`` > 0, appended) is one unit: its blocks, layers ``[first_layer, first_layer + num_layers)``,
+    P's batch digest, and its first position in D's reservation as ``source_blocks`` (P writes by position)."""
 
     transfer: str
     part: int
@@ -180,6 +182,8 @@ class TgtDigestMismatch(Event, tag="tv", frozen=True):
     found: bytes
     pieces: int = 1
     quarantine_until: float = 0.0
+    first_layer: int = 0
+    num_layers: int = 0  # 0: a pull's or push's blocks, one unit per P block
 
 
 class TgtCancelled(Event, tag="tc", frozen=True):

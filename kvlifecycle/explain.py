@@ -317,8 +317,10 @@ def _digest_findings(trace: Trace, index: _Index) -> list[Finding]:
         verdict = ("the load failed and the request recomputes its KV" if isinstance(settled, ev.TgtLoadFailed)
                    and settled.recompute else "the load failed" if settled is not None else "the load did not settle")
         until = f", quarantined for {_span(e.quarantine_until - e.at)}" if e.quarantine_until > e.at else ""
+        what = (f"a layer batch of {len(e.blocks) // 4} block(s)" if e.num_layers
+                else f"{len(e.expected) // 8} block(s)")
         sentence = (f"{step.worker}'s load of {step.request} (transfer {e.transfer}) received "
-                    f"{len(e.expected) // 8} block(s) whose bytes differ from what P sent, {digest_words(e)}; "
+                    f"{what} whose bytes differ from what P sent, {digest_words(e)}; "
                     f"refused at {_ms(trace, step)} before attention read them: {verdict}{until}")
         out.append(Finding(DIGEST_MISMATCH, sentence, _ordered(chain), step.worker, step.request, e.transfer))
     return out

@@ -81,7 +81,13 @@ def _states_of(side: str) -> type[SourceState] | type[TargetState] | type[HostSl
 
 
 def digest_words(e: ev.TgtDigestMismatch) -> str:
-    """Which blocks failed their digest, from which source blocks, expected against found (the first four)."""
+    """Which blocks failed their digest, from which source blocks, expected against found (the first four); a
+    stream's layer batch as the one unit it is."""
+    if e.num_layers:
+        want, got = (ev.digest_hex(e.expected) or ["?"])[0], (ev.digest_hex(e.found) or ["?"])[0]
+        return (f"part {e.part}: layers {e.first_layer}-{e.first_layer + e.num_layers - 1} of blocks "
+                f"{block_ranges(ev.unpack_blocks(e.blocks))} (a stream's batch): batch digest expected {want}, "
+                f"found {got}")
     blocks = ev.unpack_blocks(e.blocks)[:: max(e.pieces, 1)].tolist()
     pairs = zip(blocks, ev.unpack_blocks(e.source_blocks).tolist(), ev.digest_hex(e.expected),
                 ev.digest_hex(e.found), strict=False)

@@ -246,13 +246,15 @@ class TargetLedger(_Ledger[_TargetRequest]):
 
     def digest_mismatch(self, transfer: str, part: int, *, blocks: Iterable[int] | np.ndarray,
                         source_blocks: Iterable[int] | np.ndarray, expected: np.ndarray, found: np.ndarray,
-                        slice_index: int = 0, quarantine_s: float = 0.0) -> bool:
+                        slice_index: int = 0, quarantine_s: float = 0.0,
+                        layers: tuple[int, int] = (0, 0)) -> bool:
         """What landed for ``part`` failed its digest check: records the mismatch (``blocks``: D's ids, a whole
         number of pieces per unit; ``source_blocks``, ``expected``, ``found``: one per unit). From then on the load
         can only fail (:meth:`fail`, once its sibling reads settled): a ``part_done`` or a layer of it is refused,
         so no block of it becomes READY_FOR_ATTENTION. The blocks are quarantined for ``quarantine_s``: a
-        reservation naming one is refused until then. Refused (recorded, False): no live load, a part out of range
-        or already done, a block not the request's, or arrays that do not pair up."""
+        reservation naming one is refused until then. ``layers``: ``(first, count)`` of a stream's layer batch
+        checked as one unit. Refused (recorded, False): no live load, a part out of range or already done, a block
+        not the request's, or arrays that do not pair up."""
         with self._lock:
             load = self._live_load("digest_mismatch", transfer)
             if load is None:
@@ -280,7 +282,8 @@ class TargetLedger(_Ledger[_TargetRequest]):
             hlc, at = self._stamp()
             self._record(ev.TgtDigestMismatch(hlc, at, transfer, part, int(slice_index), ev.pack_blocks(ids),
                                               ev.pack_blocks(src), exp.tobytes(), got.tobytes(),
-                                              ids.size // units, at + float(quarantine_s)))
+                                              ids.size // units, at + float(quarantine_s), int(layers[0]),
+                                              int(layers[1])))
             return True
 
     def quarantined(self, now: float | None = None) -> dict[int, tuple[float, str]]:

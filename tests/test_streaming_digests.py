@@ -23,6 +23,7 @@ from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.invariants import check_source, check_target, check_target_events
 from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.story import digest_words
 from kvlifecycle.streaming import StreamConsumer, StreamOptions, StreamProducer
 from kvlifecycle.streaming.wire import NOTE_LAYERS, LayerBatch, decode_batch, encode_batch
 from kvlifecycle.transport import KVLayout, MemoryKind, Notification
@@ -142,6 +143,9 @@ def test_a_byte_changed_on_the_way_fails_the_stream_before_attention(make_pair) 
     pair = make_pair(wrap=lambda td, dst: OnLayerNote(td, 1, _flip_landed_byte(dst, 1, 8)))
     pair.stream([1, 2, 3], [7, 8, 9])
     _mismatch_refused(pair, [7, 8, 9])
+    (mismatch,) = [e for e in pair.events if isinstance(e, ev.TgtDigestMismatch)]
+    assert (mismatch.first_layer, mismatch.num_layers) == (1, 1)
+    assert digest_words(mismatch).startswith("part 0: layers 1-1 of blocks 7-9 (a stream's batch)")
     assert "r" not in pair.tl.requests  # policy fail: the blocks are freed, once P's writes settled
     pair.close()
 

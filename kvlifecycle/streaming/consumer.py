@@ -326,7 +326,8 @@ class StreamConsumer:
         if found >= 0:
             self.ledger.digest_mismatch(stream.transfer, stream.part, blocks=blocks, source_blocks=[batch.lo],
                                         expected=np.array([batch.digest], dtype="<u8"),
-                                        found=np.array([found], dtype="<u8"), quarantine_s=options.quarantine_s)
+                                        found=np.array([found], dtype="<u8"), quarantine_s=options.quarantine_s,
+                                        layers=(batch.first_layer, batch.num_layers))
         self.counts["digest_mismatches"] += 1
         log.error("stream %s of %s: %s", stream.transfer, stream.request, why)
         self._failing(stream.load, why)
