@@ -177,6 +177,24 @@ def single_outputs(model: Path, prompts: list[str], output_tokens: int, log_dir:
         server.stop()
 
 
+def _slow_decode(args: argparse.Namespace) -> int:
+    import vllm_pd_staging as stg
+
+    if not args.staging:
+        raise SystemExit("--slow-decode runs staging off and on side by side: pass --staging")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvl-bench-vllm-staging-"))
+    workload = stg.Workload(requests=args.requests, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                            fast_output_tokens=args.fast_output_tokens, p_blocks=args.p_kv_blocks,
+                            stage_after_ms=args.stage_after_ms, pool_blocks=args.staging_pool_blocks)
+    with progress("vLLM P/D slow decode", 4, json_output=args.json) as tick:
+        report = stg.run(Path(args.model_cache), workload, log_dir, tick)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        stg.print_report(report)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -191,7 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-shapes", default="", help="P/D TP shapes to run instead, e.g. 2x2,2x1,1x2")
     parser.add_argument("--layerwise", action="store_true", help="pull, push and layer-wise streaming instead")
     parser.add_argument("--prompt-lengths", default="512", help="--layerwise: prompt lengths, e.g. 512,1500,4000")
+    parser.add_argument("--slow-decode", action="store_true",
+                        help="P's prefill throughput under a slow D, against a fast D (bench/vllm_pd_staging.py)")
+    parser.add_argument("--staging", action="store_true",
+                        help="--slow-decode: also with P's host staging tier on (the runs without it are kept)")
+    parser.add_argument("--fast-output-tokens", type=int, default=4, help="--slow-decode: the fast D's outputs")
+    parser.add_argument("--p-kv-blocks", type=int, default=16, help="--slow-decode: P's KV pool (blocks of 128)")
+    parser.add_argument("--stage-after-ms", type=float, default=50.0, help="--slow-decode --staging")
+    parser.add_argument("--staging-pool-blocks", type=int, default=64, help="--slow-decode --staging")
     args = parser.parse_args(argv)
+    if args.staging and not args.slow_decode:
+        parser.error("--staging goes with --slow-decode")
+    if args.slow_decode:
+        return _slow_decode(args)
     if args.layerwise:
         import vllm_pd_layerwise as lw
 

@@ -18,10 +18,16 @@ from kvlifecycle.digest import VerifyMode
 from kvlifecycle.eventlog import FsyncPolicy
 from kvlifecycle.membership.etcd import parse_endpoint
 from kvlifecycle.membership.keys import cluster_prefix
+from kvlifecycle.staging_policy import StageWhen, StagingPolicy, WhenFull
 
 from .nixl_migration import migrate_extra_config
 
 DEFAULT_SIDE_CHANNEL_PORT = 5700
+# the host staging tier's keys, spelled as the core's StagingPolicy.from_mapping reads them (one spelling for every
+# engine); they arrive flat in the extra config and are folded into one StagingPolicy
+STAGING_KEYS = ("stage_when", "stage_after_ms", "stage_free_block_watermark", "staging_pool_blocks",
+                "staging_when_full")
+_STAGING_NUMBERS = ("stage_after_ms", "stage_free_block_watermark", "staging_pool_blocks")
 
 
 class FastPath(Choice):
@@ -84,6 +90,39 @@ def _host_port(instance: object, attribute: attrs.Attribute[str | None], value: 
         raise ValueError(f"{attribute.name} must be host:port, got {value!r}")
 
 
+def staging_policy(extra: dict[str, Any]) -> StagingPolicy:
+    """The staging keys of ``extra`` as one policy; ``ValueError`` in one line naming the key as the operator wrote
+    it (the policy's own checks name its fields, and its converters would take ``true`` as 1)."""
+    for key in _STAGING_NUMBERS:
+        value = extra.get(key)
+        if key not in extra:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"kv_connector_extra_config {key} must be a number, got {value!r}")
+        if value < 0:
+            raise ValueError(f"kv_connector_extra_config {key} must be >= 0, got {value!r}")
+        if key != "stage_after_ms" and not float(value).is_integer():
+            raise ValueError(f"kv_connector_extra_config {key} must be a whole number of blocks, got {value!r}")
+    parsed = dict(extra)
+    if "stage_when" in extra:
+        parsed["stage_when"] = StageWhen.parse(extra["stage_when"], "kv_connector_extra_config stage_when")
+    if "staging_when_full" in extra:
+        parsed["staging_when_full"] = WhenFull.parse(extra["staging_when_full"],
+                                                     "kv_connector_extra_config staging_when_full")
+    try:
+        policy = StagingPolicy.from_mapping(parsed)  # left to refuse: a policy that stages without a pool
+    except ValueError as exc:
+        raise ValueError(f"kv_connector_extra_config {exc}") from None
+    if policy.when is StageWhen.WATERMARK and policy.free_block_watermark == 0:
+        raise ValueError("kv_connector_extra_config stage_when 'watermark' needs stage_free_block_watermark > 0 "
+                         "(free KV blocks are never below 0: nothing would be staged)")
+    return policy
+
+
+def _staging(value: StagingPolicy | dict[str, Any]) -> StagingPolicy:
+    return value if isinstance(value, StagingPolicy) else staging_policy(value)
+
+
 _str = v.text
 _optional_str = v.optional_text
 _seconds = v.positive
@@ -140,6 +179,11 @@ class AdapterConfig:
     """An ordered drain leaves once P has held no lease for this long: a request still in its prefill when the
     order came holds none until its grant (raise it for prefills longer than this)."""
 
+    staging: StagingPolicy = attrs.field(factory=StagingPolicy, converter=_staging)
+    """P's host staging tier (docs/vllm.md, docs/staging.md), from the flat keys ``stage_when`` (never, after,
+    watermark), ``stage_after_ms``, ``stage_free_block_watermark``, ``staging_pool_blocks`` and
+    ``staging_when_full`` (wait, keep_gpu). Default: nothing is staged."""
+
     @transport.validator
     def _only_nixl(self, attribute: attrs.Attribute[str], value: str) -> None:
         if value != "nixl":
@@ -152,7 +196,7 @@ class AdapterConfig:
         ``KVL_SIDE_CHANNEL_PORT`` (else ``VLLM_NIXL_SIDE_CHANNEL_PORT``), ``KVL_LOG_DIR`` and
         ``KVL_ETCD_ENDPOINTS`` (see docs/configuration.md)."""
         extra = migrate_extra_config(dict(extra or {}))  # NixlConnector's keys: carried over or refused in words
-        known = {f.name for f in attrs.fields(cls)}
+        known = {f.name for f in attrs.fields(cls)} - {"staging"} | set(STAGING_KEYS)
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for KVLifecycleConnector; "
@@ -169,5 +213,6 @@ class AdapterConfig:
         env_etcd = envvars.ETCD_ENDPOINTS.read()
         if "etcd_endpoints" not in extra and env_etcd is not None:
             extra["etcd_endpoints"] = env_etcd
-        return cls(**extra)
+        staging = {key: extra.pop(key) for key in STAGING_KEYS if key in extra}
+        return cls(**extra, staging=staging_policy(staging))
 

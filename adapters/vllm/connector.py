@@ -159,7 +159,10 @@ class KVLifecycleConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._stats is None:
             return None
+        gauges = self._worker.staging_gauges if self._worker is not None else None
         with self._stats_lock:
+            if gauges is not None:  # P: staging's numbers, sampled once per step (they move with time, not events)
+                self._stats.observe_staging(*gauges.take(), rank=self._worker.tp_rank if self._worker else 0)
             return None if self._stats.is_empty() else self._stats.clone_and_reset()
 
     @classmethod

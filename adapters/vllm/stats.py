@@ -20,7 +20,9 @@ from kvlifecycle import events as ev
 
 HISTOGRAMS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 COUNTERS = ("num_failed_transfers", "num_expired_leases", "num_refusals", "num_verified_blocks",
-            "num_digest_mismatches")
+            "num_digest_mismatches", "num_staged_blocks", "pinned_block_seconds")
+# gauges: (TP rank, value) samples, the last per rank is the rank's value; the metric is their sum over ranks
+GAUGES = ("staging_pool_occupancy",)
 
 
 @dataclass
@@ -33,7 +35,19 @@ class KVLifecycleStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data: dict[str, list[float | int]] = {key: [] for key in HISTOGRAMS + COUNTERS}
+        self.data: dict[str, list[Any]] = {key: [] for key in HISTOGRAMS + COUNTERS + GAUGES}
+
+    def observe_staging(self, staged_blocks: int, pinned_block_seconds: float, occupancy: int | None, *,
+                        rank: int = 0) -> None:
+        """P's host staging numbers since the last sample (:class:`~.staging.StagingGauges`): blocks staged, GPU
+        pinned-block-seconds, and the pool's occupancy when it changed. Zeros are left out, so that an idle P
+        reports nothing."""
+        if staged_blocks:
+            self.data["num_staged_blocks"].append(staged_blocks)
+        if pinned_block_seconds > 0:
+            self.data["pinned_block_seconds"].append(pinned_block_seconds)
+        if occupancy is not None:
+            self.data["staging_pool_occupancy"].append([rank, occupancy])
 
     def observe(self, event: ev.Event) -> None:
         """Fold one ledger event in (a ledger listener: any thread; appends are atomic under the GIL)."""
@@ -64,7 +78,7 @@ class KVLifecycleStats(KVConnectorStats):
         return old
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in HISTOGRAMS + COUNTERS)
+        return not any(self.data.get(key) for key in HISTOGRAMS + COUNTERS + GAUGES)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if not other.is_empty():
@@ -87,6 +101,8 @@ class KVLifecycleStats(KVConnectorStats):
             "Num refusals": len(self.data["num_refusals"]),
             "Num verified blocks": sum(self.data.get("num_verified_blocks", ())),
             "Num digest mismatches": sum(self.data.get("num_digest_mismatches", ())),
+            "Num staged blocks": sum(self.data.get("num_staged_blocks", ())),
+            "Pinned block-seconds": round(sum(self.data.get("pinned_block_seconds", ())), 3),
         }
 
 
@@ -128,12 +144,26 @@ class KVLifecyclePromMetrics(KVConnectorPromMetrics):
                                     "KV blocks whose landed bytes matched P's digest on D (verify)."),
             "num_digest_mismatches": ("vllm:kvlifecycle_num_digest_mismatches",
                                       "KV blocks whose landed bytes failed their digest on D; the load was refused."),
+            "num_staged_blocks": ("vllm:kvlifecycle_num_staged_blocks",
+                                  "KV blocks P copied to its host staging pool and gave back to vLLM (P)."),
+            "pinned_block_seconds": ("vllm:kvlifecycle_pinned_block_seconds",
+                                     "KV blocks pinned on P under leases, integrated over time (block-seconds)."),
         }
         self.counters: dict[str, dict[int, Any]] = {
             key: create_metric_per_engine(
                 counter_cls(name=name, documentation=doc, labelnames=labelnames), self.per_engine_labelvalues)
             for key, (name, doc) in counters.items()
         }
+
+        gauge_cls: Any = self._gauge_cls
+        self.gauges: dict[str, dict[int, Any]] = {
+            "staging_pool_occupancy": create_metric_per_engine(
+                gauge_cls(name="vllm:kvlifecycle_staging_pool_occupancy",
+                          documentation="Host staging pool slots held now (copying, staged or being read), P.",
+                          labelnames=labelnames, multiprocess_mode="mostrecent"),
+                self.per_engine_labelvalues),
+        }
+        self._gauge_ranks: dict[tuple[str, int], dict[int, float]] = {}  # (gauge, engine) -> rank -> last value
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metric in self.histograms.items():
@@ -142,3 +172,10 @@ class KVLifecyclePromMetrics(KVConnectorPromMetrics):
         for key, metric in self.counters.items():
             for value in transfer_stats_data.get(key, ()):
                 metric[engine_idx].inc(value)
+        for key, metric in self.gauges.items():
+            samples = transfer_stats_data.get(key)
+            if samples:
+                ranks = self._gauge_ranks.setdefault((key, engine_idx), {})
+                for rank, value in samples:
+                    ranks[int(rank)] = value
+                metric[engine_idx].set(sum(ranks.values()))

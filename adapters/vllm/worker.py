@@ -3,7 +3,9 @@
 - P (``kv_producer`` / ``kv_both``): a :class:`~kvlifecycle.ledger.SourceLedger` and a
   :class:`~kvlifecycle.handoff.Producer` serving grants, handshakes and heartbeats on the side channel. A grant
   command pins the request's blocks under a lease; a released lease (completed, failed, cancelled, expired) is
-  reported to vLLM as ``finished_sending`` and only then are the blocks freed (vLLM #21570).
+  reported to vLLM as ``finished_sending`` and only then are the blocks freed (vLLM #21570). With a staging
+  policy, the Producer also copies due, unclaimed leases to a host pool (:mod:`.staging`); one released as
+  ``staged`` is reported the same way, its grant still published for D to read the host copy.
 - D (``kv_consumer`` / ``kv_both``): a :class:`~kvlifecycle.ledger.TargetLedger` and a
   :class:`~kvlifecycle.handoff.Consumer`, which owns each load from its grants to its end; :mod:`.decode_loads`
   hands it vLLM's commands on one adapter thread, never the forward thread. The KV tensors' regions and
@@ -34,6 +36,7 @@ from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.layout import tp_consumers
 from kvlifecycle.ledger import LedgerError, SourceLedger, TargetLedger, open_ledger
 from kvlifecycle.machines import TargetState
+from kvlifecycle.staging_policy import StageWhen
 from kvlifecycle.transport import KVLayout, MemoryKind
 
 from .config import AdapterConfig, FastPath
@@ -42,6 +45,7 @@ from .kv_caches import compat_info, describe_kv_caches
 from .membership import WorkerMembership
 from .metadata import GrantCmd, KVLifecycleMetadata
 from .scheduler import side_channel_port
+from .staging import StagingGauges, WorkerStaging
 from .streaming import LayerStreaming, layer_indices
 
 if TYPE_CHECKING:
@@ -112,6 +116,8 @@ class WorkerSide:
         self._sending_done: set[str] = set()
         self.streaming: LayerStreaming | None = None  # layer-wise streaming (requests the proxy marks for it)
         self.memberships: list[WorkerMembership] = []  # etcd registrations (none without etcd endpoints)
+        self.staging: WorkerStaging | None = None  # P's host staging tier (a staging policy in the extra config)
+        self.staging_gauges: StagingGauges | None = None  # P: staged blocks, pool occupancy, pinned-block-seconds
 
     # -- start-up ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -151,10 +157,13 @@ class WorkerSide:
             self.source = open_ledger("source", self.num_blocks, self._log_dir("source"), fsync=self.config.fsync,
                                       worker=f"p-{self.rank_name}",
                                       default_ttl_s=self.config.lease_ttl_s)
+            self.staging = self._build_staging(layout, f"{agent}-host")
+            self.staging_gauges = StagingGauges(self.source, self.staging.pool if self.staging else None)
             # P picks the path of its pushes (layer-wise streams) per D at its handshake, as D picks its reads'
             self.producer = Producer(self.source, self.transport, compat, tp_rank=self.tp_rank,
                                      options=self.options, fast_transport=self.fast_transport,
-                                     path_selector=SameNodeSelector(), digester=digester)
+                                     path_selector=SameNodeSelector(), digester=digester,
+                                     staging=self.staging.tier if self.staging is not None else None)
             log.info("KVLifecycleConnector: producer side channel %s", self.producer.address)
         if self.is_consumer:
             self.target = open_ledger("target", self.num_blocks, self._log_dir("target"), fsync=self.config.fsync,
@@ -183,6 +192,22 @@ class WorkerSide:
         self.memberships = WorkerMembership.start(self.config, self.engine_id, producer=self.producer,
                                                   consumer=self.consumer,
                                                   dp=int(self.vllm_config.parallel_config.data_parallel_index))
+
+    def _build_staging(self, layout: KVLayout, agent: str) -> WorkerStaging | None:
+        """P's host staging tier when the extra config's policy stages anything (its pool registered with NIXL
+        as DRAM in an agent of its own, its ledger logged beside the source ledger's), else None."""
+        policy = self.config.staging
+        if not policy.enabled:
+            return None
+        assert self.source is not None
+        staging = WorkerStaging.build(policy, self.source, layout, agent, self.config.backends,
+                                      self._log_dir("staging"), self.config.fsync)
+        when = (f"unclaimed for {policy.stage_after_ms:g} ms" if policy.when is StageWhen.AFTER
+                else f"below {policy.free_block_watermark} free blocks")
+        log.info("KVLifecycleConnector: host staging pool of %d blocks (%s bytes/block x %d regions), stages a lease "
+                 "%s, when full: %s, agent %s", policy.pool_blocks, layout.block_bytes[0], layout.num_regions, when,
+                 policy.when_full.value, agent)
+        return staging
 
     def _build_fast_path(self, layout: KVLayout, agent: str) -> Any:
         """A CUDA IPC transport over the same regions when the KV lives in VRAM (``fast_path: "auto"``), else
@@ -252,7 +277,15 @@ class WorkerSide:
         ``finished_sending``. Runs before new grants too, so a block whose lease just ended is not RELEASABLE
         (which cannot be granted) when a new request shares it."""
         assert self.source is not None
+        staging = self.staging
+        staged_ended = staging.take_ended() if staging is not None else []  # before the releases: see take_ended
         for released in self.source.take_released():
+            if released.reason == "staged" and staging is not None:
+                # the core released the GPU lease: the copy to host is whole and no read of the GPU copy is in
+                # flight. D is served from the host pool, under the grant it will still ask for
+                staging.handed_over(released.transfer, released.request)
+                log.info("KVLifecycleConnector: %s staged to the host pool (%s); its GPU blocks go back to vLLM",
+                         released.request, released.transfer)
             req = self.source.requests.get(released.request)
             if req is None or req.leases:
                 continue  # another lease still pins it (prefix shared by two grants)
@@ -260,9 +293,13 @@ class WorkerSide:
                 self.source.free_held(released.request, cache=self.cache_blocks)
             except LedgerError as exc:
                 log.warning("freeing %s after its lease ended: %s", released.request, exc)
-            self._forget_grant(released.request)
+            if released.reason != "staged" or staging is None:
+                self._forget_grant(released.request)
             with self._results_lock:
                 self._sending_done.add(released.request)
+        if staging is not None:
+            for request in staging.grants_to_forget(staged_ended):
+                self._forget_grant(request)
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         if self.source is not None:
@@ -293,6 +330,7 @@ class WorkerSide:
         for ledger in (self.source, self.target):
             if ledger is not None and ledger.log is not None:
                 ledger.log.close()
+        _close_quietly(self.staging)  # after the Producer: it releases the copies still in flight first
         for transport in (self.transport, self.fast_transport):
             _close_quietly(transport)
 
