@@ -54,7 +54,7 @@ class Rig:
     event kept, logs under ``log_dir``."""
 
     def __init__(self, name: str, log_dir: Path, *, gate_d: bool = False, gate_copy: bool = False,
-                 verify: bool = False) -> None:
+                 verify: bool = False, push: bool = False) -> None:
         import torch
 
         self.src = [torch.randint(0, 256, (BLOCKS, BYTES), dtype=torch.uint8) for _ in range(REGIONS)]
@@ -87,7 +87,7 @@ class Rig:
         self.read_gate = Gated(td) if gate_d else None
         self.cons = Consumer(self.d, self.read_gate or td, COMPAT,  # type: ignore[arg-type]
                              options=attrs.evolve(options, heartbeat_every_s=0.01), digester=digesters[2])
-        self.cons.connect(self.prod.address)
+        self.cons.connect(self.prod.address, push=push)
         self._closers = [self.cons.close, self.prod.close, self.tp.close, td.close, self.th.close]
 
     def grant(self, request: str, blocks: list[int]) -> object:
@@ -171,6 +171,57 @@ def _stage_then_reuse(rig: Rig, request: str, blocks: list[int]) -> object:
     for x in rig.src:
         x[blocks] = 0xAB
     return g
+
+
+def test_a_push_of_a_staged_lease_is_written_from_the_host_copy(make_rig, tmp_path: Path) -> None:
+    """D pushes (P writes) a lease staged before D asked: P writes the host slots, not the GPU blocks its engine
+    reused, and the write's completion ends the claimant's read of the copy, which frees its slots."""
+    rig = make_rig(push=True)
+    expected = [x[[1, 2, 3]].clone() for x in rig.src]
+    _stage_then_reuse(rig, "slow", [1, 2, 3])
+    rig.d.reserve("slow", [5, 6, 7])
+    assert rig.cons.load("slow", "slow", [rig.prod.address], push=True) is not None
+    assert rig.p_steps_until(lambda: rig.d.stats["loaded"] == 1 and rig.pool.stats["completed"] == 1)
+    for r in range(REGIONS):  # the prefill's bytes, from the pool
+        assert np.array_equal(rig.dst[r][[5, 6, 7]].numpy(), expected[r].numpy())
+    assert rig.pool.counts()["FREE"] == SLOTS and rig.pool.stats["served"] == 1
+    rig.d.finish("slow")
+    rig.p.cancel("next")
+    assert rig.violations() == []
+    rig.close_and_replay_check(tmp_path)
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_staged_push_in_flight_when_its_lease_ends_is_cancelled_before_its_slots_are_freed(
+        make_rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutant: bool) -> None:
+    """The write from the pool is held (gated) and D goes silent, so the copy's lease runs out: the service step
+    cancels the write before the sweep frees the slots, so no write from freed slots is left pending. The mutant
+    keeps the write in flight past the lease: the slots are freed under it."""
+    if mutant:
+        def never_cancel(self, now, failed):  # type: ignore[no-untyped-def]
+            self._pushes = [p for p in self._pushes if p.path.transport.poll(p.handle).name == "PENDING"]
+
+        monkeypatch.setattr(StagingTier, "poll_pushes", never_cancel)
+    rig = make_rig(push=True, gate_copy=True)
+    g = rig.grant("slow", [1, 2, 3])
+    rig.clock.advance(0.2)
+    rig.prod.step_once()  # the copy is posted, held at the gate
+    assert rig.copy_gate.let_go() == 1
+    rig.prod.step_once()  # the copy completed: staged
+    assert [r.reason for r in rig.p.take_released()] == ["staged"]
+    rig.d.reserve("slow", [5, 6, 7])
+    assert rig.cons.load("slow", "slow", [rig.prod.address], push=True) is not None
+    assert rig.p_steps_until(lambda: len(rig.copy_gate.pending) == 1)  # the write from the slots, held
+    rig.cons.close()  # D goes silent: no renewal reaches P any more
+    rig.clock.advance(31.0)  # past the copy's lease (30 s)
+    rig.prod.step_once()
+    assert rig.pool.counts()["FREE"] == SLOTS  # swept: the slots may be staged into again
+    if mutant:
+        assert rig.copy_gate.pending and rig.copy_gate.cancelled == 0  # a write from freed slots, still pending
+        return
+    assert not rig.copy_gate.pending and rig.copy_gate.cancelled == 1
+    assert rig.pool.requests.get(g.transfer) is None  # type: ignore[attr-defined]
+    assert all(not x[[5, 6, 7]].any() for x in rig.dst)  # not a byte of it landed
 
 
 @pytest.mark.parametrize("corrupt", [False, True])

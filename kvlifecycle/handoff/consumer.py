@@ -671,7 +671,8 @@ class Consumer:
             host = beat.host_blocks if isinstance(beat, Claimed) else None
             if isinstance(beat, Claimed) and beat.hlc:  # served from P's host pool: our load sorts after that
                 self.ledger.hlc.observe(beat.hlc)
-            if host is not None:  # P staged the lease: read its host slots, if they fit the grant
+            if host is not None and load.mode != "push":  # P staged the lease: read its slots, if they fit
+                # (a push is P's to write, from wherever the lease is)
                 if len(host) != len(grant.block_ids) or link.host is None:
                     why = ("P's host staging pool is unreachable" if link.host is None
                            else f"{len(host)} host slots for {len(grant.block_ids)} granted blocks")

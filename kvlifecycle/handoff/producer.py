@@ -24,7 +24,7 @@ from kvlifecycle.control import Claimed, GetGrant, GrantReply, Heartbeat, LoadFa
 from kvlifecycle.digest import BlockDigester, BlockDigests, should_digest, slice_view
 from kvlifecycle.handoff.block_mapping import BlockMappingError, map_blocks
 from kvlifecycle.handoff.options import HandoffOptions
-from kvlifecycle.handoff.staging_tier import StagingTier
+from kvlifecycle.handoff.staging_tier import StagedPush, StagingTier
 from kvlifecycle.handshake import (
     CompatInfo,
     CompatMismatchError,
@@ -215,6 +215,11 @@ class Producer:
                 self._push_refusals[(peer, msg.meta.epoch)] = str(exc)
             else:
                 self._push_plans[(peer, msg.meta.epoch)] = self._select_push_path(primary, msg, plan)
+                if self.staging is not None:  # a staged lease is written from the host pool's transport
+                    why = self.staging.add_push_peer(
+                        msg.meta, lambda transport, name: self._prepare_push(transport, name, msg, plan))
+                    if why:
+                        log.info("pushes of staged leases to %s unavailable: %s", peer, why)
         self._expect_activity(WIRE_UP_ACTIVITY_S)
         host = self.staging.metadata() if self.staging is not None else None
         return MetaReply(self.compat, self.tp_rank, self.transport.local_metadata(), self._fast_meta(), host)
@@ -461,6 +466,10 @@ class Producer:
         why = self._check_claim(msg.transfer, msg.generation, msg.token)  # only the claimant has P write for it
         if why:
             return Ack(False, self._refuse_token("push", msg.transfer, why))
+        if self.staging is not None:
+            staged = self._push_from_host(msg, self.staging)
+            if staged is not None:
+                return staged
         unavailable = None if path is not None else self.push_refusal(msg.agent, msg.epoch)
         with self._lock:  # no live lease, no plan, a duplicate (one WRITE per part, ever), or renewed to write
             admission = self.protocol.admit_push(msg.transfer, msg.generation, msg.part, unavailable=unavailable)
@@ -484,6 +493,43 @@ class Producer:
             self.protocol.accept_write(msg.transfer, msg.generation, msg.part)
         self._jobs.put(lambda: self._start_push(path, src, dst, msg, note))
         return Ack(True)
+
+    def _push_from_host(self, msg: PushRequest, tier: StagingTier) -> Ack | None:
+        """A push of a lease staged to the host pool: written from its slots by the pool's transport (None: the
+        lease is on the GPU, or gone: the GPU path answers)."""
+        try:
+            with self._lock:
+                answer, push = tier.admit_push(msg.transfer, msg.generation, msg.part, msg.agent, msg.epoch,
+                                               np.asarray(msg.blocks, dtype=np.int32))
+        except BlockMappingError as exc:  # D fails its load and answers LoadFailed, which ends the read
+            return Ack(False, str(exc))
+        if answer is None:
+            return None
+        if push is not None:
+            note = Notification(msg.target_request, msg.transfer, msg.generation, push.path.transport.epoch, "done",
+                                msg.part, msg.token, hlc=self.ledger.hlc.tick())
+            self._jobs.put(lambda: self._start_host_push(tier, push, note))
+        return Ack(answer.ok, answer.detail)
+
+    def _start_host_push(self, tier: StagingTier, push: StagedPush, note: Notification) -> None:
+        with self._lock:
+            why = tier.post_push(push, note)
+        if why:
+            push.note = note
+            self._host_push_failed(tier, push, f"write not posted: {why}")
+
+    def _host_push_failed(self, tier: StagingTier, push: StagedPush, reason: str) -> None:
+        """As :meth:`_push_failed`: D hears it, and its ``LoadFailed`` ends the read (now, if D cannot be told)."""
+        assert push.note is not None
+        log.warning("push %s (staged) to %s failed: %s", push.transfer, push.path.peer, reason)
+        try:
+            payload = push.note.payload + reason.encode()[:512]
+            failed = msgspec.structs.replace(push.note, kind="failed", payload=payload, hlc=self.ledger.hlc.tick())
+            push.path.transport.send_notification(push.path.peer, failed)
+        except TransportError as exc:
+            log.warning("could not tell %s that push %s failed (%s): ending its read now", push.path.peer,
+                        push.transfer, exc)
+            tier.read_ended(push.transfer, push.generation, push.part, ok=False, reason=reason)
 
     # -- service thread ---------------------------------------------------------------------------------------------
     def _start_push(
@@ -582,7 +628,8 @@ class Producer:
         while not self._stop.is_set():
             try:
                 # pushes are polled tightly; pulls only wait for D's notification, so the idle rhythm serves them
-                job = self._jobs.get(timeout=self.options.service_poll_s if self._pushes else self.options.idle_poll_s)
+                busy = self._pushes or (self.staging is not None and self.staging.pushes_in_flight)
+                job = self._jobs.get(timeout=self.options.service_poll_s if busy else self.options.idle_poll_s)
                 job()
             except queue.Empty:
                 pass
@@ -613,6 +660,9 @@ class Producer:
         with self._lock:  # the lease's claim and its copy's post or completion are ordered
             tier.post_due()
             tier.poll_copies()
+            if tier.pushes_in_flight:  # a write past its copy's lease is cancelled before the sweep frees slots
+                tier.poll_pushes(tier.staging.pool.clock.now(),
+                                 lambda push, why: self._host_push_failed(tier, push, why))
             tier.staging.sweep()
         tier.staging.pool.commit()
 

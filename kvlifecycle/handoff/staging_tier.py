@@ -13,7 +13,11 @@ The decisions (which lease is due, when its GPU blocks may go, where a claim rea
   slots notifies the host transport, whose notifications end the copy's reads as the KV transport's end the GPU
   lease's;
 - **renewals and failures** of a staged lease go to the pool's ledger; everything else stays the
-  :class:`~kvlifecycle.protocol.producer.ProducerProtocol`'s, unchanged.
+  :class:`~kvlifecycle.protocol.producer.ProducerProtocol`'s, unchanged;
+- **pushes**: at a push handshake the host transport adds D as a peer too (:meth:`add_push_peer`), so a
+  ``PushRequest`` for a staged lease is written from its host slots (:meth:`admit_push`, one WRITE per part, ever),
+  polled on the service step (:meth:`poll_pushes`): DONE ends the claimant's read, and a write still in flight
+  when the copy's lease ends is cancelled (released) before the sweep may free its slots.
 
 Every method that decides runs under the Producer's lock (the Producer takes it), so a claim and a copy's
 completion are ordered: a claim either finds the copy whole and is served from host, or claims the GPU lease,
@@ -28,12 +32,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlifecycle.digest import BlockDigester
+from kvlifecycle.handoff.block_mapping import map_blocks
 from kvlifecycle.machines import HostSlotState
+from kvlifecycle.path_selection import PushPath
 from kvlifecycle.protocol.producer import LEASE_GONE, Answer, ProducerProtocol
 from kvlifecycle.staging import HostStaging
 from kvlifecycle.staging_ledger import StagedCopy
 from kvlifecycle.staging_policy import StageWhen
 from kvlifecycle.transport import (
+    Notification,
     PeerMetadata,
     PreparedPlan,
     TransferHandle,
@@ -43,9 +50,23 @@ from kvlifecycle.transport import (
     XferStatus,
 )
 
-__all__ = ["StagingTier"]
+__all__ = ["StagedPush", "StagingTier"]
 
 _WHOLE = (HostSlotState.STAGED, HostSlotState.SERVING)
+
+
+@dataclass(slots=True)
+class StagedPush:
+    """One WRITE of a staged lease's slots into a decoder's blocks."""
+
+    transfer: str
+    generation: int
+    part: int
+    path: PushPath
+    src: np.ndarray  # the pool's slots
+    dst: np.ndarray  # D's blocks
+    handle: TransferHandle | None = None
+    note: Notification | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +84,10 @@ class StagingTier:
     digester: BlockDigester | None = None
     _kv_plan: PreparedPlan | None = None
     _copies: dict[str, TransferHandle] = field(default_factory=dict)  # transfer -> its copy in flight
+    # pushes from the pool: (D agent, its epoch) -> where writes to it go; (transfer, generation, part) accepted
+    _push_paths: dict[tuple[str, int], PushPath] = field(default_factory=dict)
+    _written: set[tuple[str, int, int]] = field(default_factory=set)
+    _pushes: list[StagedPush] = field(default_factory=list)
 
     def attach(self, kv: Transport) -> None:
         """Reach P's KV cache from the host transport (the copies read it): called once by the Producer."""
@@ -162,7 +187,86 @@ class StagingTier:
             return False
         return True
 
+    # -- pushes from the pool ---------------------------------------------------------------------------------------
+    def add_push_peer(self, meta: PeerMetadata, prepare: Callable[[Transport, str], PreparedPlan]) -> str:
+        """A push handshake: D becomes a peer of the host transport, with a plan of the same views as the KV
+        cache's (``prepare``). Returns "" or why pushes of staged leases to this D are unavailable."""
+        try:
+            peer = self.transport.add_peer(meta)
+            self._push_paths[(peer, meta.epoch)] = PushPath(self.transport, peer, prepare(self.transport, peer))
+        except TransportError as exc:
+            return str(exc)
+        return ""
+
+    def admit_push(self, transfer: str, generation: int, part: int, agent: str, epoch: int,
+                   blocks: np.ndarray) -> tuple[Answer | None, StagedPush | None]:
+        """A ``PushRequest`` (its claim token checked) for a lease whose copy is whole in the pool: renew it and
+        map D's blocks onto its slots; the push to post, or None with the answer (a duplicate is acknowledged and
+        not written again). ``(None, None)``: not a staged lease, the GPU lease's path answers."""
+        copy = self.whole_copy(transfer, generation)
+        if copy is None:
+            return None, None
+        key = (transfer, generation, part)
+        if key in self._written:
+            return Answer(True, "duplicate: this part's write was already accepted"), None
+        path = self._push_paths.get((agent, epoch))
+        if path is None:
+            return Answer(False, "push from P's host staging pool unavailable: no plan to this decoder"), None
+        if not self.staging.pool.renew(transfer, generation, agent):  # renewed before the write, as on the GPU
+            return Answer(False, LEASE_GONE), None
+        dst, src = map_blocks(np.asarray(blocks, dtype=np.int32), copy.blocks)  # BlockMappingError: refused
+        self._written.add(key)
+        return Answer(True), StagedPush(transfer, generation, part, path, src, dst)
+
+    def post_push(self, push: StagedPush, note: Notification) -> str:
+        """Post an admitted push's WRITE from the slots (service thread); "" or why it was not posted."""
+        if self.whole_copy(push.transfer, push.generation) is None:
+            return "the staged copy ended before its write"
+        try:
+            push.handle = push.path.transport.post(XferOp.WRITE, push.path.plan, push.src, push.dst,
+                                                   notification=note, transfer=push.transfer)
+        except (TransportError, ValueError) as exc:
+            return f"post failed: {exc}"
+        push.note = note
+        self._pushes.append(push)
+        return ""
+
+    def poll_pushes(self, now: float, failed: Callable[[StagedPush, str], None]) -> None:
+        """Settle the pushes that ended: DONE ends the claimant's read (the copy ends with its last one); a
+        failure goes to ``failed`` (D is told, and its ``LoadFailed`` ends the read). A write still in flight when
+        its copy's lease has run out (``now``, the pool's clock) is cancelled first: the sweep that follows may
+        free its slots."""
+        still = []
+        for push in self._pushes:
+            via, handle = push.path.transport, push.handle
+            assert handle is not None
+            status = via.poll(handle)
+            if status is XferStatus.PENDING:
+                copy = self.whole_copy(push.transfer, push.generation)
+                if copy is not None and now < copy.expires_at:
+                    still.append(push)
+                    continue
+                via.release(handle)  # cancels the write: it never reads slots past their lease
+                failed(push, "write cancelled: the staged copy's lease ended")
+                continue
+            if status is XferStatus.DONE:
+                self.read_ended(push.transfer, push.generation, push.part, ok=True)
+            else:
+                failed(push, f"write failed: {via.error(handle)}")
+            via.release(handle)
+        self._pushes = still
+        if self._written:  # a lease that ended takes its accepted parts along
+            self._written = {k for k in self._written if self.is_live(k[0], k[1])}
+
+    @property
+    def pushes_in_flight(self) -> int:
+        return len(self._pushes)
+
     def close(self) -> None:
+        for push in self._pushes:
+            if push.handle is not None:
+                push.path.transport.release(push.handle)
+        self._pushes.clear()
         for handle in self._copies.values():
             self.transport.release(handle)
         self._copies.clear()
