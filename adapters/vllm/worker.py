@@ -58,18 +58,23 @@ RESERVED = int(TargetState.RESERVED)
 
 
 def digester_for(verify: VerifyMode, layout: KVLayout) -> BlockDigester | None:
-    """What reads a rank's blocks for their per-block digests under ``verify``: none when it is ``none``, else a
-    ``HostDigester`` over KV in DRAM (vLLM on CPU). KV in VRAM has no digester yet, so a ``verify`` other than none
-    is refused (``ValueError``) at start-up, naming the option and what to set, rather than handing off
-    unchecked while the operator believes every block is checked."""
+    """What reads a rank's blocks for their per-block digests under ``verify``: none when it is ``none``, a
+    ``HostDigester`` over KV in DRAM (vLLM on CPU), a ``GpuDigester`` (Triton kernels) over KV in VRAM. Where KV
+    is in VRAM but Triton or CUDA is missing, a ``verify`` other than none is refused (``ValueError``) at start-up,
+    naming the option and what to set, rather than handing off unchecked while the operator believes every block
+    is checked."""
     if verify is VerifyMode.NONE:
         return None
-    if layout.kind is not MemoryKind.DRAM:
-        raise ValueError(f"kv_connector_extra_config verify={verify.value!r} needs the KV cache in host memory "
-                         f"(vLLM on CPU); this worker's KV is in {layout.kind.value}, for which no digester exists "
-                         f"yet: set \"verify\": \"none\" in kv_connector_extra_config, on P and D alike")
-    from kvlifecycle.transports.digest_host import HostDigester
-    return HostDigester(layout)
+    if layout.kind is MemoryKind.DRAM:
+        from kvlifecycle.transports.digest_host import HostDigester
+        return HostDigester(layout)
+    try:
+        from kvlifecycle.transports.digest_gpu import GpuDigester
+        return GpuDigester(layout)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"kv_connector_extra_config verify={verify.value!r} over KV in {layout.kind.value} needs "
+                         f"the GPU digester, which cannot run here ({exc}): install Triton with a CUDA torch, or "
+                         f"set \"verify\": \"none\" in kv_connector_extra_config, on P and D alike") from exc
 
 
 class WorkerSide:

@@ -57,10 +57,10 @@ for mode in (VerifyMode.SAMPLE, VerifyMode.ALL):
 """
 
 
-def test_verify_over_kv_in_vram_is_refused_at_start_up_saying_what_to_set() -> None:
-    """``verify`` other than none needs a digester where the KV lives; KV in VRAM has none yet, so the worker
-    refuses at start-up (before any agent or thread starts) rather than hand off unchecked; the message names the
-    option, where the KV is and what to set."""
+def test_verify_over_kv_in_vram_without_a_gpu_digester_is_refused_at_start_up_saying_what_to_set() -> None:
+    """``verify`` other than none needs a digester where the KV lives; KV in VRAM gets the GPU digester (Triton
+    kernels), which this CPU-only vLLM cannot run, so the worker refuses at start-up (before any agent or thread
+    starts) rather than hand off unchecked; the message names the option, where the KV is, why, and what to set."""
     h.require_vllm()
     out = subprocess.run(
         [str(h.VLLM_PYTHON), "-c", CHECK_VERIFY], capture_output=True, text=True, timeout=300, check=True,
@@ -71,5 +71,5 @@ def test_verify_over_kv_in_vram_is_refused_at_start_up_saying_what_to_set() -> N
     refused = [line for line in lines if line.startswith("refused:")]
     assert len(refused) == 2 and not [line for line in lines if line.startswith("accepted:")], out.stdout
     for line, mode in zip(refused, ("sample", "all"), strict=True):
-        assert f"verify={mode!r}" in line and "this worker's KV is in VRAM" in line
+        assert f"verify={mode!r}" in line and "over KV in VRAM needs the GPU digester" in line
         assert 'set "verify": "none" in kv_connector_extra_config' in line

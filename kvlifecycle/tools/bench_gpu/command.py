@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time kernel variants (chunk bytes, warps)")
     parser.add_argument("--device", type=int, default=0, help="D's device (this process)")
     parser.add_argument("--peer-device", type=int, default=None, help="P's device (default: the same)")
+    parser.add_argument("--verify", choices=("none", "all"), default="none",
+                        help="all: also time P's per-block digest pass against a device copy of the same bytes")
     parser.add_argument("--dir", help="keep the ledgers' logs here (default: a temporary directory)")
     parser.add_argument("--out", help="also write the JSON object to this file")
 
@@ -72,6 +74,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for label, shape in shapes.items():
             res[label] = bench_in_process(torch, ip, shape, sets[label], args.sweep, args.pipeline)
             tick(f"{label}: in-process paths")
+        if args.verify == "all":
+            _verify(torch, ip, shapes, sets, res)
+            tick("verify: the digest pass")
         if two_gpus:
             _peer_ceilings(torch, ip, shapes, args, res)
             tick("peer copy")
@@ -88,7 +93,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _steps(args: argparse.Namespace, two_gpus: bool) -> int:
     """How many times :func:`measure` ticks: one per stage below."""
     e2e = 0 if args.no_e2e else (2 if args.no_ab else 3)
-    return 2 + two_gpus + e2e + (args.sweep and two_gpus) + (0 if args.no_nixl else 2)
+    return 2 + (args.verify == "all") + two_gpus + e2e + (args.sweep and two_gpus) + (0 if args.no_nixl else 2)
+
+
+def _verify(torch: Any, ip: Any, shapes: dict[str, Shape], sets: dict[str, Any], res: dict[str, Any]) -> None:
+    from .verify import bench_verify
+
+    res["verify"] = {}
+    for label, shape in shapes.items():
+        try:
+            res["verify"][label] = bench_verify(torch, ip, shape, sets[label], res[label])
+        except Exception as exc:  # reported: the copy figures stand without it
+            res["verify"][label] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
 
 
 def _peer_ceilings(torch: Any, ip: Any, shapes: dict[str, Shape], args: argparse.Namespace,
@@ -161,8 +177,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(res, default=str))
     else:
         print_table(res)
-    ok = res["byte_exact"] and not any(res.get(key, {}).get("error") or res.get(key, {}).get("replay_violations")
-                                       for key in ("e2e", "e2e_python_post"))
+        from .verify import print_verify
+
+        print_verify(res)
+    digests_exact = all(v.get("digest_exact") for v in res.get("verify", {}).values())
+    ok = res["byte_exact"] and digests_exact and not any(res.get(key, {}).get("error")
+                                                         or res.get(key, {}).get("replay_violations")
+                                                         for key in ("e2e", "e2e_python_post"))
     return 0 if ok else 1
 
 

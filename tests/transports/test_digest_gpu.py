@@ -1,0 +1,144 @@
+"""The GPU digester: bit-exact with the host contract (``kvlifecycle.digest.digest_units``, i.e. ``xxhash``).
+
+The first tests need no GPU: :func:`tiled_xxh3` is the kernels' decomposition (row tiles, the scramble chain, the
+merge in 32-bit halves) in numpy, and equals ``xxhash`` over many lengths, so CI checks the math. The rest run the
+Triton kernels on a CUDA device (skipped without one) against the host contract over a copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+from kvlifecycle.transports.digest_gpu import SHORT_MAX, row_shape, tiled_xxh3
+
+from kvlifecycle.digest import DigestError, digest_units, slice_view
+from kvlifecycle.layout import grouped_layout, rows_layout
+from kvlifecycle.transport import KVLayout, MemoryKind
+
+LENGTHS = [241, 255, 256, 257, 320, 511, 960, 1023, 1024, 1025, 1087, 1088, 1089, 2047, 2048, 2049, 3000, 4096,
+           4097, 4160, 16383, 16384, 65536 + 65, 1 << 18]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_tiled_decomposition_equals_xxhash(n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    assert tiled_xxh3(data) == xxhash.xxh3_64_intdigest(data.tobytes())
+
+
+def test_tiled_decomposition_equals_xxhash_at_every_length_of_three_rows() -> None:
+    data = np.random.default_rng(7).integers(0, 256, 3 * 1024 + 64, dtype=np.uint8)
+    for n in range(SHORT_MAX + 1, data.size + 1):
+        assert tiled_xxh3(data[:n]) == xxhash.xxh3_64_intdigest(data[:n].tobytes()), n
+
+
+def test_row_shape_is_xxh3s_last_block_rule() -> None:
+    # whole rows are those before the last byte's row; the last row keeps at most 15 stripes of its own
+    assert row_shape(1024) == (1, 15) and row_shape(1025) == (2, 0) and row_shape(2048) == (2, 15)
+    assert row_shape(241) == (1, 3) and row_shape(1089) == (2, 1)
+    with pytest.raises(ValueError, match="over 240"):
+        tiled_xxh3(b"x" * SHORT_MAX)
+
+
+# --- on a GPU --------------------------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _regions(blocks: int, widths: list[int], seed: int) -> list[Any]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randint(0, 256, (blocks, w), dtype=torch.uint8, device="cuda", generator=gen) for w in widths]
+
+
+def _layout(regions: list[Any]) -> KVLayout:
+    return KVLayout(MemoryKind.VRAM, torch.cuda.current_device(), regions[0].shape[0],
+                    [r.data_ptr() for r in regions], [r.shape[1] for r in regions])
+
+
+def _host(regions: list[Any]) -> list[np.ndarray]:
+    return [r.cpu().numpy() for r in regions]
+
+
+def _digester(layout: KVLayout) -> Any:
+    from kvlifecycle.transports.digest_gpu import GpuDigester
+
+    return GpuDigester(layout)
+
+
+# (regions, block bytes, pieces per unit, slices): rows whole in a slice, 8-byte words across slices, odd bytes,
+# XXH3's short inputs (gathered to the host), a vLLM-like unit of 2 MiB
+SHAPES = [(4, 4096, 1, 1), (4, 4096, 1, 4), (3, 2048, 2, 1), (2, 1024, 3, 2), (5, 200, 1, 1), (3, 136, 2, 1),
+          (3, 333, 1, 1), (2, 1000, 2, 5), (1, 64, 1, 1), (2, 96, 1, 1), (1, 1088, 1, 1), (64, 32768, 1, 1),
+          (2, 65536 + 8, 1, 1)]
+
+
+@cuda
+@pytest.mark.parametrize(("regions", "width", "pieces", "slices"), SHAPES)
+def test_gpu_digests_equal_the_host_contract(regions: int, width: int, pieces: int, slices: int) -> None:
+    blocks = 24
+    regs = _regions(blocks, [width] * regions, seed=width + regions)
+    digester = _digester(_layout(regs))
+    rng = np.random.default_rng(width)
+    units = np.stack([rng.choice(blocks, pieces, replace=False) for _ in range(9)])
+    host = _host(regs)
+    for index in range(slices):
+        offset, length = slice_view(width, slices, index) if slices > 1 else (0, 0)
+        want = digest_units([host], units, offset=offset, length=length)
+        got = digester.digests(units, offset=offset, length=length)
+        assert got.dtype == np.dtype("<u8") and np.array_equal(got, want), (offset, length)
+
+
+@cuda
+@pytest.mark.parametrize("width", [241, 256, 1000, 1024, 1032, 1088, 4099, 8192])
+def test_one_region_unit_is_xxh3_of_its_bytes(width: int) -> None:
+    regs = _regions(8, [width], seed=width)
+    got = _digester(_layout(regs)).digests(np.arange(8))
+    assert got.tolist() == [xxhash.xxh3_64_intdigest(row.tobytes()) for row in regs[0].cpu().numpy()]
+
+
+@cuda
+def test_a_region_subset_mixed_widths_and_groups() -> None:
+    regs = _regions(16, [2048] * 6, seed=1)
+    digester = _digester(_layout(regs))
+    units = np.array([3, 0, 15, 7])
+    want = digest_units([[_host(regs)[r] for r in (4, 1)]], units)
+    assert np.array_equal(digester.digests(units, only=[4, 1]), want)
+    # a group of mixed block sizes (gathered to the host) after a KV group (the kernels)
+    aux = _regions(5, [4096, 512], seed=2)
+    kv = rows_layout("VRAM", 0, [r.data_ptr() for r in regs], [r.numel() for r in regs], [2048] * 6)
+    rows = rows_layout("VRAM", 0, [r.data_ptr() for r in aux], [r.numel() for r in aux], [4096, 512])
+    grouped = _digester(grouped_layout(kv, rows))
+    got = grouped.digests(np.array([1, 16, 20, 2]))
+    want_kv = digest_units([_host(regs)], np.array([1, 2]))
+    want_aux = digest_units([_host(aux)], np.array([0, 4]))
+    assert got.tolist() == [want_kv[0], want_aux[0], want_aux[1], want_kv[1]]
+    with pytest.raises(DigestError, match="within one region group"):
+        grouped.digests(np.array([[15, 16]]))
+    with pytest.raises(DigestError, match="first group"):
+        grouped.digests(np.array([16]), only=[0])
+
+
+@cuda
+def test_a_flipped_byte_changes_exactly_its_units_digest() -> None:
+    regs = _regions(32, [32768] * 8, seed=3)
+    digester = _digester(_layout(regs))
+    units = np.arange(32)
+    before = digester.digests(units)
+    regs[5][17, 12345] ^= 0x01
+    after = digester.digests(units)
+    assert np.flatnonzero(before != after).tolist() == [17]
+
+
+@cuda
+def test_the_vllm_adapter_picks_the_gpu_digester_for_kv_in_vram() -> None:
+    pytest.importorskip("vllm.distributed", reason="the vLLM adapter imports vLLM")
+    from kvlifecycle.adapters.vllm.worker import digester_for
+    from kvlifecycle.transports.digest_gpu import GpuDigester
+
+    from kvlifecycle.digest import VerifyMode
+
+    regs = _regions(4, [1024] * 2, seed=4)
+    assert isinstance(digester_for(VerifyMode.ALL, _layout(regs)), GpuDigester)

@@ -1,0 +1,401 @@
+"""Per-block digests over KV regions in VRAM: :class:`kvlifecycle.digest.BlockDigester` for KV on a GPU, bit-exact
+with :class:`~kvlifecycle.transports.digest_host.HostDigester` (XXH3-64, seed 0, default secret, over each unit's
+region slices concatenated in the contract's order).
+
+**How XXH3 splits on a GPU.** XXH3 over more than 240 bytes keeps 8 u64 accumulators and walks 1024-byte *rows* of
+16 stripes of 64 bytes. Within a row every stripe only *adds* to the accumulators (``acc[i ^ 1] += x[i]``,
+``acc[i] += lo32(x[i] ^ k) * hi32(x[i] ^ k)``), so a row's contribution is a sum that any number of threads can
+take in any order; between rows the accumulators are scrambled (xorshift, xor, multiply), a chain that is
+sequential per unit and per lane. So two kernels:
+
+1. ``_xxh3_rows_kernel``: every (unit, row) at once, a ``[rows, 16, 4, 2]`` tile of u64 per program reduced to
+   each row's 8 additions (the last row holds the partial stripes and XXH3's overlapping last stripe, whose
+   secret differs). This is the pass over the KV bytes, at memory speed; it writes 64 bytes per 1024 read.
+2. ``_xxh3_chain_kernel``: per unit and lane, the scramble chain over those additions, then XXH3's merge and
+   avalanche (the 64×64→128-bit multiply in 32-bit halves, as xxHash's portable path does it).
+
+The chain is ``(unit bytes) / 1024`` dependent steps, whatever the GPU: a request of few large units (16 blocks
+of 64 regions × 32 KiB: 2048 steps each) is bound by it, not by memory. :func:`tiled_xxh3` is the same
+decomposition in numpy, checked against ``xxhash`` on the CPU, so CI proves the arithmetic without a GPU.
+
+**What runs where.** Units of more than 240 bytes whose regions share one block size run the kernels; smaller
+units (XXH3's short-input paths) and groups of mixed block sizes are gathered on the device, copied to the host
+and hashed there with ``xxhash``; groups in host memory (SGLang's aux rows) are read in place. Launches go to the
+device's current stream and the call waits for its result, as the host digester returns its values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kvlifecycle.digest import DIGEST_DTYPE, DigestError, digest_units
+from kvlifecycle.transport import KVLayout, MemoryKind
+
+if TYPE_CHECKING:
+    import torch
+
+try:  # Triton is optional: without it the digester refuses to be built (the adapter says what to set)
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAVE_TRITON = False
+
+# xxHash's XXH3_kSecret (xxhash.h): the default 192-byte secret
+_K_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221"
+    "b8084674f743248ee03590e6813a264c3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb"
+    "170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
+SHORT_MAX = 240  # XXH3's short-input paths end here; longer inputs take the striped path the kernels compute
+ROW_BYTES, STRIPE_BYTES = 1024, 64
+_P32_1, _P32_2, _P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
+_P64_1, _P64_2, _P64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+_P64_4, _P64_5, _PRIME_MX1 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5, 0x165667919E3779F9
+INIT_ACC = np.array([_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1], dtype=np.uint64)
+LAST_ROW, SCRAMBLE_ROW, MERGE_ROW, INIT_ROW = 16, 17, 18, 19
+
+
+def _secret_words(start: int) -> list[int]:
+    return [int.from_bytes(_K_SECRET[start + 8 * j:start + 8 * j + 8], "little") for j in range(8)]
+
+
+# The secret as the kernels read it, one row of 8 u64 per use: stripe s's keys (bytes 8s..), the last stripe's
+# (byte 121: XXH_SECRET_LASTACC_START), the scramble's (byte 128), the merge's (byte 11) and the initial accumulators
+SECRET_TABLE = np.array([_secret_words(8 * s) for s in range(16)] + [_secret_words(121), _secret_words(128),
+                        _secret_words(11), [int(v) for v in INIT_ACC]], dtype=np.uint64)
+
+
+def row_shape(total: int) -> tuple[int, int]:
+    """``(rows, stripes in the last row)`` of XXH3's striped path over ``total`` bytes: rows before the last are
+    whole (16 stripes, then a scramble); the last holds ``stripes`` stripes plus the last 64 bytes of the input."""
+    full = (total - 1) // ROW_BYTES
+    return full + 1, ((total - 1) - ROW_BYTES * full) // STRIPE_BYTES
+
+
+def _mul128_fold64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """lo64(a × b) ^ hi64(a × b) in 32-bit halves (xxHash's XXH_mult64to128, portable form): exact in u64."""
+    m = np.uint64(0xFFFFFFFF)
+    s32 = np.uint64(32)
+    lo_lo, hi_lo = (a & m) * (b & m), (a >> s32) * (b & m)
+    lo_hi, hi_hi = (a & m) * (b >> s32), (a >> s32) * (b >> s32)
+    cross = (lo_lo >> s32) + (hi_lo & m) + lo_hi
+    upper = (hi_lo >> s32) + (cross >> s32) + hi_hi
+    lower = (cross << s32) | (lo_lo & m)
+    return np.asarray(lower ^ upper, dtype=np.uint64)
+
+
+def tiled_xxh3(data: bytes | np.ndarray) -> int:
+    """XXH3-64 of ``data`` (more than 240 bytes) computed as the kernels compute it: every row's additions from a
+    ``[rows, 16, 8]`` tile (positions and masks as ``_xxh3_rows_kernel`` forms them), then the chain and the merge
+    (``_xxh3_chain_kernel``). Equal to ``xxhash.xxh3_64_intdigest(data)``; the CPU proof of the kernels' math."""
+    buf = np.frombuffer(bytes(data), dtype=np.uint8) if isinstance(data, bytes) else np.asarray(data, np.uint8)
+    total = int(buf.size)
+    if total <= SHORT_MAX:
+        raise ValueError(f"the striped path is for inputs over {SHORT_MAX} bytes, got {total}")
+    nrows, last_stripes = row_shape(total)
+    row = np.arange(nrows)[:, None, None]
+    s = np.arange(16)[None, :, None]
+    lane = np.arange(8)[None, None, :]
+    last_row, last_slot = row == nrows - 1, (row == nrows - 1) & (s == 15)
+    valid = ~last_row | (s < last_stripes) | (s == 15)
+    pos = np.where(last_slot, total - STRIPE_BYTES + lane * 8, row * ROW_BYTES + s * STRIPE_BYTES + lane * 8)
+    pos = np.where(valid, pos, 0)
+    padded = np.concatenate([buf, np.zeros(8, np.uint8)])
+    x = np.zeros(pos.shape, np.uint64)
+    for b in range(8):  # little-endian words at any byte position (the last stripe is not 8-aligned)
+        x |= padded[pos + b].astype(np.uint64) << np.uint64(8 * b)
+    x = np.where(valid, x, np.uint64(0))
+    sec = np.where(last_slot, SECRET_TABLE[LAST_ROW][None, None, :], SECRET_TABLE[:16][None, :, :])
+    key = x ^ sec
+    prod = np.where(valid, (key & np.uint64(0xFFFFFFFF)) * (key >> np.uint64(32)), np.uint64(0))
+    adds = prod.sum(axis=1, dtype=np.uint64) + x.sum(axis=1, dtype=np.uint64)[:, [1, 0, 3, 2, 5, 4, 7, 6]]
+    acc = INIT_ACC.copy()
+    for n in range(nrows - 1):
+        acc = acc + adds[n]
+        acc = ((acc ^ (acc >> np.uint64(47))) ^ SECRET_TABLE[SCRAMBLE_ROW]) * np.uint64(_P32_1)
+    acc = acc + adds[nrows - 1]
+    merge = SECRET_TABLE[MERGE_ROW]
+    h = np.array([total], np.uint64) * np.uint64(_P64_1)  # arrays: numpy wraps them silently, as u64 does
+    h += _mul128_fold64(acc[0::2] ^ merge[0::2], acc[1::2] ^ merge[1::2]).sum(dtype=np.uint64)
+    h ^= h >> np.uint64(37)
+    h *= np.uint64(_PRIME_MX1)
+    h ^= h >> np.uint64(32)
+    return int(h[0])
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _src_offset(pos, seg, pieces, unit_ids, bases_ptr, stride, lo):
+        """Byte offset from the anchor of byte ``pos`` of a unit's stream: stream segment ``k = pos // seg`` is
+        piece ``k % pieces`` of region ``k // pieces`` (regions in order, each contributing every piece's slice)."""
+        k = pos // seg
+        region = k // pieces
+        piece = k - region * pieces
+        return tl.load(bases_ptr + region) + tl.load(unit_ids + piece) * stride + lo + (pos - k * seg)
+
+    @triton.jit
+    def _xxh3_rows_kernel(
+        anchor64_ptr,  # int64 view of the anchor: 8-byte words (MODE 0 and 1)
+        anchor8_ptr,  # uint8 view of the same anchor (MODE 2)
+        bases_ptr,  # int64[R]: byte offset of region r from the anchor
+        ids_ptr,  # int64[U, pieces]: each unit's block ids in its group
+        secret_ptr,  # int64[20, 8]: SECRET_TABLE
+        adds_ptr,  # int64[U, nrows, 8] out: each row's additions to the 8 accumulators
+        seg, pieces, stride, lo, total, nrows, last_stripes,
+        ROWS: tl.constexpr,  # rows per program
+        MODE: tl.constexpr,  # 0: rows lie whole in one segment; 1: 8-byte words gathered; 2: bytes gathered
+        ALIGN: tl.constexpr,  # MODE 0: words per guaranteed alignment of a row's start (2: 16-byte loads)
+    ):
+        unit = tl.program_id(1).to(tl.int64)
+        row1 = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row = row1[:, None, None, None]
+        s = tl.arange(0, 16)[None, :, None, None]
+        lane = (tl.arange(0, 4)[None, None, :, None] * 2 + tl.arange(0, 2)[None, None, None, :]).to(tl.int64)
+        last_row = row == nrows - 1
+        last_slot = last_row & (s == 15)
+        valid = (row < nrows) & ((row != nrows - 1) | (s < last_stripes) | (s == 15))
+        unit_ids = ids_ptr + unit * pieces
+        if MODE == 0:
+            # seg % 1024 == 0: a row is contiguous, and the last stripe is its slot 15 (total % 1024 == 0)
+            start = _src_offset(tl.where(row < nrows, row * 1024, 0), seg, pieces, unit_ids, bases_ptr, stride, lo)
+            word = tl.multiple_of(start // 8, [ALIGN, ALIGN, ALIGN, ALIGN]) + s * 8 + lane
+            x = tl.load(anchor64_ptr + word, mask=valid, other=0).to(tl.uint64, bitcast=True)
+        else:
+            pos = tl.where(last_slot, total - 64 + lane * 8, row * 1024 + s * 64 + lane * 8)
+            pos = tl.where(valid, pos, 0)
+            if MODE == 1:
+                off = _src_offset(pos, seg, pieces, unit_ids, bases_ptr, stride, lo)
+                x = tl.load(anchor64_ptr + off // 8, mask=valid, other=0).to(tl.uint64, bitcast=True)
+            else:
+                x = tl.zeros(pos.shape, tl.uint64)
+                for b in tl.static_range(8):  # a word may straddle two regions' slices
+                    off = _src_offset(pos + b, seg, pieces, unit_ids, bases_ptr, stride, lo)
+                    byte = tl.load(anchor8_ptr + off, mask=valid, other=0).to(tl.uint64)
+                    x = x | (byte << (8 * b))
+        sec_main = tl.load(secret_ptr + s * 8 + lane).to(tl.uint64, bitcast=True)
+        sec_last = tl.load(secret_ptr + 16 * 8 + lane).to(tl.uint64, bitcast=True)
+        key = x ^ tl.where(last_slot, sec_last, sec_main)
+        prod = tl.where(valid, (key & 0xFFFFFFFF) * (key >> 32), 0).to(tl.uint64)
+        m_even, m_odd = tl.split(tl.sum(prod, axis=1))
+        x_even, x_odd = tl.split(tl.sum(x, axis=1))
+        # acc[i ^ 1] += x[i]: lane 2i takes the odd words, lane 2i + 1 the even ones
+        out = adds_ptr + (unit * nrows + row1[:, None]) * 8 + tl.arange(0, 4)[None, :] * 2
+        ok = row1[:, None] < nrows
+        tl.store(out, (m_even + x_odd).to(tl.int64, bitcast=True), mask=ok)
+        tl.store(out + 1, (m_odd + x_even).to(tl.int64, bitcast=True), mask=ok)
+
+    @triton.jit
+    def _scramble(acc, key):
+        acc = acc ^ (acc >> 47)
+        acc = acc ^ key
+        return acc * 0x9E3779B1
+
+    @triton.jit
+    def _mul128_fold64_tl(a, b):
+        lo_lo = (a & 0xFFFFFFFF) * (b & 0xFFFFFFFF)
+        hi_lo = (a >> 32) * (b & 0xFFFFFFFF)
+        lo_hi = (a & 0xFFFFFFFF) * (b >> 32)
+        hi_hi = (a >> 32) * (b >> 32)
+        cross = (lo_lo >> 32) + (hi_lo & 0xFFFFFFFF) + lo_hi
+        upper = (hi_lo >> 32) + (cross >> 32) + hi_hi
+        lower = (cross << 32) | (lo_lo & 0xFFFFFFFF)
+        return lower ^ upper
+
+    @triton.jit
+    def _xxh3_chain_kernel(adds_ptr, secret_ptr, out_ptr, units, nrows, total,
+                           UNITS: tl.constexpr, UNROLL: tl.constexpr):
+        """Per unit: the accumulators through every whole row's additions and scramble, the last row's additions,
+        then XXH3's merge and avalanche. Even and odd lanes are kept apart: the merge pairs lane 2i with 2i + 1."""
+        u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
+        ok = (u < units)[:, None]
+        ev = tl.arange(0, 4)[None, :] * 2
+        zero = tl.zeros([UNITS, 4], tl.uint64)
+        acc_e = zero + tl.load(secret_ptr + 19 * 8 + ev).to(tl.uint64, bitcast=True)
+        acc_o = zero + tl.load(secret_ptr + 19 * 8 + ev + 1).to(tl.uint64, bitcast=True)
+        key_e = tl.load(secret_ptr + 17 * 8 + ev).to(tl.uint64, bitcast=True)
+        key_o = tl.load(secret_ptr + 17 * 8 + ev + 1).to(tl.uint64, bitcast=True)
+        base = adds_ptr + u[:, None] * nrows * 8 + ev
+        whole = nrows - 1
+        unrolled = whole - whole % UNROLL
+        for n0 in range(0, unrolled, UNROLL):
+            for c in tl.static_range(UNROLL):  # the loads do not depend on the chain: issued ahead of it
+                d_e = tl.load(base + (n0 + c) * 8, mask=ok, other=0).to(tl.uint64, bitcast=True)
+                d_o = tl.load(base + (n0 + c) * 8 + 1, mask=ok, other=0).to(tl.uint64, bitcast=True)
+                acc_e = _scramble(acc_e + d_e, key_e)
+                acc_o = _scramble(acc_o + d_o, key_o)
+        for n in range(unrolled, whole):
+            acc_e = _scramble(acc_e + tl.load(base + n * 8, mask=ok, other=0).to(tl.uint64, bitcast=True), key_e)
+            acc_o = _scramble(acc_o + tl.load(base + n * 8 + 1, mask=ok, other=0).to(tl.uint64, bitcast=True), key_o)
+        acc_e += tl.load(base + whole * 8, mask=ok, other=0).to(tl.uint64, bitcast=True)
+        acc_o += tl.load(base + whole * 8 + 1, mask=ok, other=0).to(tl.uint64, bitcast=True)
+        mk_e = tl.load(secret_ptr + 18 * 8 + ev).to(tl.uint64, bitcast=True)
+        mk_o = tl.load(secret_ptr + 18 * 8 + ev + 1).to(tl.uint64, bitcast=True)
+        h = tl.sum(_mul128_fold64_tl(acc_e ^ mk_e, acc_o ^ mk_o), axis=1)
+        h = h + total.to(tl.uint64) * 0x9E3779B185EBCA87
+        h = h ^ (h >> 37)
+        h = h * 0x165667919E3779F9
+        h = h ^ (h >> 32)
+        tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    kind: MemoryKind
+    first: int  # the group's first block id in the layout's one id space
+    blocks: int
+    bases: tuple[int, ...]
+    block_bytes: tuple[int, ...]
+
+
+class GpuDigester:
+    """Digests the blocks of ``layout`` (KV in VRAM, on ``layout.device_id``) where they lie.
+
+    ``rows_per_program``/``num_warps``: the row kernel's tile (16 rows: 16 KiB a program); ``chain_units``: units
+    per program of the chain kernel (8 lanes each)."""
+
+    def __init__(self, layout: KVLayout, *, rows_per_program: int = 16, num_warps: int = 4,
+                 chain_units: int = 4, chain_unroll: int = 16) -> None:
+        if layout.kind is not MemoryKind.VRAM:
+            raise ValueError(f"GPU digests need a VRAM layout, got {layout.kind}: use HostDigester")
+        import torch
+
+        if not HAVE_TRITON or not torch.cuda.is_available():
+            raise ValueError("GPU digests need Triton and a CUDA device")
+        self._torch = torch
+        self.device = torch.device("cuda", layout.device_id)
+        self._groups: list[_Group] = []
+        first = region = 0
+        for group, kind in zip(layout.region_groups, layout.group_kinds, strict=True):
+            sl = slice(region, region + group.regions)
+            self._groups.append(_Group(kind, first, group.num_blocks, layout.base_addrs[sl], layout.block_bytes[sl]))
+            first, region = first + group.num_blocks, region + group.regions
+        self._starts = np.array([g.first for g in self._groups] + [first], dtype=np.int64)
+        self._anchor = torch.empty(64, dtype=torch.uint8, device=self.device)
+        self._anchor64 = self._anchor.view(torch.int64)
+        self._secret = torch.from_numpy(SECRET_TABLE.view(np.int64).copy()).to(self.device)
+        self._rows, self._warps = rows_per_program, num_warps
+        self._chain_units, self._unroll = chain_units, chain_unroll
+        self._host: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()  # one launch sequence at a time (P's side-channel and D's service threads)
+
+    def digests(self, units: np.ndarray, *, offset: int = 0, length: int = 0,
+                only: Sequence[int] | None = None) -> np.ndarray:
+        ids = np.asarray(units, dtype=np.int64)
+        ids = ids.reshape(-1, 1) if ids.ndim == 1 else ids
+        out = np.empty(ids.shape[0], dtype=DIGEST_DTYPE)
+        if ids.shape[0] == 0:
+            return out
+        group_of = np.searchsorted(self._starts, ids[:, 0], side="right") - 1
+        known = np.clip(group_of, 0, len(self._groups) - 1)
+        inside = (ids >= self._starts[known][:, None]) & (ids < self._starts[known + 1][:, None])
+        bad = np.flatnonzero((group_of != known) | ~inside.all(axis=1))
+        if bad.size:
+            raise DigestError(f"unit {ids[bad[0]].tolist()} is not within one region group of "
+                              f"{int(self._starts[-1])} blocks")
+        if only is not None and (group_of != 0).any():
+            raise DigestError(f"unit {ids[np.flatnonzero(group_of)[0]].tolist()}: a region subset is of the first "
+                              f"group's blocks only")
+        for g in np.unique(group_of):
+            rows = np.flatnonzero(group_of == g)
+            group = self._groups[int(g)]
+            local = ids[rows] - group.first
+            picked = range(len(group.bases)) if only is None else list(only)
+            if g == 0:
+                out[rows] = self._group_digests(int(g), group, local, picked, offset, length)
+            else:
+                out[rows] = self._group_digests(int(g), group, local, picked, 0, 0)
+        return out
+
+    def _group_digests(self, g: int, group: _Group, local: np.ndarray, picked: Sequence[int], offset: int,
+                       length: int) -> np.ndarray:
+        bases = [group.bases[r] for r in picked]
+        widths = [group.block_bytes[r] for r in picked]
+        segs = [length or w - offset for w in widths]
+        if offset < 0 or any(s <= 0 or offset + s > w for s, w in zip(segs, widths, strict=True)):
+            raise DigestError(f"slice {offset}+{length} does not fit blocks of {sorted(set(widths))} bytes")
+        if group.kind is not MemoryKind.VRAM:  # host rows of a mixed layout: read in place, as HostDigester does
+            views = self._host.setdefault(g, [np.ctypeslib.as_array((ctypes.c_uint8 * (w * group.blocks))
+                                                                    .from_address(b)).reshape(group.blocks, w)
+                                              for b, w in zip(group.bases, group.block_bytes, strict=True)])
+            return digest_units([[views[r] for r in picked]], local, offset=offset, length=length)
+        total = len(bases) * local.shape[1] * segs[0]
+        if len(set(widths)) != 1 or len(set(segs)) != 1 or total <= SHORT_MAX:
+            return self._gathered(bases, widths, group.blocks, local, offset, segs)
+        with self._lock, self._torch.cuda.device(self.device):
+            result: np.ndarray = self._launch(bases, widths[0], local, offset, segs[0], total).cpu().numpy()
+        return result.view(DIGEST_DTYPE)
+
+    def enqueue(self, units: np.ndarray, *, offset: int = 0, length: int = 0) -> torch.Tensor:
+        """The kernels' digests of ``units`` (blocks of a one-group layout whose regions share one block size, more
+        than 240 bytes a unit) as an int64 device tensor, launched on the current stream and not waited for: for a
+        caller that overlaps the pass with other work (and for timing the device pass alone)."""
+        group = self._groups[0]
+        ids = np.asarray(units, dtype=np.int64)
+        ids = ids.reshape(-1, 1) if ids.ndim == 1 else ids
+        width = group.block_bytes[0]
+        seg = length or width - offset
+        total = len(group.bases) * ids.shape[1] * seg
+        if len(self._groups) != 1 or len(set(group.block_bytes)) != 1 or total <= SHORT_MAX or \
+                not 0 <= offset < offset + seg <= width or ids.min(initial=0) < 0 or \
+                ids.max(initial=0) >= group.blocks:
+            raise DigestError(f"enqueue needs one group of equal blocks and units within it over {SHORT_MAX} bytes")
+        with self._lock, self._torch.cuda.device(self.device):
+            return self._launch(list(group.bases), width, ids, offset, seg, total)
+
+    def _launch(self, bases: list[int], stride: int, local: np.ndarray, lo: int, seg: int,
+                total: int) -> torch.Tensor:
+        torch = self._torch
+        anchor = self._anchor.data_ptr()
+        words = (anchor, stride, lo, seg, *bases)
+        aligned = all(v % 8 == 0 for v in words)
+        mode = (0 if seg % ROW_BYTES == 0 else 1) if aligned else 2
+        align = 2 if all(v % 16 == 0 for v in words) else 1
+        nrows, last_stripes = row_shape(total)
+        bases_t = torch.tensor([b - anchor for b in bases], dtype=torch.int64, device=self.device)
+        out = torch.empty(local.shape[0], dtype=torch.int64, device=self.device)
+        for first in range(0, local.shape[0], 65535):  # the grid's second axis holds at most 65535 units
+            ids = np.ascontiguousarray(local[first:first + 65535])
+            n = ids.shape[0]
+            ids_t = torch.from_numpy(ids).to(self.device)
+            adds = torch.empty((n, nrows, 8), dtype=torch.int64, device=self.device)
+            _xxh3_rows_kernel[(triton.cdiv(nrows, self._rows), n)](
+                self._anchor64, self._anchor, bases_t, ids_t, self._secret, adds, seg, ids.shape[1], stride, lo,
+                total, nrows, last_stripes, ROWS=self._rows, MODE=mode, ALIGN=align, num_warps=self._warps)
+            _xxh3_chain_kernel[(triton.cdiv(n, self._chain_units),)](
+                adds, self._secret, out[first:], n, nrows, total, UNITS=self._chain_units, UNROLL=self._unroll,
+                num_warps=1)
+        return out
+
+    def _gathered(self, bases: list[int], widths: list[int], blocks: int, local: np.ndarray, lo: int,
+                  segs: list[int]) -> np.ndarray:
+        """The slices gathered on the device, copied to the host and hashed there: XXH3's short inputs and
+        regions of mixed block sizes (rare: a slow path, never a wrong one)."""
+        torch = self._torch
+        from .cuda_ipc.triton_copy import _RawCudaArray
+
+        ids = torch.from_numpy(np.ascontiguousarray(local)).to(self.device)
+        parts = []
+        for base, width, seg in zip(bases, widths, segs, strict=True):
+            view = torch.as_tensor(_RawCudaArray(base, (blocks, width), (width, 1)), device=self.device)
+            parts.append(view[ids][:, :, lo:lo + seg].reshape(ids.shape[0], -1))
+        rows = torch.cat(parts, dim=1).cpu().numpy()
+        return np.array([xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows], dtype=DIGEST_DTYPE)
+
+
+
+def reference_digests(regions: list[torch.Tensor], units: np.ndarray, offset: int = 0,
+                      length: int = 0) -> np.ndarray:
+    """The contract computed on the host from ``[blocks, block bytes]`` uint8 device tensors (one group): for tests
+    and the benchmark's exactness check."""
+    host = [r.cpu().numpy() for r in regions]
+    return digest_units([host], units, offset=offset, length=length)
