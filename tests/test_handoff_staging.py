@@ -191,6 +191,7 @@ def test_a_push_of_a_staged_lease_is_written_from_the_host_copy(make_rig, tmp_pa
     rig.close_and_replay_check(tmp_path)
 
 
+@pytest.mark.mutants
 @pytest.mark.parametrize("mutant", [False, True])
 def test_a_staged_push_in_flight_when_its_lease_ends_is_cancelled_before_its_slots_are_freed(
         make_rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutant: bool) -> None:

@@ -166,6 +166,7 @@ def test_a_batch_said_to_land_in_other_blocks_fails_the_stream(make_pair) -> Non
     pair.close()
 
 
+@pytest.mark.mutants
 def test_mutant_verification_off_on_d_lets_the_changed_byte_reach_attention(make_pair) -> None:
     pair = make_pair(verify_d="none", wrap=lambda td, dst: OnLayerNote(td, 1, _flip_landed_byte(dst, 1, 8)))
     pair.stream([1, 2, 3], [7, 8, 9])
