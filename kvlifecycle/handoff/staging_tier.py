@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -50,9 +51,22 @@ from kvlifecycle.transport import (
     XferStatus,
 )
 
-__all__ = ["StagedPush", "StagingTier"]
+__all__ = ["StagedPush", "StagingCopier", "StagingTier"]
 
 _WHOLE = (HostSlotState.STAGED, HostSlotState.SERVING)
+
+
+class StagingCopier(Protocol):
+    """What copies P's KV blocks into the pool's slots when the host transport does not read them itself."""
+
+    def post(self, op: XferOp, plan: None, local_blocks: np.ndarray, remote_blocks: np.ndarray, *,
+             transfer: str = "") -> TransferHandle: ...
+
+    def poll(self, handle: TransferHandle) -> XferStatus: ...
+
+    def error(self, handle: TransferHandle) -> TransportError | None: ...
+
+    def release(self, handle: TransferHandle) -> None: ...
 
 
 @dataclass(slots=True)
@@ -82,6 +96,9 @@ class StagingTier:
     # reads the pool's slots for their digests (a HostDigester over the pool's layout): a lease staged before D
     # asked for its grant is digested from its host copy, the same bytes (a digest does not depend on the slot)
     digester: BlockDigester | None = None
+    # what copies the KV cache into the pool instead of a READ by ``transport`` (a KV cache in VRAM: the gather
+    # kernel on a CUDA stream, transports.staging_copy_cuda.CudaStagingCopy); it posts READs of (slots, blocks)
+    copier: StagingCopier | None = None
     _kv_plan: PreparedPlan | None = None
     _copies: dict[str, TransferHandle] = field(default_factory=dict)  # transfer -> its copy in flight
     # pushes from the pool: (D agent, its epoch) -> where writes to it go; (transfer, generation, part) accepted
@@ -90,8 +107,10 @@ class StagingTier:
     _pushes: list[StagedPush] = field(default_factory=list)
 
     def attach(self, kv: Transport) -> None:
-        """Reach P's KV cache from the host transport (the copies read it): called once by the Producer."""
-        self._kv_plan = self.transport.prepare(self.transport.add_peer(kv.local_metadata()))
+        """Reach P's KV cache from the host transport (the copies read it): called once by the Producer. A
+        ``copier`` reads the KV cache itself."""
+        if self.copier is None:
+            self._kv_plan = self.transport.prepare(self.transport.add_peer(kv.local_metadata()))
 
     def metadata(self) -> PeerMetadata | None:
         """The host region set's metadata for the handshake; None when it cannot be exported (D reads the GPU)."""
@@ -115,10 +134,13 @@ class StagingTier:
             if plan is None:
                 continue
             try:
-                if self._kv_plan is None:
+                if self.copier is not None:
+                    handle = self.copier.post(XferOp.READ, None, plan.slots, plan.gpu_blocks, transfer=transfer)
+                elif self._kv_plan is None:
                     raise TransportError("the host transport was not attached to P's KV transport")
-                handle = self.transport.post(XferOp.READ, self._kv_plan, plan.slots, plan.gpu_blocks,
-                                             transfer=transfer)
+                else:
+                    handle = self.transport.post(XferOp.READ, self._kv_plan, plan.slots, plan.gpu_blocks,
+                                                 transfer=transfer)
             except (TransportError, ValueError) as exc:
                 self.staging.copy_done(transfer, ok=False, reason=f"copy not posted: {exc}")
                 continue
@@ -127,13 +149,14 @@ class StagingTier:
     def poll_copies(self) -> list[str]:
         """Settle the copies that ended: a whole copy hands its GPU lease over. The transfers handed over."""
         handed = []
+        via: StagingCopier | Transport = self.copier or self.transport
         for transfer, handle in list(self._copies.items()):
-            status = self.transport.poll(handle)
+            status = via.poll(handle)
             if status is XferStatus.PENDING:
                 continue
             del self._copies[transfer]
-            reason = "" if status is XferStatus.DONE else f"copy failed: {self.transport.error(handle)}"
-            self.transport.release(handle)
+            reason = "" if status is XferStatus.DONE else f"copy failed: {via.error(handle)}"
+            via.release(handle)
             if self.staging.copy_done(transfer, ok=status is XferStatus.DONE, reason=reason):
                 handed.append(transfer)
         return handed
@@ -268,5 +291,5 @@ class StagingTier:
                 push.path.transport.release(push.handle)
         self._pushes.clear()
         for handle in self._copies.values():
-            self.transport.release(handle)
+            (self.copier or self.transport).release(handle)
         self._copies.clear()
