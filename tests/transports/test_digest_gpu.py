@@ -133,6 +133,19 @@ def test_a_flipped_byte_changes_exactly_its_units_digest() -> None:
 
 
 @cuda
+def test_the_fused_copy_writes_the_blocks_and_digests_what_it_moved() -> None:
+    src = _regions(12, [4096] * 6, seed=5)
+    dst = [torch.zeros_like(r) for r in src]
+    digester = _digester(_layout(src))
+    got = digester.copy_and_digest(np.array([7, 2, 11]), [r.data_ptr() for r in dst], np.array([0, 9, 3]))
+    assert np.array_equal(got.cpu().numpy().view(np.uint64), digest_units([_host(src)], np.array([7, 2, 11])))
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[[0, 9, 3]], s[[7, 2, 11]]) and not d[[1, 2, 4, 5, 6, 7, 8, 10, 11]].any()
+    with pytest.raises(DigestError, match="1024-byte"):
+        _digester(_layout(_regions(4, [1000], seed=6))).copy_and_digest(np.array([1]), [0], np.array([2]))
+
+
+@cuda
 def test_the_vllm_adapter_picks_the_gpu_digester_for_kv_in_vram() -> None:
     pytest.importorskip("vllm.distributed", reason="the vLLM adapter imports vLLM")
     from kvlifecycle.adapters.vllm.worker import digester_for
