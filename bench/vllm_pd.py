@@ -198,9 +198,9 @@ def _slow_decode(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=None, help="default 8 (24 with --slow-decode)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=None, help="default 32 (128 with --slow-decode)")
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--model-cache", default=os.environ.get("KVL_MODEL_CACHE",
                                                                  str(Path.home() / ".cache/kvlifecycle/models")))
@@ -215,9 +215,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="--slow-decode: also with P's host staging tier on (the runs without it are kept)")
     parser.add_argument("--fast-output-tokens", type=int, default=4, help="--slow-decode: the fast D's outputs")
     parser.add_argument("--p-kv-blocks", type=int, default=16, help="--slow-decode: P's KV pool (blocks of 128)")
-    parser.add_argument("--stage-after-ms", type=float, default=50.0, help="--slow-decode --staging")
-    parser.add_argument("--staging-pool-blocks", type=int, default=64, help="--slow-decode --staging")
+    parser.add_argument("--stage-after-ms", type=float, default=10.0, help="--slow-decode --staging")
+    parser.add_argument("--staging-pool-blocks", type=int, default=128, help="--slow-decode --staging")
     args = parser.parse_args(argv)
+    if args.requests is None:  # a slow-decode run of 8 lasts half a second: too short to rank (docs/vllm.md)
+        args.requests = 24 if args.slow_decode else 8
+    if args.output_tokens is None:  # the slow D's outputs: long enough that D lags P
+        args.output_tokens = 128 if args.slow_decode else 32
     if args.staging and not args.slow_decode:
         parser.error("--staging goes with --slow-decode")
     if args.slow_decode:
