@@ -10,14 +10,18 @@ worker needs for vLLM:
   staged copy ends (its pool record released: read, failed, cancelled or expired);
 - the numbers for ``/metrics`` (:class:`StagingGauges`): staged blocks, pool occupancy, pinned-block-seconds.
 
-The pool is host memory laid out like the KV cache and registered with a NIXL agent of its own (DRAM): the copy is
-that agent's READ of P's KV agent (on vLLM's CPU backend a local memory copy), and D reads the slots from it.
+The pool is host memory laid out like the KV cache and registered with a NIXL agent of its own (DRAM); D reads the
+slots from that agent. The copy into the pool is that agent's READ of P's KV agent (on vLLM's CPU backend a local
+memory copy), or, for a KV cache in VRAM, the gather kernel on a CUDA stream (``CudaStagingCopy``; where it cannot
+be built, the NIXL READ, logged).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from kvlifecycle import events as ev
 from kvlifecycle.eventlog import EventLog
@@ -27,9 +31,11 @@ from kvlifecycle.staging import HostStaging
 from kvlifecycle.staging_ledger import StagingLedger
 from kvlifecycle.staging_metrics import StagingMetrics
 from kvlifecycle.staging_policy import StagingPolicy
-from kvlifecycle.transport import KVLayout, Transport
+from kvlifecycle.transport import KVLayout, MemoryKind, Transport, TransportError
 
 __all__ = ["StagingGauges", "WorkerStaging"]
+
+log = logging.getLogger("kvlifecycle.adapters.vllm")
 
 
 class WorkerStaging:
@@ -38,6 +44,7 @@ class WorkerStaging:
     def __init__(self, tier: StagingTier, pool: StagingLedger, transport: Transport, memory: object) -> None:
         self.tier, self.pool, self.transport = tier, pool, transport
         self._memory = memory  # the HostPool whose buffers the transport registered: kept alive as long as it
+        self.copy_path = "cuda stream" if tier.copier is not None else "nixl read"
         self._lock = threading.Lock()
         self._handed_over: dict[str, str] = {}  # transfer -> request: GPU lease released as staged, grant published
         self._ended: list[str] = []  # transfers whose staged copy ended (pool listener, the Producer's thread)
@@ -57,7 +64,7 @@ class WorkerStaging:
         log = EventLog(log_dir, fsync=fsync) if log_dir is not None else None
         pool = StagingLedger(policy.pool_blocks, clock=source.clock, hlc=source.hlc, source_worker=source.worker,
                              log=log)
-        tier = StagingTier(HostStaging(source, pool, policy), transport)
+        tier = StagingTier(HostStaging(source, pool, policy), transport, copier=_cuda_copier(kv_layout, memory))
         return cls(tier, pool, transport, memory)
 
     def _on_pool_event(self, event: ev.Event) -> None:
@@ -82,10 +89,27 @@ class WorkerStaging:
         return [request for transfer in ended if (request := self._handed_over.pop(transfer, None)) is not None]
 
     def close(self) -> None:
-        """After the Producer closed (it releases the copies' handles): the pool's log and transport."""
+        """After the Producer closed (it releases the copies' handles): the copier (it waits, bounded, for copies
+        still running into the pool), the pool's log and transport."""
+        copier: Any = self.tier.copier
+        if copier is not None:
+            copier.close()
         if self.pool.log is not None:
             self.pool.log.close()
         self.transport.close()
+
+
+def _cuda_copier(kv_layout: KVLayout, memory: Any) -> Any:
+    """The CUDA stream copy for a KV cache in VRAM, else None (the pool's NIXL agent READs the KV cache)."""
+    if kv_layout.kind is not MemoryKind.VRAM:
+        return None
+    try:
+        from kvlifecycle.transports.staging_copy_cuda import CudaStagingCopy
+
+        return CudaStagingCopy(kv_layout, memory)
+    except (ImportError, TransportError) as exc:
+        log.warning("KVLifecycleConnector: the staging copy goes through NIXL (no CUDA stream copy: %s)", exc)
+        return None
 
 
 class StagingGauges:

@@ -210,8 +210,8 @@ class WorkerSide:
         when = (f"unclaimed for {policy.stage_after_ms:g} ms" if policy.when is StageWhen.AFTER
                 else f"below {policy.free_block_watermark} free blocks")
         log.info("KVLifecycleConnector: host staging pool of %d blocks (%s bytes/block x %d regions), stages a lease "
-                 "%s, when full: %s, agent %s", policy.pool_blocks, layout.block_bytes[0], layout.num_regions, when,
-                 policy.when_full.value, agent)
+                 "%s, when full: %s, copy by %s, agent %s", policy.pool_blocks, layout.block_bytes[0],
+                 layout.num_regions, when, policy.when_full.value, staging.copy_path, agent)
         return staging
 
     def _build_fast_path(self, layout: KVLayout, agent: str) -> Any:

@@ -90,7 +90,7 @@ def test_a_staged_grant_is_forgotten_only_once_its_copy_ended() -> None:
     source = SourceLedger(16, clock=clock, worker="P", default_ttl_s=30.0)
     pool = StagingLedger(8, clock=clock, source_worker="P")
     host = HostStaging(source, pool, StagingPolicy(when="after", pool_blocks=8))
-    tier: Any = type("Tier", (), {"staging": host})()
+    tier: Any = type("Tier", (), {"staging": host, "copier": None})()
     worker_staging = staging.WorkerStaging(tier, pool, transport=None, memory=None)  # type: ignore[arg-type]
     for request, blocks in (("kept", [1, 2]), ("aborted", [3])):
         source.allocate(request, blocks)
