@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", metavar="LIST",
                         help="comma-separated faults to inject (default all): drop, duplicate, reorder, slow, "
                              "partition, post_fail, handle_fail, duplicate_completion, cancel, expiry, p_restart, "
-                             "d_crash, drift, disk")
+                             "d_crash, drift, jump, redeliver, disk, corrupt, uncancellable")
     parser.add_argument("--workers", type=_workers, metavar="SPEC",
                         help="cluster shape, e.g. P=2+1,D=2 or P=2+1,D=2+1 (default: P=2+1, and each seed draws D=2 "
                              "or D=2+1)")
@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{count:>8}  {name}", file=text)
     data = summary.to_json()
     print(f"seeds {summary.seeds}, violations {summary.violations}, leaks {summary.leaks}, "
+          f"corrupted reads {summary.corrupted_reads}, "
           f"known findings {dict(summary.known)}, unexercised {len(data['unexercised'])}, "
           f"{data['seeds_per_s']} seeds/s ({data['seeds_per_cpu_s']} per CPU second)", file=text)
     if args.json:

@@ -919,6 +919,8 @@ class Consumer:
                     self._heartbeat(load, now)  # the siblings' leases must outlive their reads
                 continue
             for part, handle in list(load.handles.items()):
+                if not self._open(load):  # failed by a sibling's digest mismatch: its handles are released
+                    break
                 data = load.via.get(part, self.transport)
                 status = data.poll(handle)
                 if status is XferStatus.PENDING:
@@ -929,11 +931,15 @@ class Consumer:
                 # The blocks become visible first; metrics and the handle's release (which may send the copy's
                 # notification to P) change no block state and follow, off the request's latency path.
                 del load.handles[part]
-                self._part_done(load, part)
-                stats = data.stats(handle)
-                if stats is not None:
-                    self.ledger.observe_transfer_stats(load.transfer, stats)
-                data.release(handle)
+                try:
+                    self._part_done(load, part)
+                finally:  # a digest mismatch fails the load durably: a failed commit must not leak the handle
+                    try:
+                        stats = data.stats(handle)
+                        if stats is not None:
+                            self.ledger.observe_transfer_stats(load.transfer, stats)
+                    finally:
+                        data.release(handle)
             if load.transfer not in self._loads:
                 continue
             if load.after_poll(now, timeout) == "timeout":

@@ -3,7 +3,8 @@
 - Every step: the core invariants (:mod:`kvlifecycle.invariants`) on each ledger an event touched; no transfer in
   flight reads or writes a source block that is no longer pinned at the granted epoch, nor lands in a target block
   that is no longer LOADING for the request it was posted for.
-- READY: the block's bytes are the granted source blocks' bytes of the granted epoch, slice by slice (the tags).
+- READY: the block's bytes are the granted source blocks' bytes of the granted epoch, slice by slice and head by
+  head (the tags); each block that differs counts as a corrupted read.
 - Quiescence: no pinned block, no live lease or load, no open handle or transfer; every request lived once and
   ended once on each side; ``replay`` + ``check`` (quiescent) + ``check_pair`` clean on every log.
 """
@@ -21,10 +22,10 @@ from kvlifecycle.invariants import check_quiescent, check_source, check_target
 from kvlifecycle.ledger import SourceLedger
 from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.replay import check, check_pair, replay
-from kvlifecycle.sim.memory import read_tags
+from kvlifecycle.sim.memory import TAG_BYTES, read_tags, who
 from kvlifecycle.sim.messages import GrantInfo
 from kvlifecycle.sim.staging import HOST
-from kvlifecycle.sim.world import DWorker, World
+from kvlifecycle.sim.world import HEADS, DWorker, World
 from kvlifecycle.transport import BlockView, XferOp
 
 _PINNED, _LOADING = int(SourceState.PINNED_FOR_TRANSFER), int(TargetState.LOADING)
@@ -115,32 +116,37 @@ def in_flight_checks(world: World) -> list[str]:
 
 
 def tag_check(world: World, d: DWorker, request: str) -> list[str]:
-    """``request`` just became READY_FOR_ATTENTION on ``d``: its bytes must be exactly the granted ones."""
+    """``request`` just became READY_FOR_ATTENTION on ``d``: its bytes must be exactly the granted ones, each KV
+    head where D's plan puts it; every block that differs is counted in ``world.corrupted_reads``."""
     found = [(t, e) for t, e in d.expect.items() if e[0] == request]
     if not found:
         return [f"{d.name}: {request} READY without a load the simulation started"]
     transfer, (_req, grants, _epoch) = found[-1]
     req = d.ledger.requests[request]
     bb = d.block_bytes
+    per_head = bb // (HEADS // d.ranks)  # D's block holds its rank's heads, in order
     out: list[str] = []
+    corrupted = np.zeros(req.blocks.size, dtype=bool)
     for k, g in enumerate(grants):
         p = world.p_by_name[g.agent]
         view = rank_view(g.rank, g.ranks, bb, d.ranks)
         width = (bb - view.offset) if view.length == 0 else view.length
+        heads = d.rank * (HEADS // d.ranks) + (view.offset + np.arange(0, width, TAG_BYTES)) // per_head
         for r, region in enumerate(d.regions):
             tags = read_tags(region[req.blocks, view.offset : view.offset + width].reshape(-1))
             tags = tags.reshape(req.blocks.size, -1)
             want_block = np.asarray(g.block_ids, dtype=np.uint32)[:, None]
-            ok = ((tags["who"] == (p.index << 16 | r)) & (tags["agent_epoch"] == g.agent_epoch)
+            ok = ((tags["who"] == who(p.index, 0, r) + (heads << 8)) & (tags["agent_epoch"] == g.agent_epoch)
                   & (tags["block"] == want_block) & (tags["epoch"] == g.epoch))
-            if not ok.all():
+            corrupted |= ~ok.all(axis=1)
+            if not ok.all() and not out:
                 i = int(np.argmax(~ok.all(axis=1)))
                 t = tags[i, int(np.argmax(~ok[i]))]
                 out.append(f"{d.name}: {request} READY but block {int(req.blocks[i])} region {r} part {k} holds "
                            f"(who={int(t['who'])}, agent_epoch={int(t['agent_epoch'])}, block={int(t['block'])}, "
                            f"epoch={int(t['epoch'])}), granted {g.agent} block {g.block_ids[i]} epoch {g.epoch} "
                            f"agent_epoch {g.agent_epoch} ({transfer})")
-                break
+    world.corrupted_reads += int(corrupted.sum())
     return out
 
 

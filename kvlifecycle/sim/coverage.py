@@ -91,6 +91,9 @@ class LedgerWatch:
                 self.coverage[f"fault: {fault}"] += 1
         elif isinstance(event, ev.SrcLeaseReleased) and event.reason == "expired":
             self.coverage["fault: lease_expired"] += 1
+        elif isinstance(event, ev.TgtDigestMismatch):  # what landed failed its digest: the load fails, not READY
+            stream = event.num_layers > 0 or event.transfer.startswith("stream:")
+            self.coverage["fault: corruption_refused_stream" if stream else "fault: corruption_refused"] += 1
         self.events.append(event)
         ledger = self.ledger
         now = ledger.state

@@ -8,7 +8,11 @@ from __future__ import annotations
 # lease still live (P must not write it a second time)
 NETWORK = ("drop", "duplicate", "reorder", "slow_link", "partition", "heal", "late_redelivery",
            "late_push_after_settle")
-TRANSPORT = ("post_fail", "handle_fail", "sibling_fail_in_flight", "duplicate_completion", "late_completion")
+# uncancellable_copy_waited: a copy its transport cannot cancel (CUDA IPC's rule: a released or orphaned copy runs
+# on) ended after the runtime stopped wanting it or its peer was removed, the runtime still holding its blocks;
+# peer_invalidated: D's control plane declared a P lost while a read from it ran (seeds that cannot cancel)
+TRANSPORT = ("post_fail", "handle_fail", "sibling_fail_in_flight", "duplicate_completion", "late_completion",
+             "uncancellable_copy_waited", "peer_invalidated")
 CANCEL = (
     "cancel_p:before_grant",
     "cancel_p:granted",
@@ -30,8 +34,9 @@ ENGINE = ("allocator_reuse", "clock_drift", "clock_jump_forward", "clock_jump_ba
 # failed; D, or P, cancelled mid-stream; P died mid-stream; D timed a stream out (P lost, or its last note lost),
 # one P still held (its write window bounds P's writes); P's window closed with a write in flight (cancelled); P
 # stopped the streams of a D silent (crashed, cut off) for the peer timeout
+# stream_stall: everything paused past D's stream timeout with a layer write in flight
 STREAMS = ("stream", "stream_declined", "stream_write_fail", "stream_cancel_d", "stream_cancel_p", "stream_p_crash",
-           "stream_timeout", "stream_timeout_held", "stream_window_closed", "stream_d_silent")
+           "stream_timeout", "stream_timeout_held", "stream_window_closed", "stream_d_silent", "stream_stall")
 
 # a worker's disk while it runs (sim/storage.py): ENOSPC, EIO (each sometimes after a short write), short writes,
 # failed fsyncs, and the disk coming back
@@ -42,14 +47,20 @@ STORAGE = ("enospc", "eio", "short_write", "fsync_fail", "disk_back")
 STAGING = ("staging", "staging_copy_races_claim", "staging_crash_mid_copy", "staging_pool_full",
            "staging_lease_expired", "staging_read_host")
 
-ALL: tuple[str, ...] = NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE + STREAMS + STORAGE + STAGING
+# wrong bytes landing (sim/corruption.py): a flipped byte, a block in the wrong slot, a head slice in the wrong
+# heads; corruption_refused: D's digest check recorded a mismatch and failed the load (corruption_refused_stream: a
+# layer batch of a stream's)
+CORRUPTION = ("corrupt_flip", "corrupt_slot", "corrupt_slice", "corruption_refused", "corruption_refused_stream")
+
+ALL: tuple[str, ...] = (NETWORK + TRANSPORT + CANCEL + LEASES + RESTARTS + ENGINE + STREAMS + STORAGE + STAGING
+                        + CORRUPTION)
 
 # What --faults may switch off (the rest are observations of the run, not injections).
 INJECTABLE = {
     "drop": ("drop",),
     "duplicate": ("duplicate",),
     "reorder": ("reorder",),
-    "slow": ("slow_link",),
+    "slow": ("slow_link", "stream_stall"),
     "partition": ("partition",),
     "post_fail": ("post_fail",),
     "handle_fail": ("handle_fail",),
@@ -62,6 +73,8 @@ INJECTABLE = {
     "jump": ("clock_jump_forward", "clock_jump_back"),
     "redeliver": ("late_redelivery", "late_push_after_settle"),
     "disk": STORAGE,
+    "corrupt": CORRUPTION,
+    "uncancellable": ("uncancellable_copy_waited", "peer_invalidated"),
 }
 
 

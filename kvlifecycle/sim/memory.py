@@ -1,10 +1,11 @@
 """Byte-addressable simulated memory with tagged KV blocks.
 
 Every worker's KV regions are numpy arrays in one simulated address space (addresses are plain integers handed
-out by :class:`AddressSpace`). A prefill writes into each block a 16-byte tag repeated over the block's bytes:
-``(worker << 16 | region, agent epoch, source block, allocation epoch)``. Whatever moves bytes (the simulated
-transport) moves tags, so a target block's bytes say exactly which source block of which allocation (and which
-incarnation of P) they came from, and a stale, torn or mixed read is visible byte for byte.
+out by :class:`AddressSpace`). A prefill writes into each block a 16-byte tag repeated over each KV head's bytes:
+``(worker << 16 | head << 8 | region, agent epoch, source block, allocation epoch)``. Whatever moves bytes (the
+simulated transport) moves tags, so a target block's bytes say exactly which source block of which allocation (and
+which incarnation of P) they came from, and which head: a stale, torn or mixed read, or a head slice read into the
+wrong heads, is visible byte for byte.
 """
 
 from __future__ import annotations
@@ -39,10 +40,17 @@ class AddressSpace:
             raise KeyError(f"no simulated region at {base:#x}") from None
 
 
-def tag_bytes(worker: int, region: int, agent_epoch: int, block: int, epoch: int, nbytes: int) -> np.ndarray:
-    """``nbytes`` bytes of the tag repeated (``nbytes`` a multiple of :data:`TAG_BYTES`)."""
-    tag = np.array([(worker << 16 | region, agent_epoch, block, epoch)], dtype=TAG)
-    return np.tile(tag.view(np.uint8), nbytes // TAG_BYTES)
+def who(worker: int, head: int, region: int) -> int:
+    """A tag's ``who`` field: the worker, the KV head and the region the bytes were computed for."""
+    return worker << 16 | head << 8 | region
+
+
+def tag_bytes(worker: int, region: int, agent_epoch: int, block: int, epoch: int, nbytes: int,
+              heads: range = range(1)) -> np.ndarray:
+    """``nbytes`` bytes of a block: each of ``heads`` (equal shares of the bytes, each a multiple of
+    :data:`TAG_BYTES`) holds its own tag, repeated."""
+    tags = np.array([(who(worker, h, region), agent_epoch, block, epoch) for h in heads], dtype=TAG)
+    return np.repeat(tags, nbytes // TAG_BYTES // len(heads)).view(np.uint8)
 
 
 def read_tags(raw: np.ndarray) -> np.ndarray:

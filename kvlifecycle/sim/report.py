@@ -38,6 +38,9 @@ class Summary:
     seeds: int = 0
     violations: int = 0
     leaks: int = 0
+    # blocks READY_FOR_ATTENTION whose bytes were not the granted ones (each is a violation too): with verification
+    # on, a corruption in flight never gets there
+    corrupted_reads: int = 0
     known: Counter[str] = field(default_factory=Counter)
     coverage: Counter[str] = field(default_factory=Counter)
     failures: list[Failure] = field(default_factory=list)
@@ -54,6 +57,7 @@ class Summary:
             "seeds": self.seeds,
             "violations": self.violations,
             "leaks": self.leaks,
+            "corrupted_reads": self.corrupted_reads,
             "failing_seeds": [f.seed for f in self.failures],
             "failures": [f.__dict__ for f in self.failures],
             "known_findings": dict(self.known),
@@ -101,7 +105,7 @@ def run_many(seeds: Iterable[int], config: SimConfig, *, out: Path | None, cli_a
     # of warnings per run, noise that also costs time (a test's log capture formats every one of them).
     stream_log = logging.getLogger("kvlifecycle.streaming")
     level = stream_log.level
-    stream_log.setLevel(logging.ERROR)
+    stream_log.setLevel(logging.CRITICAL)  # a digest mismatch (a corruption injected and refused) logs an error
     try:
         if jobs > 1:
             batches: Iterable[SeedBatch] = run_seeds(list(seeds), config, jobs, worker_init)
@@ -127,6 +131,7 @@ def _run_many(batches: Iterable[SeedBatch], config: SimConfig, *, out: Path | No
         summary.known.update(batch.known)
         summary.violations += batch.violations
         summary.leaks += batch.leaks
+        summary.corrupted_reads += batch.corrupted_reads
         for result in batch.failed:
             seed = result.seed
             failure = Failure(seed, (result.violations + result.leaks)[0], reproducer(seed, cli_args),

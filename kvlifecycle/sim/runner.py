@@ -9,6 +9,7 @@ its weight stay side by side (splitting them would spread a seed's one sequence 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import shutil
@@ -21,14 +22,21 @@ from typing import Any
 
 from kvlifecycle.choices import LoadFailurePolicy
 from kvlifecycle.control import PushRequest
+from kvlifecycle.digest import VerifyMode
 from kvlifecycle.machines import TargetState
-from kvlifecycle.sim import checks
+from kvlifecycle.sim import checks, device_copies
+from kvlifecycle.sim.corruption import Corruption
 from kvlifecycle.sim.network import Message
 from kvlifecycle.sim.peers import PeerRequest
 from kvlifecycle.sim.streams import Loss
 from kvlifecycle.sim.world import DWorker, PPhase, PWorker, RequestMode, SimConfig, World, d_phase, p_phase
+from kvlifecycle.transport import XferStatus
 
 Step = tuple[Any, ...]
+CORRUPT_CHANCE = 0.2  # of a completion, in a seed that verifies
+STREAM_STALL_CHANCE = 0.2  # of a step while a stream's write is in flight
+INVALIDATE_CHANCE = 0.05  # of a step while a D reads from a P, in a seed whose transports cannot cancel
+DEVICE_COPY_TTL_FRACTION = 0.05  # the longest a copy that cannot be cancelled runs (CUDA IPC: a kernel's ms)
 
 
 @dataclass
@@ -42,6 +50,7 @@ class RunResult:
     log_dirs: list[Path] = field(default_factory=list)
     failed_at: int | None = None  # index of the step after which the first violation showed (None: the drain/end)
     known: list[str] = field(default_factory=list)  # instances of checks.KNOWN_FINDINGS (the run stopped there)
+    corrupted_reads: int = 0  # blocks READY_FOR_ATTENTION whose bytes were not the granted ones
 
     @property
     def ok(self) -> bool:
@@ -58,6 +67,9 @@ class Simulation:
         self.config, self.seed, self.root = config, seed, root
         self.rng = random.Random(seed)
         self.late_rng = random.Random(f"{seed}/late")  # clock jumps and late re-deliveries (:meth:`_late_fault`)
+        self.corrupt_rng = random.Random(f"{seed}/corrupt")  # what a completion lands wrong (:meth:`_corruption`)
+        self.device_rng = random.Random(f"{seed}/device")  # a peer lost under a device copy (:meth:`_device_fault`)
+        self.stall_rng = random.Random(f"{seed}/stall")  # a stall under a stream's write (:meth:`_stream_stall`)
         self.world = World(config, root, seed, drift=config.allows("drift"))
         self.world.on_ready_hook = self._on_ready
         self.violations: list[str] = []
@@ -96,7 +108,7 @@ class Simulation:
         return out
 
     def choose(self) -> Step:
-        late = self._late_fault()
+        late = self._late_fault() or self._device_fault() or self._stream_stall()
         if late is not None:
             return late
         rng, cfg, world = self.rng, self.config, self.world
@@ -155,7 +167,7 @@ class Simulation:
             loss = rng.choices(("", "request", "reply"), (8, 1, 1))[0] if cfg.allows("drop") else ""
             return (kind, pick, loss)
         if kind == "complete":
-            return (kind, pick, cfg.allows("duplicate_completion") and rng.random() < 0.15)
+            return (kind, pick, cfg.allows("duplicate_completion") and rng.random() < 0.15, *self._corruption(pick))
         if kind == "service":
             nodes = [w.name for w in world.p] + [d.name for d in world.d]
             return (kind, nodes[rng.randrange(len(nodes))], rng.random() < 0.2)
@@ -187,6 +199,50 @@ class Simulation:
             return ("clock_jump", nodes[rng.randrange(len(nodes))],
                     rng.choice((0.5, 2.0, 5.0, 30.0)) * rng.choice((1, -1)))
         return None
+
+    def _corruption(self, pick: int) -> tuple[Corruption, int]:
+        """What the completion of the transfer ``pick`` names lands wrong (``""``: nothing) and where, drawn from a
+        stream of its own (two draws per completion), so a seed's other steps are drawn as they were. Only where
+        the seed verifies, or its config set ``verify`` (:mod:`kvlifecycle.sim.corruption`)."""
+        rng, world = self.corrupt_rng, self.world
+        chance, at = rng.random(), rng.randrange(1 << 16)
+        if chance >= CORRUPT_CHANCE or not self.config.allows("corrupt"):
+            return "", 0
+        if world.verify is VerifyMode.NONE and self.config.verify is None:
+            return "", 0
+        x = world.fabric.in_flight[pick % len(world.fabric.in_flight)]
+        if not (x.owner.agent in world.d_by_name or x.remote.agent in world.d_by_name):
+            return "", 0  # a copy into P's host pool: not what D reads directly
+        kinds = x.corruptions()
+        return kinds[at % len(kinds)], at // len(kinds)
+
+    def _device_fault(self) -> Step | None:
+        """In a seed whose transports cannot cancel a copy: the control plane declares a P lost to a D while a read
+        of D's from it runs (its etcd lease lapsed while it was cut off from etcd), drawn from a stream of its own
+        and only while such a read runs, so other seeds draw as they did."""
+        world = self.world
+        if world.cancels or not self.config.allows("uncancellable"):
+            return None
+        reads = [x for x in world.fabric.in_flight
+                 if x.owner.agent in world.d_by_name and x.remote.agent in world.p_by_name and not x.released
+                 and not _p_writes_into(world, x.remote.agent, x.owner.agent)]
+        if not reads or self.device_rng.random() >= INVALIDATE_CHANCE:
+            return None
+        x = reads[self.device_rng.randrange(len(reads))]
+        return ("invalidate", x.owner.agent, x.remote.agent)
+
+    def _stream_stall(self) -> Step | None:
+        """While a layer write of a stream is in flight: now and then everything stalls past D's stream timeout (a
+        pause of seconds: P's forward, both hosts), so P's write window must close with the write still landing,
+        before D frees the blocks. Drawn from a stream of its own, and only while such a write runs."""
+        world = self.world
+        if not self.config.allows("slow"):
+            return None
+        if not any(x.handle.transfer.startswith("stream:") for x in world.fabric.in_flight):
+            return None
+        if self.stall_rng.random() >= STREAM_STALL_CHANCE:
+            return None
+        return ("stall", round(1.1 * world.stream_options.stream_timeout_s, 6))
 
     # -- applying ---------------------------------------------------------------------------------------------------
     def apply(self, step: Step) -> None:
@@ -301,10 +357,13 @@ class Simulation:
         if self.world.network.duplicate(pick) is not None:
             self.world.exercise("duplicate")
 
-    def _do_complete(self, pick: int, duplicate: bool) -> None:
-        x = self.world.fabric.complete(pick, duplicate_notification=duplicate)
+    def _do_complete(self, pick: int, duplicate: bool, corruption: Corruption = "", at: int = 0) -> None:
+        x = self.world.fabric.complete(pick, duplicate_notification=duplicate, corruption=corruption, at=at)
         if x is not None and duplicate and x.notification is not None:
             self.world.exercise("duplicate_completion")
+        if x is not None and corruption and x.status is XferStatus.DONE:
+            self.world.exercise(f"corrupt_{corruption}")
+        device_copies.ended(self.world, x)
 
     def _do_fail_xfer(self, pick: int) -> None:
         fabric = self.world.fabric
@@ -361,9 +420,17 @@ class Simulation:
                 and (d.name, bound) not in serviced]
             stops += [(w.clock.global_at(bound), bound, w) for w in world.p
                       if (bound := w.streams.next_deadline()) < float("inf") and (w.name, bound) not in serviced]
+            stops += device_copies.stops(world, DEVICE_COPY_TTL_FRACTION * self.config.ttl_s)
             at, bound, w = min(stops, key=lambda stop: stop[0], default=(end, 0.0, None))
             if w is None or at >= end:
                 break
+            if not isinstance(w, PWorker | DWorker):  # a device copy's end: it lands, and its loop polls it within ms
+                clock.set(max(clock.now(), at))
+                device_copies.ended(world, world.fabric.complete(world.fabric.in_flight.index(w)))
+                owner = world.node(w.owner.agent)
+                if owner is not None:
+                    owner.service()
+                continue
             serviced.add((w.name, bound))
             clock.set(max(clock.now(), at + 1e-6))  # a µs past the bound, as the real loop polls within a ms
             if isinstance(w, DWorker):
@@ -375,6 +442,10 @@ class Simulation:
             if silent:
                 world.exercise("stream_d_silent")
         clock.set(max(clock.now(), end))
+
+    def _do_stall(self, seconds: float) -> None:
+        self.world.exercise("stream_stall")
+        self._do_advance(seconds)
 
     def _do_cancel_p(self, pick: int) -> None:
         live = [r for r in self.requests if any(r in w.requests for w in self._group_of(r))]
@@ -469,6 +540,19 @@ class Simulation:
         if p is not None and self.config.prompt_jobs:  # P's service thread runs a push it queued within a ms
             p.run_jobs()
 
+    def _do_invalidate(self, d_name: str, p_name: str) -> None:
+        """D's control plane declares ``p_name`` lost (``Consumer.invalidate_peer``, as a membership watch does):
+        its loads fail, except that one whose copy a release cannot stop waits for it."""
+        world = self.world
+        d, p = world.d_by_name.get(d_name), world.p_by_name.get(p_name)
+        if d is None or p is None or p_name not in d.consumer.links:
+            return
+        world.exercise("peer_invalidated")
+        # queued on D's loop (the simulation has no service thread to wait for): its step below runs it
+        with contextlib.suppress(TimeoutError):
+            d.consumer.invalidate_peer(p_name, p.transport.epoch, "membership: lease lapsed", timeout_s=0.0)
+        d.service()
+
     def _do_post_fail(self, node: str) -> None:
         w = self.world.node(node)
         if w is not None:
@@ -487,7 +571,7 @@ class Simulation:
             world.deliver(msg)
             world.reconcile()
         while world.fabric.in_flight:
-            world.fabric.complete(0)
+            device_copies.ended(world, world.fabric.complete(0))
         for w in world.p:
             w.service()
         for d in world.d:
@@ -564,6 +648,19 @@ def _settled_push(world: World, msg: Message) -> bool:
     lease = p.ledger.leases.get(push.transfer)
     return (lease is not None and lease.generation == push.generation
             and not p.producer.protocol.writes.in_flight(push.transfer, push.generation))
+
+
+def _p_writes_into(world: World, p: str, d: str) -> bool:
+    """``p`` may write into ``d``: a push or a stream load of ``d``'s from it is open, or a write of it in flight.
+    A P declared lost is taken for dead (``invalidate_peer`` cannot stop a live one's writes), so the simulation
+    declares none lost under its own writes."""
+    consumer, streams = world.d_by_name[d].consumer, world.d_by_name[d].streams
+    if any(load.mode != "pull" and any(link.agent == p for link, _, _ in load.parts)
+           for load in consumer._loads.values()):
+        return True
+    if any(stream.link.agent == p for stream in streams._streams.values()):
+        return True
+    return any(x.owner.agent == p and x.remote.agent == d for x in world.fabric.in_flight)
 
 
 def _same_load(world: World, x: Any, y: Any) -> bool:
@@ -643,7 +740,7 @@ def _run(config: SimConfig, seed: int, steps: list[Step] | None, *, keep_trace: 
                 shutil.copytree(d, target)
                 out_dirs.append(target)
         return RunResult(seed, executed, sim.violations, leaks, sim.world.coverage, sim.trace, out_dirs, failed_at,
-                         sim.known)
+                         sim.known, sim.world.corrupted_reads)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -21,6 +21,7 @@ class SeedBatch:
     known: Counter[str] = field(default_factory=Counter)
     violations: int = 0
     leaks: int = 0
+    corrupted_reads: int = 0
     failed: list[RunResult] = field(default_factory=list)
 
     def add(self, result: RunResult) -> SeedBatch:
@@ -29,6 +30,7 @@ class SeedBatch:
         self.known.update(k.split(":")[0] for k in result.known)
         self.violations += len(result.violations)
         self.leaks += len(result.leaks)
+        self.corrupted_reads += result.corrupted_reads
         if not result.ok:
             self.failed.append(result)
         return self

@@ -4,7 +4,13 @@ source bytes as they are *then*: a block reused under a read shows up in the tag
 
 Faults: :meth:`SimTransport.fail_next_posts` makes posts raise; :meth:`SimFabric.fail` fails an in-flight
 transfer (one handle of several, say); :meth:`SimFabric.complete` with ``duplicate_notification`` delivers the
-notification twice; a peer that crashed fails every transfer to it when the scheduler next touches it.
+notification twice, and with ``corruption`` lands wrong bytes (:mod:`kvlifecycle.sim.corruption`); a peer that
+crashed fails every transfer to it when the scheduler next touches it.
+
+A transport made with ``cancels_in_flight=False`` is CUDA IPC's kind (a copy is a kernel that runs to its end): a
+released PENDING handle, or a removed peer, does not stop its transfer; it stays in flight, lands its bytes when
+the scheduler completes it (a released one without its notification; a removed peer's one then FAILED), and the
+checks see whatever it lands in.
 
 ``autorun`` fabrics (the conformance suite, which polls in real time) complete a transfer on its first poll and
 hand notifications over directly; the simulation's fabric sends them through the :class:`Network`.
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlifecycle.sim.corruption import Corruption, other_slice
 from kvlifecycle.sim.memory import AddressSpace
 from kvlifecycle.transport import (
     WHOLE_BLOCK,
@@ -59,6 +66,19 @@ class _Xfer:
     error: TransportError | None = None
     stats: XferStats | None = None
     posted_at: float = 0.0
+    released: bool = False  # its handle was released while the copy ran on (a transport that cannot cancel)
+    doomed: TransportError | None = None  # its peer was removed while the copy ran on: FAILED once it ended
+
+    def corruptions(self) -> tuple[Corruption, ...]:
+        """The corruptions this transfer can suffer: ``slice`` only where a side moves a slice of its blocks."""
+        mine, theirs = self.owner.layout, self.remote.layout
+        assert mine is not None and theirs is not None
+        sliced = _sliced(mine, self.plan.local_view) or _sliced(theirs, self.plan.remote_view)
+        return ("flip", "slot", "slice") if sliced else ("flip", "slot")
+
+
+def _sliced(layout: KVLayout, view: BlockView) -> bool:
+    return view.split == 1 and 0 < view.length < layout.block_bytes[0]
 
 
 class SimFabric:
@@ -83,18 +103,24 @@ class SimFabric:
         if target is not None and not target.closed:
             target.inbox.append((sender, note))
 
-    def complete(self, index: int, *, duplicate_notification: bool = False) -> _Xfer | None:
-        """Finish the in-flight transfer at ``index`` (modulo): copy its bytes now and send its notification."""
+    def complete(self, index: int, *, duplicate_notification: bool = False, corruption: Corruption = "",
+                 at: int = 0) -> _Xfer | None:
+        """Finish the in-flight transfer at ``index`` (modulo): copy its bytes now and send its notification.
+        ``corruption`` (one of the transfer's :meth:`_Xfer.corruptions`) lands them wrong; ``at`` picks the byte a
+        flip hits."""
         if not self.in_flight:
             return None
         x = self.in_flight.pop(index % len(self.in_flight))
         if x.remote.closed or x.owner.closed:
             x.status, x.error = XferStatus.FAILED, TransferFailedError(f"{x.handle.peer} is gone")
             return x
-        nbytes = _copy(x)
+        nbytes = _copy(x, corruption, at)
+        if x.doomed is not None:
+            x.status, x.error = XferStatus.FAILED, x.doomed
+            return x
         x.status = XferStatus.DONE
         x.stats = XferStats(0.0, 0.0, nbytes, int(x.local.size) * len(x.regions), "sim")
-        if x.notification is not None:
+        if x.notification is not None and not x.released:
             for _ in range(2 if duplicate_notification else 1):
                 self.deliver_note(x.owner.agent, x.remote.agent, x.notification)
         return x
@@ -138,22 +164,42 @@ def _byte_ranges(layout: KVLayout, view: BlockView, region: int, ids: np.ndarray
     return block.astype(np.int64) * layout.block_bytes[region] + view.offset + part.astype(np.int64) * sub
 
 
-def _copy(x: _Xfer) -> int:
+def _copy(x: _Xfer, corruption: Corruption = "", at: int = 0) -> int:
     mine, theirs = x.owner, x.remote
     assert mine.layout is not None and theirs.layout is not None
+    reading = x.handle.op is XferOp.READ
+    local_view, remote_view, local, remote_ids = x.plan.local_view, x.plan.remote_view, x.local, x.remote_ids
+    if corruption == "slice":  # the sliced side's bytes go to (or come from) the block's other heads
+        if _sliced(theirs.layout, remote_view):
+            remote_view = BlockView(other_slice(remote_view.offset, remote_view.length, theirs.layout.block_bytes[0]),
+                                    remote_view.length)
+        else:
+            local_view = BlockView(other_slice(local_view.offset, local_view.length, mine.layout.block_bytes[0]),
+                                   local_view.length)
+    elif corruption == "slot" and local.size == 1:  # the source side's block id maps to its neighbouring slot
+        if reading:
+            remote_ids = (remote_ids + 1) % x.plan.remote_blocks
+        else:
+            local = (local + 1) % x.plan.local_blocks
     nbytes = 0
     for r in x.regions:
-        sub, _ = _view_span(mine.layout, x.plan.local_view, r)
+        sub, _ = _view_span(mine.layout, local_view, r)
         dst_region = mine.fabric.memory.region(mine.layout.base_addrs[r])
         src_region = theirs.fabric.memory.region(theirs.layout.base_addrs[r])
-        local_at = _byte_ranges(mine.layout, x.plan.local_view, r, x.local)
-        remote_at = _byte_ranges(theirs.layout, x.plan.remote_view, r, x.remote_ids)
-        if x.handle.op is XferOp.READ:
+        local_at = _byte_ranges(mine.layout, local_view, r, local)
+        remote_at = _byte_ranges(theirs.layout, remote_view, r, remote_ids)
+        if reading:
             src, dst, src_at, dst_at = src_region, dst_region, remote_at, local_at
         else:
             src, dst, src_at, dst_at = dst_region, src_region, local_at, remote_at
+        if corruption == "slot" and dst_at.size > 1:  # two blocks land in each other's slots
+            dst_at = dst_at.copy()
+            dst_at[[0, 1]] = dst_at[[1, 0]]
         for s, d in zip(src_at.tolist(), dst_at.tolist(), strict=True):
             dst[d : d + sub] = src[s : s + sub]
+        if corruption == "flip" and r == x.regions[at % len(x.regions)]:
+            hit = int(dst_at[at % dst_at.size]) + at % sub
+            dst[hit] ^= 0xFF
         nbytes += sub * int(x.local.size)
     return nbytes
 
@@ -163,8 +209,9 @@ class SimTransport:
 
     name = "sim"
 
-    def __init__(self, agent: str, fabric: SimFabric, *, epoch: int = 1) -> None:
+    def __init__(self, agent: str, fabric: SimFabric, *, epoch: int = 1, cancels_in_flight: bool = True) -> None:
         self.agent, self.fabric, self.epoch = agent, fabric, int(epoch)
+        self.cancels_in_flight = cancels_in_flight  # read through kvlifecycle.transport.cancels_in_flight
         self.layout: KVLayout | None = None
         self.closed = False
         self.inbox: list[tuple[str, Notification]] = []
@@ -222,7 +269,10 @@ class SimTransport:
         self._plans = {k: p for k, p in self._plans.items() if p.peer != peer}
         still = []
         for x in self.fabric.in_flight:
-            if x.owner is self and x.handle.peer == peer:
+            if x.owner is self and x.handle.peer == peer and not self.cancels_in_flight:
+                x.doomed = PeerEpochError(reason)  # the copy runs on; PENDING until it ended
+                still.append(x)
+            elif x.owner is self and x.handle.peer == peer:
                 x.status, x.error = XferStatus.FAILED, PeerEpochError(reason)
             else:
                 still.append(x)
@@ -306,8 +356,12 @@ class SimTransport:
     def release(self, handle: TransferHandle) -> None:
         x = self._xfer(handle)
         del self._handles[handle.id]
-        if x in self.fabric.in_flight:  # released while pending: it never completes, never notifies
+        if x not in self.fabric.in_flight:
+            return
+        if self.cancels_in_flight:  # released while pending: it never completes, never notifies
             self.fabric.in_flight.remove(x)
+        else:  # the copy runs to its end: its bytes land later, unannounced
+            x.released = True
 
     def open_handles(self) -> int:
         return len(self._handles)

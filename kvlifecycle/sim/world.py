@@ -27,7 +27,8 @@ import numpy as np
 
 from kvlifecycle.choices import Choice, LoadFailurePolicy, TransferMode
 from kvlifecycle.clock import ManualClock
-from kvlifecycle.control import GrantReply, PushRequest
+from kvlifecycle.control import GetGrant, GrantReply, PushRequest
+from kvlifecycle.digest import VerifyMode
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.layout import tp_source_ranks
@@ -36,6 +37,7 @@ from kvlifecycle.machines import SourceState, TargetState
 from kvlifecycle.sidechannel import SideChannelError
 from kvlifecycle.sim import storage
 from kvlifecycle.sim.clock import NodeClock
+from kvlifecycle.sim.corruption import SimDigester, verify_mode
 from kvlifecycle.sim.coverage import LedgerWatch
 from kvlifecycle.sim.memory import tag_bytes
 from kvlifecycle.sim.messages import GrantArrived, GrantInfo, NoteMsg
@@ -73,6 +75,12 @@ class SimConfig:
     # between the push request and the write's post (see docs/simulation.md)
     prompt_jobs: bool = True
     faults: frozenset[str] = frozenset()  # empty: every injectable fault (see faults.INJECTABLE)
+    # P's digests and D's checks (kvlifecycle.digest). None: each seed draws (sim/corruption.py, verify_mode); a
+    # mode set here is corrupted in flight whatever it is (with none, the READY tag check sees what lands wrong)
+    verify: VerifyMode | None = None
+    # whether releasing a running transfer stops it (NIXL) or not (CUDA IPC: the kernel runs to its end). None: each
+    # seed draws (:func:`transports_cancel`)
+    cancels_in_flight: bool | None = None
     drain_rounds: int = 60
 
     def allows(self, fault: str) -> bool:
@@ -88,6 +96,17 @@ def d_shape(config: SimConfig, seed: int) -> tuple[int, ...]:
     if config.d_groups is not None:
         return config.d_groups
     return D_SHAPES[zlib.crc32(f"{seed}/d-shape".encode()) % len(D_SHAPES)]
+
+
+UNCANCELLABLE_EVERY = 8  # one seed in this many runs transports that cannot cancel a running copy
+
+
+def transports_cancel(config: SimConfig, seed: int) -> bool:
+    """Whether seed ``seed``'s KV transports stop a released copy: the config's, else drawn from the seed alone (one
+    seed in :data:`UNCANCELLABLE_EVERY` runs CUDA IPC's rule), unless ``--faults`` left ``uncancellable`` out."""
+    if config.cancels_in_flight is not None:
+        return config.cancels_in_flight
+    return not config.allows("uncancellable") or zlib.crc32(f"{seed}/cancel".encode()) % UNCANCELLABLE_EVERY != 0
 
 
 class RequestMode(Choice):
@@ -153,7 +172,8 @@ class PWorker:
         self.ledger = ledger
         self.watch = LedgerWatch(ledger, self.world.coverage)
         self.world.watches.append(self.watch)
-        self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots)
+        self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots,
+                                      cancels_in_flight=self.world.cancels)
         self.transport.register(self.layout)
         policy, world = self.world.staging, self.world
         self.pool = None if policy is None else SimPool(
@@ -163,7 +183,8 @@ class PWorker:
         self.producer = Producer(ledger, self.transport, self.world.compat(self.ranks), tp_rank=self.rank,
                                  options=self.world.handoff_options,
                                  side_channel=self.world.channels.server_for(self.name), thread=False,
-                                 staging=None if self.pool is None else self.pool.tier)
+                                 staging=None if self.pool is None else self.pool.tier,
+                                 digester=SimDigester(self.regions), slice_bytes=self.block_bytes)
         self.streams = SimStreamProducer(self.producer, layers=cfg.regions, options=self.world.stream_options)
 
     def crash(self, tear: float | None) -> None:
@@ -246,9 +267,11 @@ class PWorker:
 
     def _compute(self, req: PRequest, request: str, region: int, blocks: np.ndarray) -> None:
         epoch = self.ledger.requests[request].epoch
+        share = HEADS // self.ranks  # this rank's heads of every block
+        heads = range(self.rank * share, (self.rank + 1) * share)
         for b in blocks.tolist():
             self.regions[region][b] = tag_bytes(self.index, region, self.transport.epoch, b, epoch,
-                                                self.block_bytes)
+                                                self.block_bytes, heads)
 
     def stream_passes(self, req: PRequest) -> list[tuple[int, int]]:
         """A streaming prefill's (blocks complete, layer) passes: chunked in two for more than one block (the
@@ -295,6 +318,9 @@ class PWorker:
         req = self.requests[request]
         readers = [d for d in ds if self.rank in tp_source_ranks(p_tp=self.ranks, d_tp=len(ds), d_rank=d.rank)]
         reply = self.producer.grant(request, consumers=len(readers), ttl_s=self.world.config.ttl_s)
+        if self.world.verify is not VerifyMode.NONE:  # the grant as D fetches it (GetGrant): with P's digests
+            fetched = self.world.channels.servers[self.name].handle(GetGrant(request))
+            reply = fetched if isinstance(fetched, GrantReply) else reply
         lease = self.ledger.leases[reply.transfer]
         info = GrantInfo(reply.request, reply.transfer, reply.generation, reply.worker, tuple(reply.block_ids),
                          reply.consumers, reply.ttl_s, self.transport.agent, self.transport.epoch,
@@ -379,7 +405,8 @@ class DWorker:
         self.ledger = ledger
         self.watch = LedgerWatch(ledger, self.world.coverage, on_ready=self._on_ready)
         self.world.watches.append(self.watch)
-        self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots)
+        self.transport = SimTransport(self.name, self.world.fabric, epoch=self.boots,
+                                      cancels_in_flight=self.world.cancels)
         self.transport.register(self.layout)
         world, options = self.world, self.world.handoff_options
 
@@ -389,6 +416,7 @@ class DWorker:
 
         self.consumer = Consumer(ledger, self.transport, world.compat(self.ranks), tp_rank=self.rank,
                                  options=options, clock=self.clock.now, peer_calls=peer_calls,
+                                 digester=SimDigester(self.regions),
                                  side_channel=world.channels.client_for(self.name, options.request_timeout_s),
                                  thread=False)
         self.streams = SimStreamConsumer(self.consumer, options=world.stream_options)
@@ -472,10 +500,10 @@ class DWorker:
                 return False
             epoch = reserved.epoch
         else:
-            if len(self.free_list) < n:
+            blocks = self.take_blocks(n)
+            if blocks is None:
                 return False
             del self.arrivals[request]
-            blocks = np.array([self.free_list.pop() for _ in range(n)], dtype=np.int32)
             epoch = self.ledger.reserve(request, blocks)
             self.blocks[request] = blocks
         self.world.exercise(arrival.mode)
@@ -505,10 +533,10 @@ class DWorker:
             self.connect(p)
             return
         pr = p.requests[request]
-        if len(self.free_list) < pr.blocks.size:
+        blocks = self.take_blocks(pr.blocks.size)
+        if blocks is None:
             return
         del self.stream_wanted[request]
-        blocks = np.array([self.free_list.pop() for _ in range(pr.blocks.size)], dtype=np.int32)
         epoch = self.ledger.reserve(request, blocks)
         self.blocks[request] = blocks
         computed = (tuple(pr.blocks.tolist()), p.transport.epoch, p.ledger.requests[request].epoch)
@@ -521,6 +549,17 @@ class DWorker:
         source = GrantInfo(request, transfer, 0, p.name, computed[0], 1, 0.0, p.name, computed[1], computed[2], 0, 1,
                            stream=True)
         self.expect[transfer] = (request, [source], epoch)
+
+    def take_blocks(self, n: int) -> np.ndarray | None:
+        """``n`` free blocks for a reservation, the last freed first, none the ledger quarantined (their bytes
+        failed a digest: the engine keeps them out until the hold ends); None if there are not enough."""
+        held = self.ledger.quarantined() if self.ledger.quarantine else {}
+        usable = [b for b in reversed(self.free_list) if b not in held][:n]
+        if len(usable) < n:
+            return None
+        for b in usable:
+            self.free_list.remove(b)
+        return np.array(usable, dtype=np.int32)
 
     def cancel(self, request: str) -> None:
         """The engine cancels ``request``: a stream's cancel also asks P to stop (freed once it settled)."""
@@ -580,13 +619,17 @@ class World:
         self.stream_options = StreamOptions(stream_timeout_s=3 * config.ttl_s, reservation_ttl_s=3 * config.ttl_s,
                                             heartbeat_interval_s=config.ttl_s / 4, peer_timeout_s=config.ttl_s)
         self.rpc_loss: Loss = ""  # what the current step loses of a blocking side-channel call
+        self.verify = verify_mode(config.verify, seed)
+        self.cancels = transports_cancel(config, seed)
+        self.corrupted_reads = 0  # blocks READY_FOR_ATTENTION whose bytes are not the granted ones
         reset_stream_ids()
         self.clock = ManualClock(1000.0)
         self.network = Network()
         self.channels = SideChannels(self.network, self.clock.now,
                                      reachable=lambda a, b: not self.network.cut(a, b), loss=lambda: self.rpc_loss)
         self.handoff_options = HandoffOptions(request_timeout_s=config.ttl_s / 4, load_timeout_s=config.ttl_s * 5,
-                                              unit_bytes=config.block_bytes // HEADS, probe=False)
+                                              unit_bytes=config.block_bytes // HEADS, probe=False,
+                                              verify=self.verify, quarantine_s=config.ttl_s)
         self.fabric = SimFabric(note_sink=self._note, now=self.clock.now)
         self.coverage: Counter[str] = Counter()
         self.watches: list[LedgerWatch] = []
@@ -732,5 +775,18 @@ def d_phase(d: DWorker, request: str) -> str:
             TargetState.READY_FOR_ATTENTION: "ready"}.get(TargetState(req.state), "")
 
 
-__all__ = ["D_SHAPES", "DWorker", "PPhase", "PWorker", "RequestMode", "SimConfig", "SourceState", "World", "d_phase",
-           "d_shape", "p_phase"]
+__all__ = [
+    "D_SHAPES",
+    "UNCANCELLABLE_EVERY",
+    "DWorker",
+    "PPhase",
+    "PWorker",
+    "RequestMode",
+    "SimConfig",
+    "SourceState",
+    "World",
+    "d_phase",
+    "d_shape",
+    "p_phase",
+    "transports_cancel",
+]

@@ -7,6 +7,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from kvlifecycle import events as ev
 from kvlifecycle.eventlog import EventLog
 from kvlifecycle.handoff import Consumer
@@ -190,6 +192,14 @@ def released_before_the_staging_copy(mp: Any) -> None:
     mp.setattr(HostStaging, "copy_done", copy_done)
 
 
+def digest_mismatch_ignored(mp: Any) -> None:
+    """D computes its digests of what landed but lets every part through: a corrupted block (a flipped byte, a block
+    in the wrong slot, a head slice in the wrong heads) becomes READY_FOR_ATTENTION."""
+    import kvlifecycle.handoff.consumer as consumer
+
+    mp.setattr(consumer, "mismatched", lambda expected, found: np.empty(0, dtype=np.int64))
+
+
 MUTANTS: dict[str, Callable[[Any], None]] = {
     "epoch check skipped": epoch_check_skipped,
     "release on lease expiry skipped": release_on_expiry_skipped,
@@ -208,4 +218,19 @@ MUTANTS: dict[str, Callable[[Any], None]] = {
     "a stream written past its window": stream_written_past_its_window,
     "retry appends after a partial frame": retry_appends_after_a_partial_frame,
     "GPU blocks released before the staging copy completed": released_before_the_staging_copy,
+    "digest mismatch ignored": digest_mismatch_ignored,
 }
+
+
+def uncancellable_copy_released_as_cancelled(mp: Any) -> None:
+    """The handoff takes every transport for one that cancels a released copy: a failing load, a cancelled push or
+    a closed stream window releases a running CUDA IPC copy and frees its blocks while the kernel still writes."""
+    import kvlifecycle.handoff.consumer as consumer
+    import kvlifecycle.handoff.producer as producer
+    import kvlifecycle.streaming.producer as stream_producer
+
+    for module in (consumer, producer, stream_producer):
+        mp.setattr(module, "cancels_in_flight", lambda transport: True)
+
+
+MUTANTS["an uncancellable copy treated as cancelled at release"] = uncancellable_copy_released_as_cancelled

@@ -115,3 +115,19 @@ def test_one_of_two_consumers_restarting_keeps_the_lease_its_sibling_reads(seed:
     other consumer is bound to it."""
     assert SimConfig().d_groups is None  # the seed draws its shape: these two draw a TP-2 D
     _clean(seed, SimConfig())
+
+
+
+def test_digest_mismatch_with_a_sibling_read_in_flight() -> None:
+    """Fixed finding digest-mismatch-sibling-poll (seed 277, once seeds verified and corruption landed in flight): a
+    part of a two-handle load failed its digest, ``Consumer._fail`` released the sibling's handle, and the same
+    service step went on to poll that released handle (``HandleReleasedError``). The step now stops polling a load
+    it no longer holds."""
+    _clean(277, SimConfig())
+
+
+def test_digest_mismatch_whose_commit_fails_releases_the_handle() -> None:
+    """Fixed finding digest-mismatch-handle-leak (seed 301): a part's digest mismatch fails the load and commits it
+    at once; the disk refused the commit (ENOSPC), the service step raised between the part's check and its handle's
+    release, and the handle stayed open for good. The release is now in a ``finally``."""
+    _clean(301, SimConfig())

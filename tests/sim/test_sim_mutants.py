@@ -10,8 +10,12 @@ whose decode side is a TP-2 instance). GPU blocks released before the staging co
 whose P workers stage). Settled writes forgotten (a duplicated push written twice) 15 (seed 14), caught by the
 late re-delivery of a push request after its write failed, its lease still live (3 of the first 1,000 seeds: the
 real code's hand-back deferral stops most second writes too); clock jumps and late re-deliveries are drawn from a
-stream of their own, so the other mutants' seeds are those above. A stream written past its window is the weakest:
-about one seed in 300 catches it (9 of the first 3,000; 12 before the decode shapes), hence the budget."""
+stream of their own, so the other mutants' seeds are those above. A stream written past its window was the weakest
+(about one seed in 300, first at seed 715) until a stall under a stream's write (its own RNG stream) reached it: now
+seed 4, 5 of the first 100. D's digest mismatch ignored: seed 4 (a corrupted block READY). An uncancellable copy
+treated as cancelled at release: seed 11 (one seed in 8 runs transports that cannot cancel). After corruption and
+those seeds, the others' first seeds are unchanged but for completion applied twice (5 -> 4: its ``_part_done``
+skips the digest check) and a stream READY after its first layer batch (4 -> 9); docs/simulation.md lists them."""
 
 from __future__ import annotations
 
