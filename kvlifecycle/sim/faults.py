@@ -43,9 +43,10 @@ STREAMS = ("stream", "stream_declined", "stream_write_fail", "stream_cancel_d", 
 STORAGE = ("enospc", "eio", "short_write", "fsync_fail", "disk_back")
 
 # P's host staging tier (sim/staging.py): a copy posted; D's claim raced a copy in flight; P crashed mid-copy; a due
-# lease found the pool full; a staged copy's lease expired; D read a staged copy from the pool
+# lease found the pool full; a staged copy's lease expired; D read a staged copy from the pool; P wrote one from the
+# pool into a D that pushes
 STAGING = ("staging", "staging_copy_races_claim", "staging_crash_mid_copy", "staging_pool_full",
-           "staging_lease_expired", "staging_read_host")
+           "staging_lease_expired", "staging_read_host", "staging_push_host")
 
 # wrong bytes landing (sim/corruption.py): a flipped byte, a block in the wrong slot, a head slice in the wrong
 # heads; corruption_refused: D's digest check recorded a mismatch and failed the load (corruption_refused_stream: a

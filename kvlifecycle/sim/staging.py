@@ -12,6 +12,7 @@ the faults come from the scheduler's own choices —
 - ``staging_pool_full``: a lease due for staging found no free slots (it waits);
 - ``staging_lease_expired``: a staged copy's lease ran out (released by the pool's sweep or a late claim);
 - ``staging_read_host``: D read a staged copy from the pool;
+- ``staging_push_host``: P wrote a staged copy from the pool into a D that pushes;
 - ``staging``: a copy was posted.
 
 Checks, beside the core's: no GPU lease is released as ``staged`` while its copy is in flight (the hand-over waits
@@ -98,6 +99,8 @@ class SimPool:
         staging = self.tier.staging
         if self.ledger.occupancy() and any(t not in self.ledger.requests for t in staging.due()):
             self.coverage["fault: staging_pool_full"] += 1
+        if self.tier.pushes_in_flight:
+            self.coverage["fault: staging_push_host"] += 1
 
     def crash(self, fabric: SimFabric, tear: float | None) -> None:
         """P crashed: copies and reads of the pool fail, its memory is lost, its log torn as P's."""

@@ -40,4 +40,6 @@ def test_every_staging_fault_is_exercised_within_120_seeds() -> None:
         assert result.ok, (seed, (result.violations + result.leaks)[:3])
         coverage.update(result.coverage)
     assert STAGING[0] == "staging" and set(STAGING) <= set(ALL)
-    assert [f for f in STAGING if not coverage[f"fault: {f}"]] == []
+    # a push of a staged lease needs a D that pushes to claim after the copy: first at seed 436, about one seed in
+    # 500, so the 10,000-seed CI run (nothing unexercised) covers it, and tests/test_handoff_staging.py drives it
+    assert [f for f in STAGING if not coverage[f"fault: {f}"] and f != "staging_push_host"] == []
