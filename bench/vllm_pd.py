@@ -9,6 +9,9 @@ assertions on speed. Run it through bench/vllm_pd.sh.
 ``--layerwise`` instead runs pull after the prefill, push after the prefill and layer-wise streaming side by side
 (``--prompt-lengths 512,1500,4000``), with TTFT, T_visible and where TTFT goes per mode (bench/vllm_pd_layerwise.py).
 
+``--verify all`` instead runs KVLifecycleConnector P/D without and with per-block digests side by side (TTFT,
+e2e and their ratios, and the blocks D's log says it checked).
+
 ``--tp-shapes 2x2,2x1,1x2`` (P TP x D TP) instead runs KVLifecycleConnector P/D at those tensor-parallel sizes
 (a TP 2 server binds rank i to core i, so P and D share both cores) and, in the same run, a single TP 1 instance
 on the same two cores: per shape ``outputs_equal`` (to the single instance), TTFT and end-to-end medians, and the
@@ -35,13 +38,14 @@ from kvlifecycle.tools.progress import progress
 P_CORES, D_CORES = [0], [1]
 
 
-def connector_config(kind: str, role: str, side_port: int, log_dir: Path) -> dict:
+def connector_config(kind: str, role: str, side_port: int, log_dir: Path, verify: str = "none") -> dict:
     if kind == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
                 "kv_load_failure_policy": "fail"}
     return {"kv_connector": "KVLifecycleConnector", "kv_connector_module_path": "kvlifecycle.adapters.vllm",
             "kv_role": role, "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail",
-            "kv_connector_extra_config": {"side_channel_port": side_port, "log_dir": str(log_dir / "events")}}
+            "kv_connector_extra_config": {"side_channel_port": side_port, "log_dir": str(log_dir / "events" / kind),
+                                          "verify": verify}}
 
 
 def idle_cpu(servers: list[h.VLLMServer], seconds: float) -> list[float]:
@@ -54,15 +58,15 @@ def idle_cpu(servers: list[h.VLLMServer], seconds: float) -> list[float]:
 
 
 def run_pair(kind: str, model: Path, prompts: list[str], output_tokens: int, log_dir: Path,
-             idle_s: float) -> dict:
+             idle_s: float, verify: str = "none") -> dict:
     side = h.free_port_pair()
     p_port, d_port, proxy_port = h.free_port(), h.free_port(), h.free_port()
     env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
     env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(h.free_port_pair())}
     prefill = h.vllm_server(f"{kind}-prefill", model, p_port, log_dir, cores=P_CORES, extra_env=env_p,
-                            kv_transfer_config=connector_config(kind, "kv_producer", side, log_dir))
+                            kv_transfer_config=connector_config(kind, "kv_producer", side, log_dir, verify))
     decode = h.vllm_server(f"{kind}-decode", model, d_port, log_dir, cores=D_CORES, extra_env=env_d,
-                           kv_transfer_config=connector_config(kind, "kv_consumer", side, log_dir))
+                           kv_transfer_config=connector_config(kind, "kv_consumer", side, log_dir, verify))
     proxy = h.proxy_process(proxy_port, [prefill.url], [decode.url], log_dir)
     servers = [prefill, decode, proxy]
     started = time.perf_counter()
@@ -177,6 +181,44 @@ def single_outputs(model: Path, prompts: list[str], output_tokens: int, log_dir:
         server.stop()
 
 
+def _verify_cost(args: argparse.Namespace) -> int:
+    """``--verify MODE``: KVLifecycleConnector P/D without and with per-block digests, side by side: TTFT and
+    end-to-end medians, their ratios (verified / unverified), outputs equal, and the blocks D's log says it
+    checked (each part's ``TgtPartDone.verified``)."""
+    from kvlifecycle import events as ev
+    from kvlifecycle.eventlog import read_events
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvl-bench-vllm-verify-"))
+    model = h.build_tiny_model(Path(args.model_cache))
+    prompts = [h.prompt_of_length(args.prompt_tokens, offset=1 + 131 * i) for i in range(args.requests)]
+    with progress("vLLM P/D verify", 2, json_output=args.json) as tick:
+        plain = run_pair("kvl", model, prompts, args.output_tokens, log_dir, args.idle_seconds)
+        tick("unverified pair")
+        checked = run_pair("kvl-verify", model, prompts, args.output_tokens, log_dir, args.idle_seconds,
+                           verify=args.verify)
+        tick(f"verify: {args.verify} pair")
+    verified = sum(e.verified for target in h.event_dirs(log_dir / "events" / "kvl-verify", "target")
+                   for e in read_events(target) if isinstance(e, ev.TgtPartDone))
+    report = {
+        "requests": args.requests, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+        "verify": args.verify,
+        "ttft_ms_unverified": plain["ttft_ms"], "ttft_ms_verified": checked["ttft_ms"],
+        "ratio_ttft_verify": round(checked["ttft_ms"] / plain["ttft_ms"], 3),
+        "e2e_ms_unverified": plain["e2e_ms"], "e2e_ms_verified": checked["e2e_ms"],
+        "ratio_e2e_verify": round(checked["e2e_ms"] / plain["e2e_ms"], 3),
+        "outputs_equal": plain["outputs"] == checked["outputs"],
+        "verified_blocks": verified,
+        "log_dir": str(log_dir),
+    }
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"vLLM P/D on CPU, verify: {args.verify}: TTFT median {plain['ttft_ms']} -> {checked['ttft_ms']} ms "
+          f"({report['ratio_ttft_verify']} x), e2e median {plain['e2e_ms']} -> {checked['e2e_ms']} ms "
+          f"({report['ratio_e2e_verify']} x); outputs equal {report['outputs_equal']}; {verified} block(s) checked")
+    return 0
+
+
 def _slow_decode(args: argparse.Namespace) -> int:
     import vllm_pd_staging as stg
 
@@ -211,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-lengths", default="512", help="--layerwise: prompt lengths, e.g. 512,1500,4000")
     parser.add_argument("--slow-decode", action="store_true",
                         help="P's prefill throughput under a slow D, against a fast D (bench/vllm_pd_staging.py)")
+    parser.add_argument("--verify", choices=("none", "sample", "all"), default="none",
+                        help="KVLifecycleConnector without and with per-block digests instead, side by side")
     parser.add_argument("--staging", action="store_true",
                         help="--slow-decode: also with P's host staging tier on (the runs without it are kept)")
     parser.add_argument("--fast-output-tokens", type=int, default=4, help="--slow-decode: the fast D's outputs")
@@ -226,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--staging goes with --slow-decode")
     if args.slow_decode:
         return _slow_decode(args)
+    if args.verify != "none":
+        return _verify_cost(args)
     if args.layerwise:
         import vllm_pd_layerwise as lw
 
