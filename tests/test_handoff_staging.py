@@ -29,13 +29,14 @@ from waiting import until
 
 from kvlifecycle import events as ev
 from kvlifecycle.clock import HybridLogicalClock, ManualClock
-from kvlifecycle.control import Claimed
+from kvlifecycle.control import Claimed, LoadFailed
 from kvlifecycle.eventlog import EventLog
 from kvlifecycle.handoff import REPLY_TYPES, Consumer, HandoffOptions, Producer
 from kvlifecycle.handoff.staging_tier import StagingTier
 from kvlifecycle.handshake import CompatInfo
 from kvlifecycle.invariants import check_merged, check_source, check_target
 from kvlifecycle.ledger import SourceLedger, TargetLedger
+from kvlifecycle.protocol import WRITE_IN_FLIGHT
 from kvlifecycle.sidechannel import Ack, ErrorReply, FrameError, _decode_body
 from kvlifecycle.staging import HostStaging
 from kvlifecycle.staging_checks import check_staging, check_staging_events, check_staging_merged
@@ -199,8 +200,9 @@ def test_a_staged_push_in_flight_when_its_lease_ends_is_cancelled_before_its_slo
     cancels the write before the sweep frees the slots, so no write from freed slots is left pending. The mutant
     keeps the write in flight past the lease: the slots are freed under it."""
     if mutant:
-        def never_cancel(self, now, failed):  # type: ignore[no-untyped-def]
+        def never_cancel(self, now):  # type: ignore[no-untyped-def]
             self._pushes = [p for p in self._pushes if p.path.transport.poll(p.handle).name == "PENDING"]
+            return []
 
         monkeypatch.setattr(StagingTier, "poll_pushes", never_cancel)
     rig = make_rig(push=True, gate_copy=True)
@@ -223,6 +225,38 @@ def test_a_staged_push_in_flight_when_its_lease_ends_is_cancelled_before_its_slo
     assert not rig.copy_gate.pending and rig.copy_gate.cancelled == 1
     assert rig.pool.requests.get(g.transfer) is None  # type: ignore[attr-defined]
     assert all(not x[[5, 6, 7]].any() for x in rig.dst)  # not a byte of it landed
+
+
+@pytest.mark.mutants
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_consumer_giving_up_a_staged_push_in_flight_hears_back_only_once_the_write_was_cancelled(
+        make_rig, monkeypatch: pytest.MonkeyPatch, mutant: bool) -> None:
+    """D gives its push load up (``LoadFailed``) while P's write from the pool is still in flight: P answers
+    "write in flight" (so D keeps its blocks), cancels the write on its next step, and only then ends the read and
+    tells D. The mutant ends the read at once: D would free blocks the write still lands in."""
+    if mutant:
+        monkeypatch.setattr(StagingTier, "hand_back", lambda self, transfer, generation, reason: False)
+    rig = make_rig(push=True, gate_copy=True)
+    g = rig.grant("slow", [1, 2, 3])
+    rig.clock.advance(0.2)
+    rig.prod.step_once()
+    assert rig.copy_gate.let_go() == 1
+    rig.prod.step_once()
+    rig.d.reserve("slow", [5, 6, 7])
+    assert rig.cons.load("slow", "slow", [rig.prod.address], push=True) is not None
+    assert rig.p_steps_until(lambda: len(rig.copy_gate.pending) == 1)  # the write from the slots, held
+    (load,) = rig.cons._loads.values()
+    gave_up = LoadFailed(g.transfer, g.generation, "D gave up", token=load.tokens[0], consumer=0)  # type: ignore[attr-defined]
+    answer = rig.prod._on_load_failed(gave_up, b"")
+    if mutant:
+        assert answer.ok and rig.copy_gate.pending  # acknowledged while the write may still land
+        return
+    assert not answer.ok and answer.detail == WRITE_IN_FLIGHT
+    assert rig.pool.requests[g.transfer].readers == 1  # type: ignore[attr-defined]  # the read goes on until...
+    rig.prod.step_once()
+    assert not rig.copy_gate.pending and rig.copy_gate.cancelled == 1  # ...the write was cancelled
+    assert g.transfer not in rig.pool.requests  # type: ignore[attr-defined]
+    assert rig.pool.stats["failed"] == 1 and all(not x[[5, 6, 7]].any() for x in rig.dst)
 
 
 @pytest.mark.parametrize("corrupt", [False, True])

@@ -39,6 +39,7 @@ from kvlifecycle.handshake import (
 )
 from kvlifecycle.ledger import SourceLedger
 from kvlifecycle.path_selection import PRIMARY_PATH, PathSelector, PushPath
+from kvlifecycle.protocol import WRITE_IN_FLIGHT
 from kvlifecycle.protocol.producer import Answer, ProducerProtocol
 from kvlifecycle.sidechannel import Ack, Handler, SideChannelRefused, SideChannelServer
 from kvlifecycle.transport import (
@@ -428,7 +429,9 @@ class Producer:
         if msg.hlc:  # D settled its load before telling us: our release must sort after that
             self.ledger.hlc.observe(msg.hlc)
         if self.staging is not None:
-            with self._lock:  # a read of (or a hand-back of) the staged copy
+            with self._lock:  # a read of (or a hand-back of) the staged copy; a write from it in flight first ends
+                if self.staging.hand_back(msg.transfer, msg.generation, msg.reason):
+                    return Ack(False, WRITE_IN_FLIGHT)
                 if self.staging.read_ended(msg.transfer, msg.generation, msg.consumer, ok=False, reason=msg.reason):
                     return Ack(True)
         lease = self.ledger.leases.get(msg.transfer)
@@ -529,7 +532,9 @@ class Producer:
         except TransportError as exc:
             log.warning("could not tell %s that push %s failed (%s): ending its read now", push.path.peer,
                         push.transfer, exc)
-            tier.read_ended(push.transfer, push.generation, push.part, ok=False, reason=reason)
+            if not push.read_over:
+                with self._lock:
+                    tier.read_ended(push.transfer, push.generation, push.part, ok=False, reason=reason)
 
     # -- service thread ---------------------------------------------------------------------------------------------
     def _start_push(
@@ -657,14 +662,16 @@ class Producer:
     def _step_staging(self, tier: StagingTier) -> None:
         """Post the copies now due, settle those that ended (a whole one hands its GPU lease over: the engine
         frees its blocks on ``take_released``'s ``staged``), expire staged copies; commit the pool's log."""
+        failed: list[tuple[StagedPush, str]] = []
         with self._lock:  # the lease's claim and its copy's post or completion are ordered
             tier.post_due()
             tier.poll_copies()
             if tier.pushes_in_flight:  # a write past its copy's lease is cancelled before the sweep frees slots
-                tier.poll_pushes(tier.staging.pool.clock.now(),
-                                 lambda push, why: self._host_push_failed(tier, push, why))
+                failed = tier.poll_pushes(tier.staging.pool.clock.now())
             tier.staging.sweep()
-        tier.staging.pool.commit()
+        tier.staging.pool.commit()  # a read ended by a cancel is in the log before D hears of it
+        for push, why in failed:  # D is told outside the lock
+            self._host_push_failed(tier, push, why)
 
     def step_once(self) -> None:
         """One turn of the service loop without waiting (the simulator's scheduler turns it): every queued job,

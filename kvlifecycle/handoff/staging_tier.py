@@ -17,7 +17,8 @@ The decisions (which lease is due, when its GPU blocks may go, where a claim rea
 - **pushes**: at a push handshake the host transport adds D as a peer too (:meth:`add_push_peer`), so a
   ``PushRequest`` for a staged lease is written from its host slots (:meth:`admit_push`, one WRITE per part, ever),
   polled on the service step (:meth:`poll_pushes`): DONE ends the claimant's read, and a write still in flight
-  when the copy's lease ends is cancelled (released) before the sweep may free its slots.
+  when the copy's lease ends, or that D handed back (:meth:`hand_back`), is cancelled (released) before the read
+  ends and the sweep may free its slots.
 
 Every method that decides runs under the Producer's lock (the Producer takes it), so a claim and a copy's
 completion are ordered: a claim either finds the copy whole and is served from host, or claims the GPU lease,
@@ -81,6 +82,8 @@ class StagedPush:
     dst: np.ndarray  # D's blocks
     handle: TransferHandle | None = None
     note: Notification | None = None
+    handed_back: str = ""  # D gave its load up while the write was in flight: cancel it, then end the read
+    read_over: bool = False  # the claimant's read of the copy was ended here (a failure reported to D ends no more)
 
 
 @dataclass(slots=True)
@@ -254,15 +257,31 @@ class StagingTier:
         self._pushes.append(push)
         return ""
 
-    def poll_pushes(self, now: float, failed: Callable[[StagedPush, str], None]) -> None:
-        """Settle the pushes that ended: DONE ends the claimant's read (the copy ends with its last one); a
-        failure goes to ``failed`` (D is told, and its ``LoadFailed`` ends the read). A write still in flight when
-        its copy's lease has run out (``now``, the pool's clock) is cancelled first: the sweep that follows may
-        free its slots."""
+    def hand_back(self, transfer: str, generation: int, reason: str) -> bool:
+        """D gave up a load whose write from the pool is in flight (its ``LoadFailed``): the write is cancelled on
+        the next step, and only then is the read ended and D told (:data:`WRITE_IN_FLIGHT`, as on the GPU), so D
+        never frees blocks the write may still land in. False: no write of this lease in flight."""
+        pending = [p for p in self._pushes if (p.transfer, p.generation) == (transfer, generation)]
+        for push in pending:
+            push.handed_back = push.handed_back or reason
+        return bool(pending)
+
+    def poll_pushes(self, now: float) -> list[tuple[StagedPush, str]]:
+        """Settle the pushes that ended: DONE ends the claimant's read (the copy ends with its last one). Returns
+        the failed ones with why, for the caller to tell D outside its lock (D's ``LoadFailed`` then ends the read).
+        A write still in flight when its copy's lease has run out (``now``, the pool's clock), or that D handed
+        back, is cancelled first: the sweep that follows may free its slots."""
+        failed: list[tuple[StagedPush, str]] = []
         still = []
         for push in self._pushes:
             via, handle = push.path.transport, push.handle
             assert handle is not None
+            if push.handed_back:  # cancelled before the read ends: its slots and D's blocks are then free to go
+                via.release(handle)
+                push.read_over = self.read_ended(push.transfer, push.generation, push.part, ok=False,
+                                                 reason=push.handed_back)
+                failed.append((push, f"write cancelled: the consumer gave the load up ({push.handed_back})"))
+                continue
             status = via.poll(handle)
             if status is XferStatus.PENDING:
                 copy = self.whole_copy(push.transfer, push.generation)
@@ -270,16 +289,17 @@ class StagingTier:
                     still.append(push)
                     continue
                 via.release(handle)  # cancels the write: it never reads slots past their lease
-                failed(push, "write cancelled: the staged copy's lease ended")
+                failed.append((push, "write cancelled: the staged copy's lease ended"))
                 continue
             if status is XferStatus.DONE:
                 self.read_ended(push.transfer, push.generation, push.part, ok=True)
             else:
-                failed(push, f"write failed: {via.error(handle)}")
+                failed.append((push, f"write failed: {via.error(handle)}"))
             via.release(handle)
         self._pushes = still
         if self._written:  # a lease that ended takes its accepted parts along
             self._written = {k for k in self._written if self.is_live(k[0], k[1])}
+        return failed
 
     @property
     def pushes_in_flight(self) -> int:
