@@ -1,6 +1,9 @@
 """Layer-wise streaming on real vLLM (CPU, float32): the proxy's ``--layerwise`` submits to D first, D reserves
 and sends its reservation to P, P streams each layer as it returns (chunked prefill on: 64 tokens a step). The
-main pair runs with ``"verify": "all"``: each layer batch carries P's digest and D checks it before it counts.
+main pair runs with ``"verify": "all"``: each layer batch carries P's digest and D checks it before it counts, and
+with a host staging policy on P (``stage_after_ms`` 50): a stream reads P's KV cache as it is written and is never
+granted, so nothing of it is staged; staging applies to what is granted after the prefill (a declined stream's
+fallback, a request that does not stream), which D then reads from the host pool.
 
 The reference is P itself answering the whole request alone (same model, same single OpenMP thread). Further pairs
 change P's streamer from outside the library (``fault_site``): the post of layer 2 fails (the request fails under
@@ -33,8 +36,11 @@ LONG = 1500  # 24 chunks of 64: D's reservation reaches P while this prefill is 
 FAULT_SITE = Path(__file__).resolve().parent / "fault_site"
 
 
+STAGING = {"stage_when": "after", "stage_after_ms": 50, "staging_pool_blocks": 32}  # P's policy in the main pair
+
+
 def kv_config(role: str, events: Path, port: int, policy: str = "fail", load_timeout_s: float = 20.0,
-              verify: str = "none") -> dict:
+              verify: str = "none", staging: dict | None = None) -> dict:
     return {
         "kv_connector": "KVLifecycleConnector",
         "kv_connector_module_path": "kvlifecycle.adapters.vllm",
@@ -43,17 +49,20 @@ def kv_config(role: str, events: Path, port: int, policy: str = "fail", load_tim
         "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {"log_dir": str(events), "side_channel_port": port, "lease_ttl_s": 8.0,
                                       "load_timeout_s": load_timeout_s,  # D's stream timeout too
-                                      "verify": verify},
+                                      "verify": verify, **(staging or {})},
     }
 
 
 def layerwise_pair(model: Path, logs: Path, p_env: dict[str, str] | None = None, policy: str = "fail",
-                   load_timeout_s: float = 20.0, verify: str = "none") -> list[h.VLLMServer]:
+                   load_timeout_s: float = 20.0, verify: str = "none",
+                   staging: dict | None = None) -> list[h.VLLMServer]:
+    """``staging``: P's host staging policy (keys of ``kv_connector_extra_config``), none by default."""
     events = logs / "events"
     side = h.free_port_pair()
     prefill = h.vllm_server("prefill", model, h.free_port(), logs, cores=[0], extra_env=p_env,
                             extra_args=["--max-num-batched-tokens", "64"],  # chunked prefill: 64 tokens a step
-                            kv_transfer_config=kv_config("kv_producer", events, side, verify=verify))
+                            kv_transfer_config=kv_config("kv_producer", events, side, verify=verify,
+                                                         staging=staging))
     decode = h.vllm_server("decode", model, h.free_port(), logs, cores=[1],
                            kv_transfer_config=kv_config("kv_consumer", events, side, policy, load_timeout_s,
                                                         verify))
@@ -65,7 +74,8 @@ def layerwise_pair(model: Path, logs: Path, p_env: dict[str, str] | None = None,
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("vllm-layerwise")
-    servers = layerwise_pair(tiny_model, logs, verify="all")  # every layer batch checked on D, as it lands
+    # every layer batch checked on D, as it lands; P stages what is granted and left unclaimed for 50 ms
+    servers = layerwise_pair(tiny_model, logs, verify="all", staging=STAGING)
     try:
         start_all(servers)
         yield (*servers, logs / "events")
@@ -85,18 +95,53 @@ def test_layerwise_outputs_equal_a_single_instance(pair, num_tokens: int) -> Non
     assert got.text == alone["choices"][0]["text"]
 
 
+STAGED_AFTER_PREFILL: list[str] = []  # P transfers D read from the host pool, granted after a prefill
+
+
+def test_with_staging_on_a_request_granted_after_its_prefill_is_staged_and_read_from_the_host_pool(pair) -> None:
+    """The staging policy is live on this P: a request that does not stream (plain ``do_remote_decode``, no stream
+    key) is granted after its prefill, staged once unclaimed for 50 ms, and D, asking only after that, reads the
+    host copy (verified against its digests) and answers as P alone does."""
+    prefill, decode, _proxy, events = pair
+    prompt = h.prompt_of_length(200, offset=800)
+    status, answer = h.post_json(prefill.port, "/v1/completions",
+                                 h.completion_body(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    request = params["remote_request_id"]
+    wait_for("P staged the request", lambda: f"{request} staged to the host pool" in
+             prefill.log_path.read_text(errors="replace"), 60)
+    status, got = h.post_json(decode.port, "/v1/completions",
+                              h.completion_body(prompt, MAX_TOKENS, kv_transfer_params=params))
+    assert status == 200, got
+    status, alone = h.post_json(prefill.port, "/v1/completions", h.completion_body(prompt, MAX_TOKENS))
+    assert status == 200, alone
+    assert got["choices"][0]["text"] == alone["choices"][0]["text"]
+    (pool,) = event_dirs(events, "staging")
+    (transfer,) = [e.transfer for e in read_events(pool) if isinstance(e, ev.StgStarted) and e.request == request]
+    assert any(isinstance(e, ev.StgServed) and e.transfer == transfer for e in read_events(pool))
+    STAGED_AFTER_PREFILL.append(transfer)
+
+
 def test_layerwise_logs_replay_clean_and_every_request_streamed_layer_by_layer(pair) -> None:
     prefill, decode, proxy, events = pair
     for server in (proxy, decode, prefill):
         server.stop()
-    sources, targets = event_dirs(events, "source"), event_dirs(events, "target")
-    rc, report = replay_json(*sources, *targets, quiescent=True)
+    sources, pools, targets = event_dirs(events, "source"), event_dirs(events, "staging"), event_dirs(events, "target")
+    rc, report = replay_json(*sources, *pools, *targets, quiescent=True)
     assert rc == 0 and report["ok"], report.get("violations", report)
     d_events = [e for t in targets for e in read_events(t)]
     declined = {e.transfer for e in d_events if isinstance(e, ev.TgtLoadDeclined)}  # P began first: fallback
     streams = {e.transfer: e.layers for e in d_events
                if isinstance(e, ev.TgtLoadStarted) and e.layers and e.transfer not in declined}
     assert streams and set(streams.values()) == {4}, (streams, declined)  # 4 layers each
+    # staging applies after the prefill only: every copy P staged is of a lease D loaded after a prefill (a
+    # declined stream's fallback, or the plain request above), none of a request that streamed (a streamed request
+    # granted at its end would be staged unread, its lease never claimed by D)
+    staged = {e.transfer for p in pools for e in read_events(p) if isinstance(e, ev.StgStarted)}
+    after_prefill = {e.transfer for e in d_events if isinstance(e, ev.TgtLoadStarted) and not e.layers}
+    assert STAGED_AFTER_PREFILL and set(STAGED_AFTER_PREFILL) <= staged, (STAGED_AFTER_PREFILL, staged)
+    assert staged <= after_prefill, (staged, after_prefill, streams)
     blocks = {e.request: ev.unpack_blocks(e.blocks).size for e in d_events if isinstance(e, ev.TgtReserved)}
     request_of = {e.transfer: e.request for e in d_events if isinstance(e, ev.TgtLoadStarted)}
     long = [t for t in streams if blocks[request_of[t]] == max(blocks.values())]  # a short prompt's reservation

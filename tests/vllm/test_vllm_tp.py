@@ -6,7 +6,11 @@ session's, tests/conftest.py) answers every reference prompt first and is idle w
 ``start_all`` warms every server up before its first handoff (``vllm_harness.VLLMServer.warm_up`` says why: a lazy
 torch.compile inside a handoff is what stalled the TP 2 ranks here). A TP 2 server binds one OpenMP thread per rank
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: ``OMP_NUM_THREADS=1`` per rank, so there is no OpenMP team to busy-wait). Slow,
-a correctness test, not a benchmark; no timing assertions, every wait bounded."""
+a correctness test, not a benchmark; no timing assertions, every wait bounded.
+
+P stages to a host pool what D leaves unclaimed for ``STAGE_AFTER_MS`` (each P rank its own shard, in a pool of
+its own): the handoffs through the proxy are claimed well before that and read from P's KV cache; a request D asks
+for only after every P rank staged it is read from each rank's pool (one test per shape)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,9 @@ from pathlib import Path
 import pytest
 import vllm_harness as h
 from vllm_harness import event_dirs, replay_json, start_all
+
+from kvlifecycle import events as ev
+from kvlifecycle.eventlog import read_events
 
 pytestmark = [
     pytest.mark.vllm,
@@ -38,6 +45,10 @@ SHAPES = [(2, 2), (2, 1), (1, 2)]  # (P TP, D TP)
 # float32 TP 1 and TP 2 sum the attention and MLP partial products in different orders: a greedy difference is
 # accepted only where the single instance's two best tokens are this close (a near tie), and reported
 NEAR_TIE_NATS = 1e-3
+# P's host staging policy: long next to D's claim through the proxy, short next to the lease (a staged copy carries
+# the lease on); 16 slots per rank hold the staged test's request (2 blocks) and a stalled handoff or two
+STAGE_AFTER_MS = 3000
+STAGED_PROMPT = 200  # two 128-token blocks
 
 
 @dataclass
@@ -56,7 +67,8 @@ def kvl_config(role: str, events: Path, port: int, decode_tp: int) -> dict:
     extra: dict = {"log_dir": str(events), "side_channel_port": port, "mode": "pull", "lease_ttl_s": LEASE_TTL_S,
                    "handshake_timeout_s": 30.0, "grant_wait_s": 30.0}
     if role == "kv_producer":
-        extra["decode_tp_size"] = decode_tp
+        extra.update(decode_tp_size=decode_tp, stage_when="after", stage_after_ms=STAGE_AFTER_MS,
+                     staging_pool_blocks=16)
     return {
         "kv_connector": "KVLifecycleConnector",
         "kv_connector_module_path": "kvlifecycle.adapters.vllm",
@@ -88,7 +100,7 @@ def greedy_prompt(num_tokens: int) -> str:
 def references(vllm_single: h.VLLMServer) -> dict[int, dict]:
     """The single TP 1 instance's greedy choice (with top-2 logprobs) per prompt length, asked before any TP cluster
     starts (the session's instance, tests/conftest.py: idle from then on)."""
-    return {n: completion(vllm_single.port, greedy_prompt(n), logprobs=2) for n in GREEDY_PROMPTS}
+    return {n: completion(vllm_single.port, greedy_prompt(n), logprobs=2) for n in (*GREEDY_PROMPTS, STAGED_PROMPT)}
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=["p2-d2", "p2-d1", "p1-d2"])
@@ -125,8 +137,12 @@ def first_difference(a: list[str], b: list[str]) -> int:
 
 
 def assert_same_greedy_output(expected: dict, cluster: TPCluster, prompt: str) -> None:
+    """Equal text through the proxy, or a difference that starts at a near tie of the single instance."""
+    assert_same_greedy(expected, completion(cluster.proxy.port, prompt, logprobs=2), cluster)
+
+
+def assert_same_greedy(expected: dict, got: dict, cluster: TPCluster) -> None:
     """Equal text, or a difference that starts at a near tie of the single instance (printed with its logprobs)."""
-    got = completion(cluster.proxy.port, prompt, logprobs=2)
     if got["text"] == expected["text"]:
         return
     want, have = expected["logprobs"]["tokens"], got["logprobs"]["tokens"]
@@ -193,7 +209,51 @@ def prefill_only(cluster: TPCluster, prompt: str) -> dict:
 
 
 def released(summaries: list[dict]) -> int:
-    return sum(s["stats"].get(k, 0) for s in summaries for k in ("completed", "failed", "cancelled", "expired"))
+    """GPU leases ended on P, whatever the reason (``staged``: its copy in the host pool took it over)."""
+    return sum(s["stats"].get(k, 0) for s in summaries
+               for k in ("completed", "failed", "cancelled", "expired", "staged"))
+
+
+def staged_on_every_p_rank(cluster: TPCluster, request: str, timeout_s: float = 60.0) -> bool:
+    """Every P rank logged ``request`` staged (its GPU blocks went back to vLLM), within the deadline."""
+    line = f"{request} staged to the host pool"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cluster.prefill.log_path.read_text(errors="replace").count(line) >= cluster.p_tp:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_request_staged_on_every_p_rank_is_read_from_each_ranks_host_pool(references: dict[int, dict],
+                                                                             cluster: TPCluster) -> None:
+    """D is slow: it asks only once every P rank staged its shard of the request (its GPU blocks went back to
+    vLLM). Each P rank's pool serves its staged copy to every D rank that reads that rank (max(1, D TP / P TP) of
+    them) and the reads end ok; the greedy output equals the single instance's."""
+    params = prefill_only(cluster, greedy_prompt(STAGED_PROMPT))
+    request = params["remote_request_id"]
+    assert staged_on_every_p_rank(cluster, request), cluster.prefill.log_tail(30)
+    body = h.completion_body(greedy_prompt(STAGED_PROMPT), MAX_TOKENS, logprobs=2, kv_transfer_params=params)
+    status, answer = h.post_json(cluster.decode.port, "/v1/completions", body, timeout_s=300)
+    assert status == 200, answer
+    assert_same_greedy(references[STAGED_PROMPT], answer["choices"][0], cluster)
+    pools = event_dirs(cluster.events, "staging")
+    assert len(pools) == cluster.p_tp, pools  # one pool (and log) per P rank
+    readers = max(1, cluster.d_tp // cluster.p_tp)
+    for pool in pools:
+        deadline = time.monotonic() + 30  # a pool logs a read's end on its rank's next service step
+        while True:
+            pool_events = list(read_events(pool))
+            (transfer,) = [e.transfer for e in pool_events if isinstance(e, ev.StgStarted) and e.request == request]
+            mine = [e for e in pool_events if getattr(e, "transfer", None) == transfer]
+            if any(isinstance(e, ev.StgReleased) for e in mine) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        served = {e.peer for e in mine if isinstance(e, ev.StgServed)}
+        assert len(served) == readers, (pool.name, mine)
+        ends = [e for e in mine if isinstance(e, ev.StgReadEnded)]
+        assert len(ends) == readers and all(e.ok for e in ends), (pool.name, mine)
+        assert [e.reason for e in mine if isinstance(e, ev.StgReleased)] == ["completed"], (pool.name, mine)
 
 
 def test_aborts_leave_no_pin_on_any_p_rank(cluster: TPCluster) -> None:
@@ -239,16 +299,23 @@ def test_killed_decode_leaves_no_pin_on_any_p_rank(cluster: TPCluster) -> None:
 
 
 def test_every_rank_logs_and_all_logs_replay_clean(cluster: TPCluster) -> None:
-    """One event log per rank on each side (D killed above); every greedy handoff completed on every P rank; the
-    logs of both sides replay, pass the invariants, agree pairwise, and P's end quiescent (nothing pinned, no
-    lease)."""
+    """One event log per rank on each side and per P rank's pool (D killed above); every greedy handoff completed
+    on every P rank (or was staged); the logs of both sides and the pools replay, pass the invariants, agree
+    pairwise, and P's and its pools' end quiescent (nothing pinned, no lease, no staged copy)."""
     sources, targets = event_dirs(cluster.events, "source"), event_dirs(cluster.events, "target")
-    assert (len(sources), len(targets)) == (cluster.p_tp, cluster.d_tp), (sources, targets)
+    pools = event_dirs(cluster.events, "staging")
+    assert (len(sources), len(pools), len(targets)) == (cluster.p_tp, cluster.p_tp, cluster.d_tp), (sources, targets)
     summaries = wait_for_no_pins(cluster, timeout_s=3 * LEASE_TTL_S + 10)
     for summary in summaries:
         assert summary["blocks"].get("PINNED_FOR_TRANSFER", 0) == 0, summary
-        assert summary["stats"].get("completed", 0) >= len(GREEDY_PROMPTS), summary  # per request and P rank
-    rc, report = replay_json(*sources, *targets)
+        # per P rank, each greedy handoff and the staged one: ended completed, or staged for a D that came late
+        ended = summary["stats"].get("completed", 0) + summary["stats"].get("staged", 0)
+        assert ended >= len(GREEDY_PROMPTS) + 1 and summary["stats"].get("staged", 0) >= 1, summary
+    rc, report = replay_json(*sources, *pools, *targets)
     assert rc == 0 and report["ok"], json.dumps(report.get("violations", report))[:4000]
-    rc, report = replay_json(*sources, quiescent=True)
+    deadline = time.monotonic() + 3 * LEASE_TTL_S + 10  # a copy staged for the killed D ends with its lease
+    rc, report = replay_json(*sources, *pools, quiescent=True)
+    while rc != 0 and time.monotonic() < deadline:
+        time.sleep(2.0)
+        rc, report = replay_json(*sources, *pools, quiescent=True)
     assert rc == 0 and report["ok"], json.dumps(report.get("violations", report))[:4000]
