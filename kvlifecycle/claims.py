@@ -30,6 +30,8 @@ class ClaimBook:
 
     def __init__(self) -> None:
         self._claims: dict[tuple[str, int], dict[int, bytes]] = {}
+        # (transfer, generation) -> consumer -> when P granted the claim (its clock): later messages' transit bound
+        self._claimed_at: dict[tuple[str, int], dict[int, float]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -40,14 +42,21 @@ class ClaimBook:
         with self._lock:
             return bool(self._claims.get((transfer, generation)))
 
-    def claim(self, transfer: str, generation: int, consumer: int) -> bytes | None:
-        """A new token for consumer ``consumer`` of the lease, or None when that consumer is already claimed."""
+    def claim(self, transfer: str, generation: int, consumer: int, *, now: float = 0.0) -> bytes | None:
+        """A new token for consumer ``consumer`` of the lease, or None when that consumer is already claimed.
+        ``now``: P's clock at the claim, what :meth:`claimed_at` answers."""
         with self._lock:
             slots = self._claims.setdefault((transfer, generation), {})
             if consumer in slots:
                 return None
             token = slots[consumer] = secrets.token_bytes(TOKEN_BYTES)
+            self._claimed_at.setdefault((transfer, generation), {})[consumer] = now
             return token
+
+    def claimed_at(self, transfer: str, generation: int, consumer: int) -> float | None:
+        """When consumer ``consumer`` of the lease was claimed (None: it was not)."""
+        with self._lock:
+            return self._claimed_at.get((transfer, generation), {}).get(consumer)
 
     def unclaim(self, transfer: str, generation: int, consumer: int) -> None:
         """Take back a token that was never handed out (the ledger refused the claim)."""
@@ -55,8 +64,10 @@ class ClaimBook:
             slots = self._claims.get((transfer, generation))
             if slots is not None:
                 slots.pop(consumer, None)
+                self._claimed_at.get((transfer, generation), {}).pop(consumer, None)
                 if not slots:
                     del self._claims[(transfer, generation)]
+                    self._claimed_at.pop((transfer, generation), None)
 
     def check(self, transfer: str, generation: int, token: bytes, *, consumer: int | None = None,
               unclaimed_ok: bool = False) -> str:
@@ -84,4 +95,5 @@ class ClaimBook:
             gone = [key for key in self._claims if not live(*key)]
             for key in gone:
                 del self._claims[key]
+                self._claimed_at.pop(key, None)
             return len(gone)

@@ -55,6 +55,9 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     hlc: Counter = 0  # the sender's hybrid logical clock (0: unknown): what P records next sorts after it
     consumer: Counter = 0  # which consumer of the lease this is (D TP > P TP: several D ranks read one lease)
     token: Token = b""  # the claim token, on every heartbeat after the claim
+    # seconds D's clock ran from sending its claim to building this renewal (-1: a claim, a keepalive, or an older
+    # D): P refuses a renewal held back past its transit bound (kvlifecycle.protocol.bounds)
+    since_claim: float = -1.0
 
 
 class Claimed(msgspec.Struct, frozen=True, tag=True):
@@ -82,6 +85,7 @@ class PushRequest(msgspec.Struct, frozen=True, tag=True):
     target_request: str
     part: int = 0
     token: Token = b""  # the claim token of this lease
+    since_claim: float = -1.0  # as a Heartbeat's: a push request held back in the network is refused
 
 
 class LoadFailed(msgspec.Struct, frozen=True, tag=True):

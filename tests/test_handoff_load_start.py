@@ -101,7 +101,7 @@ def test_skip_releases_p_now(pd) -> None:
 def test_invalidate_peer_tells_every_peer_lost_sink(pd) -> None:
     _, cons, _, _ = pd
     told: list[tuple[str, int, str]] = []
-    cons.peer_lost_sinks.append(lambda agent, epoch, reason: told.append((agent, epoch, reason)))
+    cons.peer_lost_sinks.append(lambda agent, epoch, reason, _may_write: told.append((agent, epoch, reason)))
     cons.invalidate_peer("p-agent", 3, "etcd lease expired")
     assert told == [("p-agent", 3, "etcd lease expired")]
 
@@ -140,7 +140,7 @@ def test_mutant_posting_a_read_after_a_late_claim_is_caught(pd, monkeypatch: pyt
     def ignoring_now(self, part, *, ok, detail, sent_at, ttl_s, reserved, now):  # the launch before the check
         if not ok:
             return LaunchStep("abandon", reason=f"lease refused: {detail}")
-        if not self.claim_acknowledged(part, sent_at, ttl_s):
+        if not self.claim_acknowledged(part, sent_at, ttl_s, now):
             return LaunchStep("claim", self.claimed)
         return LaunchStep("start") if reserved else LaunchStep("abandon", reason=NOT_RESERVED)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvlifecycle.protocol import READ_DEADLINE_FRACTION, WRITE_IN_FLIGHT, PushWrites, RenewalClock, is_write_in_flight
+from kvlifecycle.protocol.bounds import STREAM_SETTLE_S
 from kvlifecycle.protocol.load import PEER_RESTARTED, LoadProgress
 
 
@@ -105,9 +106,11 @@ def test_a_failure_waits_for_sibling_reads_in_flight_and_keeps_its_first_reason(
 
 def test_a_load_starts_once_every_lease_is_claimed_and_times_out_unless_handed_back() -> None:
     load = LoadProgress(size=2)
-    assert not load.claim_acknowledged(0, sent_at=1.0, ttl_s=10.0)
-    assert load.claim_acknowledged(1, sent_at=2.0, ttl_s=10.0) and load.claimed == 2
+    assert not load.claim_acknowledged(0, sent_at=1.0, ttl_s=10.0, answered_at=1.1)
+    assert load.claim_acknowledged(1, sent_at=2.0, ttl_s=10.0, answered_at=2.5) and load.claimed == 2
     assert load.renewals.deadline() == pytest.approx(1.0 + 10.0 * READ_DEADLINE_FRACTION)  # the oldest claim bounds
+    # a push's writes: the latest claim answer bounds them (P accepted it before answering)
+    assert load.writes.deadline() == pytest.approx(2.5 + 10.0 / READ_DEADLINE_FRACTION + STREAM_SETTLE_S)
     assert not load.times_out(5.0, timeout_s=5.0) and load.times_out(5.1, timeout_s=5.0)
     load.given_up = "push request failed: timed out"  # P's word settles it now, not the timeout
     assert not load.times_out(5.1, timeout_s=5.0)

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", metavar="LIST",
                         help="comma-separated faults to inject (default all): drop, duplicate, reorder, slow, "
                              "partition, post_fail, handle_fail, duplicate_completion, cancel, expiry, p_restart, "
-                             "d_crash, drift, jump, redeliver, disk, corrupt, uncancellable")
+                             "d_crash, drift, jump, redeliver, disk, corrupt, uncancellable, invalidate_writer")
     parser.add_argument("--workers", type=_workers, metavar="SPEC",
                         help="cluster shape, e.g. P=2+1,D=2 or P=2+1,D=2+1 (default: P=2+1, and each seed draws D=2 "
                              "or D=2+1)")

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hmac
 import logging
+import math
 import queue
 import threading
 import time
@@ -45,6 +46,7 @@ from kvlifecycle.handshake import (
 )
 from kvlifecycle.ledger import TargetLedger
 from kvlifecycle.path_selection import PRIMARY_PATH, PathSelector
+from kvlifecycle.protocol import RENEWAL_TOO_LATE
 from kvlifecycle.protocol import consumer as rules  # D's decisions, shared with the simulator
 from kvlifecycle.protocol.launch import LaunchStep, LoadLaunch, beat_every
 from kvlifecycle.sidechannel import Ack, SideChannelClient, SideChannelError, SideChannelRefused
@@ -162,8 +164,9 @@ class Consumer:
         self._stop = threading.Event()
         self._unclaimed = UnclaimedGrants(secret=options.secret, timeout_s=options.request_timeout_s)
         self._held = HeldGrants()  # grants of requests whose loads have not started (announced ones renewed)
-        # (agent, epoch, reason) -> None, told after invalidate_peer: a layer-wise stream's parts end there too
-        self.peer_lost_sinks: list[Callable[[str, int, str], object]] = []
+        # (agent, epoch, reason, may_write) -> None, told after invalidate_peer and a peer's restart (may_write: the
+        # process may still run and write: cut off from the control plane, or an old incarnation in a rolling restart)
+        self.peer_lost_sinks: list[Callable[[str, int, str, bool], object]] = []
         self._wakeful = False
         # while any of these says so, the service loop polls at its busy rhythm whatever the transports' wake-ups
         # (a stream's notes arriving on a fast path that wakes nobody)
@@ -322,14 +325,21 @@ class Consumer:
     def _peer_restarted(self, agent: str, epoch: int, doomed: Sequence[str] = ()) -> None:
         """P agent ``agent`` came back under ``epoch``: the loads reading an older incarnation (and those the ledger
         doomed) fail at the next step, once their sibling reads settled; the layer-wise streams it wrote end (told
-        as for a lost peer, its epochs before this one)."""
+        as for a lost peer, its epochs before this one). A new incarnation does not prove the old one gone (a
+        rolling restart runs both for a while): a push it writes fails only at its write bound, and its streams
+        end as those of a P declared lost."""
+        now = self._now()
         with self._lock:
             for load in self._loads.values():
-                if load.transfer in doomed or any(link.agent == agent and link.epoch < epoch
-                                                  for link, _, _ in load.parts):
+                old = any(link.agent == agent and link.epoch < epoch for link, _, _ in load.parts)
+                if load.transfer in doomed or old:
                     load.failed = True
+                if old and load.mode == "push":
+                    load.writes_until = max(load.writes_until, load.writes.deadline())
+                    if load.writes_until > now:
+                        load.failing = load.failing or f"peer restarted: {agent} epoch {epoch}"
         for sink in self.peer_lost_sinks:
-            sink(agent, epoch - 1, f"peer restarted: {agent} epoch {epoch}")
+            sink(agent, epoch - 1, f"peer restarted: {agent} epoch {epoch}", True)
 
     def invalidate_peer(self, agent: str, epoch: int, reason: str = "peer lost", *,
                         timeout_s: float = 10.0) -> list[str]:
@@ -356,10 +366,15 @@ class Consumer:
                 launching = [ld for ld in hit if not ld.live]  # a claim may be out: the launch ends here
                 links = [self.links.pop(addr) for addr in [a for a, lk in self.links.items() if lost(lk)]]
                 running = {ld.transfer: self._unstoppable(ld) for ld in loads}  # part -> copy still landing
+                # a push: P may be alive (cut off from the control plane only) and writing until its lease ends
+                now = self._now()
+                writes_until = {ld.transfer: ld.writes.deadline() for ld in loads if ld.mode == "push"}
                 for load in loads:
                     load.failed = True
                     load.lost.update(lk.address for lk, _, _ in load.parts if lost(lk))
-                    if not running[load.transfer]:
+                    if writes_until.get(load.transfer, -math.inf) > now:
+                        load.writes_until = writes_until[load.transfer]
+                    elif not running[load.transfer]:
                         self._loads.pop(load.transfer, None)
                 self._settled.notify_all()
             why = f"{reason}: {agent} epoch {epoch}"
@@ -376,6 +391,11 @@ class Consumer:
                     load.failing = load.failing or why
                     log.warning("load %s of %s failing (%s): waiting for %d copy(ies) a release cannot stop",
                                 load.transfer, load.request, why, len(keep))
+                    continue
+                if load.writes_until > now:  # fails at its write bound (``_fail`` from the service step)
+                    load.failing = load.failing or why
+                    log.warning("load %s of %s failing (%s): P's write may land for %.3f s more (its lease's bound)",
+                                load.transfer, load.request, why, load.writes_until - now)
                     continue
                 if load.transfer in self.ledger.loads:
                     self.ledger.fail(load.transfer, why)
@@ -404,7 +424,7 @@ class Consumer:
             raise TimeoutError(f"invalidating {agent} did not finish in {timeout_s}s") from exc
         finally:
             for sink in self.peer_lost_sinks:
-                sink(agent, epoch, reason)
+                sink(agent, epoch, reason, True)
 
     # -- before the claim (the engine's thread): grants held while blocks are reserved -------------------------------
     def fetch_grant(self, address: str, request: str, *, wait_s: float = 0.0) -> GrantReply:
@@ -709,7 +729,8 @@ class Consumer:
         for link, grant, part in load.parts:
             if load.mode == "push":
                 push = PushRequest(grant.transfer, grant.generation, self.transport.agent, self.transport.epoch,
-                                   blocks.tolist(), load.request, part, load.tokens.get(part, b""))
+                                   blocks.tolist(), load.request, part, load.tokens.get(part, b""),
+                                   load.writes.since_claim(part, self._now()))
                 self._call(link, push, on_reply=functools.partial(self._push_answered, load),
                            on_error=functools.partial(self._push_unanswered, load))
                 continue
@@ -744,8 +765,12 @@ class Consumer:
         load.last_beat = self._now()
 
     def _push_answered(self, load: _Load, ack: Ack, _sent: float) -> None:
-        if self._open(load) and not ack.ok:  # refused before P accepted a write
-            self._fail(load, f"push refused: {ack.detail}")
+        if not self._open(load) or ack.ok:
+            return
+        if ack.detail == RENEWAL_TOO_LATE:  # this copy came late: an earlier one may have been accepted
+            self._give_up_push(load, f"push refused: {ack.detail}")
+            return
+        self._fail(load, f"push refused: {ack.detail}")  # refused before P accepted a write
 
     def _push_unanswered(self, load: _Load, exc: Exception) -> None:
         if self._open(load):  # P may have accepted it: its write may be landing
@@ -809,6 +834,8 @@ class Consumer:
         notification fails the load. No answer: asked again at the heartbeat rhythm (one hand-back out at a time)."""
         load.given_up = load.given_up or reason
         for link, grant, part in load.parts:
+            if link.address in load.lost:  # invalidated: nothing more is said to it
+                continue
             self._tell_failed(load, link, grant, part, load.given_up,
                               on_reply=functools.partial(self._handed_back, load, part))
 
@@ -834,6 +861,9 @@ class Consumer:
         still land: the blocks stay LOADING until every posted read settled (vLLM #56104), bounded by
         ``load_timeout_s``; then the ledger fails the load and every P is told."""
         if load.failed and load.transfer not in self._loads:
+            return
+        if self._now() < load.writes_until:  # a lost P's write may still land: the blocks stay LOADING until then
+            load.failing = load.failing or reason
             return
         pending = [part for part, handle in load.handles.items()
                    if load.via.get(part, self.transport).poll(handle) is XferStatus.PENDING]
@@ -957,6 +987,9 @@ class Consumer:
                 self.ledger.hlc.observe(note.hlc)
             transfer = self._by_p_transfer.get(note.transfer)
             load = self._loads.get(transfer) if transfer else None
+            if load is not None and load.lost and 0 <= note.part < load.size and (
+                    load.parts[note.part][0].address in load.lost):
+                continue  # from a P declared lost: its load fails at its write bound, whatever it says now
             if load is None or note.kind not in ("done", "failed"):
                 for sink in self.note_sinks:
                     sink(_sender, note)
@@ -984,7 +1017,8 @@ class Consumer:
             if link.address in load.lost:  # invalidated: nothing more is said to it
                 continue
             beat = Heartbeat(grant.transfer, grant.generation, self.transport.agent, self.ledger.hlc.tick(),
-                             consumer=self._consumer_index(link), token=load.tokens.get(part, b""))
+                             consumer=self._consumer_index(link), token=load.tokens.get(part, b""),
+                             since_claim=load.writes.since_claim(part, now))
             # one renewal out per part (queued or in flight). One sent late, behind the peer's other calls, still
             # counts from when it left: a slow P's later loads are renewed, not starved
             self._call(link, beat, timeout_s=every, key=("beat", load.transfer, part),
@@ -994,6 +1028,8 @@ class Consumer:
     def _renewed(self, load: _Load, part: int, beat: Ack, sent: float) -> None:
         """P answered a renewal of ``part`` that left at ``sent``."""
         if not self._open(load) or not load.live:
+            return
+        if not beat.ok and beat.detail == RENEWAL_TOO_LATE:  # held back in the network: it renewed nothing
             return
         if not beat.ok:
             self._settle_by(load, rules.on_renewal_refused(load.mode, beat.detail), f"lease lost: {beat.detail}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 from collections import OrderedDict
@@ -39,7 +40,7 @@ from kvlifecycle.handshake import (
 )
 from kvlifecycle.ledger import SourceLedger
 from kvlifecycle.path_selection import PRIMARY_PATH, PathSelector, PushPath
-from kvlifecycle.protocol import WRITE_IN_FLIGHT
+from kvlifecycle.protocol import RENEWAL_TOO_LATE, WRITE_IN_FLIGHT, renewal_too_late
 from kvlifecycle.protocol.producer import Answer, ProducerProtocol
 from kvlifecycle.sidechannel import Ack, Handler, SideChannelRefused, SideChannelServer
 from kvlifecycle.transport import (
@@ -358,6 +359,23 @@ class Producer:
             return ""
         return self.claims.check(transfer, generation, token, consumer=consumer, unclaimed_ok=unclaimed_ok)
 
+    def _too_late(self, transfer: str, generation: int, consumer: int, since_claim: float) -> bool:
+        """A claimant's renewal or push request held back in the network past its transit bound
+        (:func:`~kvlifecycle.protocol.bounds.renewal_too_late`): it renews nothing, so that D's bound on a lost
+        peer's writes holds (:class:`~kvlifecycle.protocol.bounds.WriteBound`)."""
+        claimed_at = self.claims.claimed_at(transfer, generation, consumer)
+        if claimed_at is None:
+            return False
+        lease = self.ledger.leases.get(transfer)
+        if lease is not None and lease.generation == generation:
+            ttl = lease.ttl_s
+        else:
+            copy = self.staging.staging.pool.requests.get(transfer) if self.staging is not None else None
+            if copy is None or copy.generation != generation:
+                return False  # the lease is gone: refused as such
+            ttl = copy.ttl_s
+        return renewal_too_late(self.ledger.clock.now(), claimed_at, since_claim, ttl)
+
     def _lease_is_live(self, transfer: str, generation: int) -> bool:
         lease = self.ledger.leases.get(transfer)
         if lease is not None and lease.generation == generation:
@@ -377,6 +395,8 @@ class Producer:
             why = self._check_claim(msg.transfer, msg.generation, msg.token, unclaimed_ok=not msg.token)
             if why:
                 return Ack(False, self._refuse_token("heartbeat", msg.transfer, why))
+            if msg.token and self._too_late(msg.transfer, msg.generation, msg.consumer, msg.since_claim):
+                return Ack(False, self._refuse_token("heartbeat", msg.transfer, RENEWAL_TOO_LATE))
             answer, _ = self._renew(msg.transfer, msg.generation, msg.agent, claim=bool(msg.token))
             return Ack(answer.ok, answer.detail)
         return self._claim(msg)
@@ -386,7 +406,7 @@ class Producer:
         if lease is not None and lease.generation == msg.generation and not 0 <= msg.consumer < lease.consumers:
             why = f"claim token: consumer {msg.consumer} not in [0, {lease.consumers})"
             return Claimed(False, self._refuse_token("heartbeat", msg.transfer, why))
-        token = self.claims.claim(msg.transfer, msg.generation, msg.consumer)
+        token = self.claims.claim(msg.transfer, msg.generation, msg.consumer, now=self.ledger.clock.now())
         if token is None:
             why = f"claim token: consumer {msg.consumer} of this lease is claimed already"
             return Claimed(False, self._refuse_token("heartbeat", msg.transfer, why))
@@ -469,6 +489,8 @@ class Producer:
         why = self._check_claim(msg.transfer, msg.generation, msg.token)  # only the claimant has P write for it
         if why:
             return Ack(False, self._refuse_token("push", msg.transfer, why))
+        if self._too_late(msg.transfer, msg.generation, 0, msg.since_claim):  # a push has one consumer per P rank
+            return Ack(False, self._refuse_token("push", msg.transfer, RENEWAL_TOO_LATE))
         if self.staging is not None:
             staged = self._push_from_host(msg, self.staging)
             if staged is not None:
@@ -576,6 +598,19 @@ class Producer:
         except TransportError as exc:
             log.warning("could not tell %s that push %s failed (%s): releasing now", path.peer, transfer, exc)
             self.ledger.fail(transfer, generation, reason)
+
+    def write_deadline(self) -> float:
+        """The earliest lease end among the writes in flight (inf: none), in P's clock: there the service loop
+        cancels a write still running (it polls every millisecond while any runs, so within one of the end)."""
+        ends = []
+        for push in self._pushes:
+            lease = self.ledger.leases.get(push.transfer)
+            if lease is not None and lease.generation == push.generation:
+                ends.append(lease.expires_at)
+        if self.staging is not None:
+            ends += self.staging.push_deadlines()
+        now = self.ledger.clock.now()
+        return min((end for end in ends if end > now), default=math.inf)
 
     def _poll_pushes(self) -> None:
         still = []

@@ -266,6 +266,11 @@ class StagingTier:
             push.handed_back = push.handed_back or reason
         return bool(pending)
 
+    def push_deadlines(self) -> list[float]:
+        """The lease ends of the staged copies a write from the pool is in flight for (the pool's clock)."""
+        copies = [self.whole_copy(push.transfer, push.generation) for push in self._pushes]
+        return [copy.expires_at for copy in copies if copy is not None]
+
     def poll_pushes(self, now: float) -> list[tuple[StagedPush, str]]:
         """Settle the pushes that ended: DONE ends the claimant's read (the copy ends with its last one). Returns
         the failed ones with why, for the caller to tell D outside its lock (D's ``LoadFailed`` then ends the read).

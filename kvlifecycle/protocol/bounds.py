@@ -12,6 +12,17 @@ its stream timeout once P's answer came (after P's receipt) or the request faile
 recomputes its blocks) no earlier than ``stream_timeout_s`` later: :func:`check_stream_window` refuses a timeout
 that does not exceed the window + the settle bound by ``STREAM_MARGIN_FRACTION`` of itself (the clocks' rate
 difference, and a request that reaches P after D stopped waiting for its answer).
+
+A push's writes never outlive a lost peer's lease. When D's control plane declares a P lost (its etcd lease lapsed)
+while P writes into D's blocks, P may in fact be alive and partitioned from etcd only: its write runs until P expires
+the lease and cancels it. D cannot ask; it bounds the lease's end from what it sent. P's expiry is TTL after the
+last claim, renewal or push request it accepted, so D needs a bound on when such a message can still arrive. Every
+one after the claim carries ``since_claim``, the seconds D's clock ran from sending the claim to building it; P
+refuses one whose transit, measured against the claim's (``now - claimed_at - since_claim``, P's clock), exceeds
+``RENEWAL_TRANSIT_FRACTION`` of the TTL (:func:`renewal_too_late`). An accepted one thus reached P no later than
+``built + claim round trip + TTL x RENEWAL_TRANSIT_FRACTION`` in D's clock, and :class:`WriteBound` keeps the blocks
+LOADING until the latest such instant + the TTL over ``READ_DEADLINE_FRACTION`` (the drift margin) + the settle
+bound of P's cancel.
 """
 
 from __future__ import annotations
@@ -28,6 +39,11 @@ STREAM_SETTLE_S = 0.05
 # The share of D's stream timeout kept beyond P's window + the settle bound: the hosts' clock rate difference (ppm)
 # and the delay of a stream request that reaches P after D stopped waiting for its answer.
 STREAM_MARGIN_FRACTION = 0.1
+# P refuses a renewal or push request that reached it later than this share of the lease's TTL after it would have,
+# had it travelled as fast as the claim did (a message held back in the network keeps no lease alive).
+RENEWAL_TRANSIT_FRACTION = 0.5
+# P's refusal of such a message: D takes it as "not renewed" (its bounds do not move), not as a lost lease.
+RENEWAL_TOO_LATE = "renewal too late: held back in the network past its transit bound"
 # The write window D asks for when none is configured: this share of its stream timeout.
 STREAM_WINDOW_FRACTION = 0.8
 
@@ -52,6 +68,45 @@ class RenewalClock:
 
     def outlived(self, now: float) -> bool:
         return now >= self.deadline()
+
+
+def renewal_too_late(now: float, claimed_at: float, since_claim: float, ttl_s: float) -> bool:
+    """P's check of a renewal or push request that carries ``since_claim`` (D's seconds from sending the claim to
+    building it; negative: a D that sends none, unchecked): it arrived later than the bound lets D count on."""
+    if not math.isfinite(since_claim):  # hostile, or broken: no bound can be taken from it
+        return True
+    return since_claim >= 0 and now - claimed_at - since_claim > ttl_s * RENEWAL_TRANSIT_FRACTION
+
+
+@dataclass(slots=True)
+class WriteBound:
+    """For one push load, in D's clock: per part, its claim's send and answer times and the lease's TTL, and when D
+    built the last renewal or push request it sent. :meth:`deadline` is the instant after which no write of P can
+    land in the load's blocks, whether P is alive or not."""
+
+    claims: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # part -> (sent, answered, ttl)
+    built: dict[int, float] = field(default_factory=dict)  # part -> the last renewal or push request built
+
+    def claimed(self, part: int, sent_at: float, answered_at: float, ttl_s: float) -> None:
+        self.claims[part] = (sent_at, answered_at, ttl_s)
+
+    def since_claim(self, part: int, now: float) -> float:
+        """What a message about ``part`` built ``now`` carries (-1 before the claim was answered)."""
+        claim = self.claims.get(part)
+        if claim is None:
+            return -1.0
+        self.built[part] = max(self.built.get(part, now), now)
+        return max(0.0, now - claim[0])
+
+    def deadline(self) -> float:
+        """The latest instant a write of P may land (-inf: nothing claimed, so no write was asked for)."""
+        end = -math.inf
+        for part, (sent, answered, ttl) in self.claims.items():
+            received = answered  # P accepted the claim before answering it
+            if part in self.built:
+                received = max(received, self.built[part] + (answered - sent) + ttl * RENEWAL_TRANSIT_FRACTION)
+            end = max(end, received + ttl / READ_DEADLINE_FRACTION + STREAM_SETTLE_S)
+        return end
 
 
 def default_write_window(stream_timeout_s: float) -> float:

@@ -59,7 +59,7 @@ class LoadLaunch(LoadProgress):
         outlive that lease: P counts its TTL from when the claim reached it, D can only count from the send)."""
         if not ok:
             return LaunchStep("abandon", reason=f"lease refused: {detail}")
-        every_lease = self.claim_acknowledged(part, sent_at, ttl_s)
+        every_lease = self.claim_acknowledged(part, sent_at, ttl_s, now)
         if self.renewals.outlived(now):
             return LaunchStep("abandon", reason=f"{CLAIM_PAST_BOUND} ({now - sent_at:.3f} s after it was sent)")
         if not every_lease:

@@ -6,9 +6,10 @@ plumbing (links, handles, calls)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from kvlifecycle.protocol.bounds import RenewalClock
+from kvlifecycle.protocol.bounds import RenewalClock, WriteBound
 
 PEER_RESTARTED = "peer restarted (new agent epoch)"
 
@@ -23,11 +24,14 @@ class LoadProgress:
     failing: str = ""  # a part failed; the load fails once its sibling parts' reads settled (why)
     renewals: RenewalClock = field(default_factory=RenewalClock)  # bounds the reads: none outlives its lease
     given_up: str = ""  # push: why D handed the lease back; the load settles on P's word (its write may be landing)
+    writes: WriteBound = field(default_factory=WriteBound)  # push: until when P's write may land, should P go unheard
+    writes_until: float = -math.inf  # push of a P declared lost: the blocks stay LOADING (failing) until then
 
-    def claim_acknowledged(self, part: int, sent_at: float, ttl_s: float) -> bool:
-        """P answered yes to the claim of ``part`` that D sent at ``sent_at`` (claims go in part order): True once
-        every lease is claimed (only then may the load start in the ledger)."""
+    def claim_acknowledged(self, part: int, sent_at: float, ttl_s: float, answered_at: float) -> bool:
+        """P answered yes (at ``answered_at``) to the claim of ``part`` that D sent at ``sent_at`` (claims go in part
+        order): True once every lease is claimed (only then may the load start in the ledger)."""
         self.renewals.acknowledged(part, sent_at, ttl_s)
+        self.writes.claimed(part, sent_at, answered_at, ttl_s)
         self.claimed += 1
         return self.claimed == self.size
 

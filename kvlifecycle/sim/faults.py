@@ -6,13 +6,17 @@ from __future__ import annotations
 # late_redelivery: a push request or a transport notification delivered once arrives again later (a retransmit
 # whose first copy got through); late_push_after_settle: such a push request reaches P after its write settled, its
 # lease still live (P must not write it a second time)
+# late_renewal: a lease renewal, delivered once, arrives at P again while its D waits out the write bound of that P
+# it declared lost (P must refuse it: held back past its transit bound)
 NETWORK = ("drop", "duplicate", "reorder", "slow_link", "partition", "heal", "late_redelivery",
-           "late_push_after_settle")
+           "late_push_after_settle", "late_renewal")
 # uncancellable_copy_waited: a copy its transport cannot cancel (CUDA IPC's rule: a released or orphaned copy runs
 # on) ended after the runtime stopped wanting it or its peer was removed, the runtime still holding its blocks;
-# peer_invalidated: D's control plane declared a P lost while a read from it ran (seeds that cannot cancel)
+# peer_invalidated: D's control plane declared a P lost while a read from it ran (seeds that cannot cancel);
+# peer_invalidated_writing: ... while P, alive and cut off from the control plane only, wrote into D (a push's or a
+# stream's write in flight): D's blocks stay LOADING until P's lease, or its stream's peer timeout, ends the write
 TRANSPORT = ("post_fail", "handle_fail", "sibling_fail_in_flight", "duplicate_completion", "late_completion",
-             "uncancellable_copy_waited", "peer_invalidated")
+             "uncancellable_copy_waited", "peer_invalidated", "peer_invalidated_writing")
 CANCEL = (
     "cancel_p:before_grant",
     "cancel_p:granted",
@@ -72,10 +76,11 @@ INJECTABLE = {
     "d_crash": ("d_crash",),
     "drift": ("drift",),
     "jump": ("clock_jump_forward", "clock_jump_back"),
-    "redeliver": ("late_redelivery", "late_push_after_settle"),
+    "redeliver": ("late_redelivery", "late_push_after_settle", "late_renewal"),
     "disk": STORAGE,
     "corrupt": CORRUPTION,
     "uncancellable": ("uncancellable_copy_waited", "peer_invalidated"),
+    "invalidate_writer": ("peer_invalidated_writing",),
 }
 
 

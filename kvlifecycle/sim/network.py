@@ -2,8 +2,8 @@
 carries, transport notifications) waits in one list of in-flight deliveries, and the scheduler decides what happens
 to each: deliver it (any of them: reordering), drop it, duplicate it, or hold it back (a slow link). A partition
 between two nodes drops what is sent across it until it heals (packet simulator of TigerBeetle's VOPR). The last
-few deliveries the world keeps (:meth:`Network.remember`) may arrive again much later (a retransmit whose first copy
-got through: :meth:`Network.echoes`).
+few deliveries the world keeps (:meth:`Network.remember`, and the last few lease renewals apart) may arrive again
+much later (a retransmit whose first copy got through: :meth:`Network.echoes`, :meth:`Network.renewal_echoes`).
 
 The list is ordered by send time and a sequence number, so a run that picks by index is reproducible.
 """
@@ -33,6 +33,7 @@ class Network:
         self.partitions: set[frozenset[str]] = set()
         self._seq = 0
         self._delivered: deque[Message] = deque(maxlen=ECHOES)  # what may arrive again, late
+        self._renewals: deque[Message] = deque(maxlen=ECHOES)  # lease renewals delivered, kept apart (frequent)
         self.sent = self.dropped = self.duplicated = self.delivered = 0
 
     def send(self, src: str, dst: str, payload: Any, now: float) -> None:
@@ -70,6 +71,13 @@ class Network:
         """``msg`` was delivered; a late copy of it may arrive again (one of the last :data:`ECHOES` kept)."""
         self._delivered.append(msg)
 
+    def remember_renewal(self, msg: Message) -> None:
+        """``msg``, a claimant's lease renewal, was delivered; a late copy of it may arrive again."""
+        self._renewals.append(msg)
+
+    def renewal_echoes(self) -> list[Message]:
+        return list(self._renewals)
+
     def echoes(self) -> list[Message]:
         """The delivered messages a late copy of which may still arrive, oldest first."""
         return list(self._delivered)
@@ -95,3 +103,4 @@ class Network:
         # no late copy comes through a connection that died with either end
         self._delivered = deque((m for m in self._delivered if node not in (m.src, m.dst) or keep(m.payload)),
                                 maxlen=ECHOES)
+        self._renewals = deque((m for m in self._renewals if node not in (m.src, m.dst)), maxlen=ECHOES)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlifecycle.choices import LoadFailurePolicy
-from kvlifecycle.control import PushRequest
+from kvlifecycle.control import Heartbeat, PushRequest
 from kvlifecycle.digest import VerifyMode
 from kvlifecycle.machines import TargetState
 from kvlifecycle.sim import checks, device_copies
@@ -35,7 +35,8 @@ from kvlifecycle.transport import XferStatus
 Step = tuple[Any, ...]
 CORRUPT_CHANCE = 0.2  # of a completion, in a seed that verifies
 STREAM_STALL_CHANCE = 0.2  # of a step while a stream's write is in flight
-INVALIDATE_CHANCE = 0.05  # of a step while a D reads from a P, in a seed whose transports cannot cancel
+INVALIDATE_CHANCE = 0.05  # of a step while a P writes into a D, or (a seed that cannot cancel) a D reads from a P
+RECENT_TTL_FRACTION = 0.45  # a "settled push" echo sent this share of a TTL ago or less (P's transit bound: 0.5)
 DEVICE_COPY_TTL_FRACTION = 0.05  # the longest a copy that cannot be cancelled runs (CUDA IPC: a kernel's ms)
 
 
@@ -194,6 +195,9 @@ class Simulation:
         # a late copy matters most where P's write settled under a live lease: P must not write it again
         if echoes and rng.random() < (0.1 if any(_settled_push(world, m) for m in echoes) else 0.003):
             return ("redeliver", rng.randrange(1 << 16))
+        late_renewals = _lost_writer_renewals(world) if cfg.allows("redeliver") else []
+        if late_renewals and rng.random() < 0.3:  # only while D waits out a lost P's write: other seeds draw as before
+            return ("redeliver_renewal", rng.randrange(1 << 16))
         if cfg.allows("jump") and rng.random() < 0.002:  # NTP steps a wall clock by seconds, either way
             nodes = [w.name for w in world.p] + [d.name for d in world.d]
             return ("clock_jump", nodes[rng.randrange(len(nodes))],
@@ -217,19 +221,22 @@ class Simulation:
         return kinds[at % len(kinds)], at // len(kinds)
 
     def _device_fault(self) -> Step | None:
-        """In a seed whose transports cannot cancel a copy: the control plane declares a P lost to a D while a read
-        of D's from it runs (its etcd lease lapsed while it was cut off from etcd), drawn from a stream of its own
-        and only while such a read runs, so other seeds draw as they did."""
+        """The control plane declares a P lost to a D (its etcd lease lapsed while it was cut off from etcd, alive):
+        in a seed whose transports cannot cancel a copy, while a read of D's from it runs; in any seed, while a
+        write of P's into D runs (a push, a stream's layer). Drawn from a stream of its own and only while such a
+        copy runs, so other seeds draw as they did."""
         world = self.world
-        if world.cancels or not self.config.allows("uncancellable"):
+        pairs: list[tuple[str, str]] = []  # (D, P)
+        if not world.cancels and self.config.allows("uncancellable"):
+            pairs += [(x.owner.agent, x.remote.agent) for x in world.fabric.in_flight
+                      if x.owner.agent in world.d_by_name and x.remote.agent in world.p_by_name and not x.released]
+        if self.config.allows("invalidate_writer"):
+            pairs += [(x.remote.agent, x.owner.agent) for x in world.fabric.in_flight
+                      if x.owner.agent in world.p_by_name and x.remote.agent in world.d_by_name and not x.released]
+        if not pairs or self.device_rng.random() >= INVALIDATE_CHANCE:
             return None
-        reads = [x for x in world.fabric.in_flight
-                 if x.owner.agent in world.d_by_name and x.remote.agent in world.p_by_name and not x.released
-                 and not _p_writes_into(world, x.remote.agent, x.owner.agent)]
-        if not reads or self.device_rng.random() >= INVALIDATE_CHANCE:
-            return None
-        x = reads[self.device_rng.randrange(len(reads))]
-        return ("invalidate", x.owner.agent, x.remote.agent)
+        d, p = pairs[self.device_rng.randrange(len(pairs))]
+        return ("invalidate", d, p)
 
     def _stream_stall(self) -> Step | None:
         """While a layer write of a stream is in flight: now and then everything stalls past D's stream timeout (a
@@ -358,6 +365,10 @@ class Simulation:
             self.world.exercise("duplicate")
 
     def _do_complete(self, pick: int, duplicate: bool, corruption: Corruption = "", at: int = 0) -> None:
+        fabric = self.world.fabric
+        if fabric.in_flight and (pick >> 1) % 2 and _lost_writer_write(self.world, fabric.in_flight[
+                pick % len(fabric.in_flight)]):
+            return  # half the time a write of a P its D declared lost lands nothing yet (its link is slow too)
         x = self.world.fabric.complete(pick, duplicate_notification=duplicate, corruption=corruption, at=at)
         if x is not None and duplicate and x.notification is not None:
             self.world.exercise("duplicate_completion")
@@ -419,7 +430,8 @@ class Simulation:
                 if (bound := min(d.consumer.read_bound(), d.streams.next_beat())) < float("inf")
                 and (d.name, bound) not in serviced]
             stops += [(w.clock.global_at(bound), bound, w) for w in world.p
-                      if (bound := w.streams.next_deadline()) < float("inf") and (w.name, bound) not in serviced]
+                      if (bound := min(w.streams.next_deadline(), w.producer.write_deadline())) < float("inf")
+                      and (w.name, bound) not in serviced]
             stops += device_copies.stops(world, DEVICE_COPY_TTL_FRACTION * self.config.ttl_s)
             at, bound, w = min(stops, key=lambda stop: stop[0], default=(end, 0.0, None))
             if w is None or at >= end:
@@ -432,10 +444,14 @@ class Simulation:
                     owner.service()
                 continue
             serviced.add((w.name, bound))
+            writes_due = isinstance(w, PWorker) and w.producer.write_deadline() <= bound
             clock.set(max(clock.now(), at + 1e-6))  # a µs past the bound, as the real loop polls within a ms
             if isinstance(w, DWorker):
                 w.service()
                 continue
+            if writes_due:  # a push's lease ends under its write: P's loop (no queued job) cancels it
+                w.producer._step()
+                w.ledger.commit()
             closed, silent = w.streams.deadlines()
             if closed:
                 world.exercise("stream_window_closed")
@@ -524,7 +540,7 @@ class Simulation:
     def _do_redeliver(self, pick: int) -> None:
         """A late copy of a message delivered earlier arrives (a retransmit whose first copy got through): a push
         request whose write settled under a live lease if there is one, else any kept push request or notification.
-        A partition between its ends stops it."""
+        A partition between its ends stops it. Being late, it finds P's service loop turned since (one step first)."""
         world = self.world
         echoes = [m for m in world.network.echoes() if not world.network.cut(m.src, m.dst)]
         settled = [m for m in echoes if _settled_push(world, m)]
@@ -535,10 +551,22 @@ class Simulation:
         if settled:
             world.exercise("late_push_after_settle")
         msg = choices[pick % len(choices)]
-        world.deliver(msg)
         p = world.p_by_name.get(msg.dst)
+        if p is not None:  # a late copy: P's service loop has turned since the first one (every ms)
+            p.service()
+        world.deliver(msg)
         if p is not None and self.config.prompt_jobs:  # P's service thread runs a push it queued within a ms
             p.run_jobs()
+
+    def _do_redeliver_renewal(self, pick: int) -> None:
+        """A late copy of a lease renewal of a load whose P its D declared lost while P wrote into it arrives at P
+        (a one-way slow link): P must refuse it, else the lease, and the write, outlive the bound D waits out."""
+        world = self.world
+        choices = [m for m in _lost_writer_renewals(world) if not world.network.cut(m.src, m.dst)]
+        if not choices:
+            return
+        world.exercise("late_renewal")
+        world.deliver(choices[pick % len(choices)])
 
     def _do_invalidate(self, d_name: str, p_name: str) -> None:
         """D's control plane declares ``p_name`` lost (``Consumer.invalidate_peer``, as a membership watch does):
@@ -547,7 +575,7 @@ class Simulation:
         d, p = world.d_by_name.get(d_name), world.p_by_name.get(p_name)
         if d is None or p is None or p_name not in d.consumer.links:
             return
-        world.exercise("peer_invalidated")
+        world.exercise("peer_invalidated_writing" if _p_writes_into(world, p_name, d_name) else "peer_invalidated")
         # queued on D's loop (the simulation has no service thread to wait for): its step below runs it
         with contextlib.suppress(TimeoutError):
             d.consumer.invalidate_peer(p_name, p.transport.epoch, "membership: lease lapsed", timeout_s=0.0)
@@ -637,9 +665,12 @@ class Simulation:
 
 def _settled_push(world: World, msg: Message) -> bool:
     """``msg`` is a push request whose lease is still live on its P with no write of it in flight (settled, or
-    never accepted)."""
+    never accepted), sent recently enough (0.4 TTL) that P's transit bound lets it through: only P's book of the
+    writes it accepted stops a second write then."""
     payload = msg.payload
     if not isinstance(payload, PeerRequest) or not isinstance(payload.message, PushRequest):
+        return False
+    if world.clock.now() - msg.sent_at >= RECENT_TTL_FRACTION * world.config.ttl_s:
         return False
     p = world.p_by_name.get(msg.dst)
     if p is None:
@@ -650,10 +681,37 @@ def _settled_push(world: World, msg: Message) -> bool:
             and not p.producer.protocol.writes.in_flight(push.transfer, push.generation))
 
 
+def _lost_writer_renewals(world: World) -> list[Message]:
+    """The kept renewals (delivered once, sent 0.4 TTL ago or more) of the push loads whose D waits out the write
+    bound of a P it declared lost."""
+    waiting: set[tuple[str, str]] = set()  # (P's transfer, D)
+    for d in world.d:
+        now = d.clock.now()
+        for load in d.consumer._loads.values():
+            if load.writes_until > now:
+                waiting.update((grant.transfer, d.name) for _link, grant, _part in load.parts)
+    if not waiting:
+        return []
+    # a copy that matters is late: near or past the transit bound P holds renewals to (half the TTL)
+    old = world.clock.now() - 0.4 * world.config.ttl_s
+    return [m for m in world.network.renewal_echoes()
+            if m.sent_at < old and isinstance(m.payload, PeerRequest)
+            and isinstance(beat := m.payload.message, Heartbeat) and (beat.transfer, m.src) in waiting]
+
+
+def _lost_writer_write(world: World, x: Any) -> bool:
+    """``x`` is a write of a P into a D that declared that P lost and waits out its write bound."""
+    d = world.d_by_name.get(x.remote.agent)
+    if d is None or x.owner.agent not in world.p_by_name:
+        return False
+    now = d.clock.now()
+    return any(load.writes_until > now and any(link.agent == x.owner.agent for link, _, _ in load.parts)
+               for load in d.consumer._loads.values())
+
+
 def _p_writes_into(world: World, p: str, d: str) -> bool:
-    """``p`` may write into ``d``: a push or a stream load of ``d``'s from it is open, or a write of it in flight.
-    A P declared lost is taken for dead (``invalidate_peer`` cannot stop a live one's writes), so the simulation
-    declares none lost under its own writes."""
+    """``p`` may write into ``d``: a push or a stream load of ``d``'s from it is open, or a write of it in flight
+    (an invalidation then covers ``peer_invalidated_writing``)."""
     consumer, streams = world.d_by_name[d].consumer, world.d_by_name[d].streams
     if any(load.mode != "pull" and any(link.agent == p for link, _, _ in load.parts)
            for load in consumer._loads.values()):

@@ -95,7 +95,8 @@ class SimStreamConsumer(StreamConsumer):
         self._expect_activity = None  # no transport polling rhythm to hint at
         consumer.note_sinks.append(self._on_note)
         consumer.peer_lost_sinks.append(
-            lambda agent, epoch, reason: self.peer_lost(agent, reason, before_epoch=epoch + 1))
+            lambda agent, epoch, reason, may_write: self.peer_lost(agent, reason, before_epoch=epoch + 1,
+                                                                   may_write=may_write))
 
     def step(self) -> int:
         """The queued jobs, then the heartbeat to each P (due every interval of D's clock). Returns how many streams

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvlifecycle.choices import Choice, LoadFailurePolicy, TransferMode
 from kvlifecycle.clock import ManualClock
-from kvlifecycle.control import GetGrant, GrantReply, PushRequest
+from kvlifecycle.control import GetGrant, GrantReply, Heartbeat, PushRequest
 from kvlifecycle.digest import VerifyMode
 from kvlifecycle.handoff import Consumer, HandoffOptions, Producer
 from kvlifecycle.handshake import CompatInfo
@@ -708,6 +708,8 @@ class World:
         elif isinstance(payload, PeerRequest):
             if isinstance(payload.message, PushRequest):
                 self.network.remember(msg)
+            elif isinstance(payload.message, Heartbeat) and payload.message.token:
+                self.network.remember_renewal(msg)
             reply = serve(payload, self.channels.servers.get(msg.dst))
             if reply is not None:
                 self.network.send(msg.dst, msg.src, reply, self.clock.now())

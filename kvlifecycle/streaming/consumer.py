@@ -93,6 +93,7 @@ class _Stream:
     load: _Load
     cancel_sent: bool = False
     answered: float = math.inf  # when P last answered for this stream (its request, or a heartbeat)
+    unheard: str = ""  # its P was declared lost but may still write: no heartbeat, no note taken; why
 
     @property
     def key(self) -> tuple[str, int]:
@@ -108,7 +109,8 @@ class StreamConsumer:
         consumer.note_sinks.append(self._on_note)
         # the Consumer's invalidate_peer ends this streamer's parts from that peer too (its epochs up to the lost one)
         consumer.peer_lost_sinks.append(
-            lambda agent, epoch, reason: self.peer_lost(agent, reason, before_epoch=epoch + 1))
+            lambda agent, epoch, reason, may_write: self.peer_lost(agent, reason, before_epoch=epoch + 1,
+                                                                   may_write=may_write))
         # A layer's note is on T_visible's path: the transport wakes the Consumer that dispatches notes when one
         # arrives (else found at its next idle poll, up to 5 ms later), and, while a stream is under way, polls
         # the network at its busy rhythm (``expect_activity``) rather than its idle one
@@ -227,16 +229,24 @@ class StreamConsumer:
             self._jobs.put(functools.partial(self._send_cancel, stream, reason))
         return ok
 
-    def peer_lost(self, agent: str, reason: str, *, before_epoch: int | None = None) -> int:
+    def peer_lost(self, agent: str, reason: str, *, before_epoch: int | None = None, may_write: bool = False) -> int:
         """The P agent ``agent`` is gone (its process died, or it came back under a new epoch, then only its
         streams from epochs before ``before_epoch``): none of their writes can land any more, so they end now,
         failing their loads (a load the ledger's ``peer_restarted`` doomed fails here; one it already ended is only
-        forgotten) instead of waiting out the stream timeout. Returns how many."""
+        forgotten) instead of waiting out the stream timeout. Returns how many.
+
+        ``may_write``: the control plane declared it lost, which does not stop a live process cut off from it
+        (its etcd lease lapsed in a partition): its streams stop being heartbeated and their notes are ignored,
+        and each ends once P's peer timeout has stopped its writes (the same bound as a P that went silent) or
+        the stream timed out, whichever comes first."""
         with self._lock:
             gone = [s for s in self._streams.values() if s.link.agent == agent
                     and (before_epoch is None or s.link.epoch < before_epoch)]
         for stream in gone:
-            self._settle(stream, reason)
+            if may_write:
+                stream.unheard = stream.unheard or reason
+            else:
+                self._settle(stream, reason)
         return len(gone)
 
     def expect_notes(self) -> None:
@@ -262,7 +272,7 @@ class StreamConsumer:
     # -- notes (the Consumer's service thread) -----------------------------------------------------------------
     def _on_note(self, _sender: str, note: Notification) -> None:
         stream = self._streams.get((note.transfer, note.part))
-        if stream is None or note.kind not in (NOTE_LAYERS, NOTE_FAILED):
+        if stream is None or stream.unheard or note.kind not in (NOTE_LAYERS, NOTE_FAILED):
             return
         if not hmac.compare_digest(note.payload[:TOKEN_BYTES], stream.token):
             self.counts["forged"] += 1
@@ -415,7 +425,7 @@ class StreamConsumer:
         by_link: dict[int, list[_Stream]] = {}
         with self._lock:
             for stream in self._streams.values():
-                if stream.answered != math.inf:  # its request was answered: P holds it
+                if stream.answered != math.inf and not stream.unheard:  # its request was answered: P holds it
                     by_link.setdefault(id(stream.link), []).append(stream)
         for streams in by_link.values():
             link = streams[0].link
@@ -444,7 +454,7 @@ class StreamConsumer:
             log.warning("stream %s of %s: P %s not heard for %.2fs", stream.transfer, stream.request,
                         stream.link.agent, limit)
             self.counts["peer_lost"] += 1
-            self._settle(stream, f"peer timeout: P {stream.link.agent} not heard for {limit:.3g} s")
+            self._settle(stream, stream.unheard or f"peer timeout: P {stream.link.agent} not heard for {limit:.3g} s")
         return len(silent)
 
     def _keep_transport_busy(self) -> None:

@@ -18,7 +18,7 @@ from kvlifecycle.protocol import PushWrites, RenewalClock
 from kvlifecycle.protocol.bounds import READ_DEADLINE_FRACTION, WriteWindow
 from kvlifecycle.sim.world import World
 from kvlifecycle.staging import CopyPlan, HostStaging
-from kvlifecycle.streaming import StreamProducer
+from kvlifecycle.streaming import StreamConsumer, StreamProducer
 
 
 def epoch_check_skipped(mp: Any) -> None:
@@ -234,3 +234,29 @@ def uncancellable_copy_released_as_cancelled(mp: Any) -> None:
 
 
 MUTANTS["an uncancellable copy treated as cancelled at release"] = uncancellable_copy_released_as_cancelled
+
+
+def lost_writer_failed_at_once(mp: Any) -> None:
+    """``invalidate_peer`` takes a P the control plane declared lost for dead: its push loads fail, and D frees
+    or recomputes their blocks, at once, while the P (alive, cut off from etcd only) still writes into them."""
+    from kvlifecycle.protocol import WriteBound
+
+    mp.setattr(WriteBound, "deadline", lambda self: -float("inf"))
+
+
+def lost_streams_ended_at_once(mp: Any) -> None:
+    """A layer-wise stream of a P declared lost ends at once (its load fails, its blocks freed), while the P, alive,
+    still writes its layers within its window."""
+    mp.setattr(StreamConsumer, "peer_lost", _peer_lost_ignoring_may_write)
+
+
+_real_peer_lost = StreamConsumer.peer_lost
+
+
+def _peer_lost_ignoring_may_write(self: StreamConsumer, agent: str, reason: str, *,
+                                  before_epoch: int | None = None, may_write: bool = False) -> int:
+    return _real_peer_lost(self, agent, reason, before_epoch=before_epoch)
+
+
+MUTANTS["a P declared lost taken for dead under its push"] = lost_writer_failed_at_once
+MUTANTS["a P declared lost taken for dead under its stream"] = lost_streams_ended_at_once

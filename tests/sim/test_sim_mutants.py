@@ -15,7 +15,11 @@ stream of their own, so the other mutants' seeds are those above. A stream writt
 seed 4, 5 of the first 100. D's digest mismatch ignored: seed 4 (a corrupted block READY). An uncancellable copy
 treated as cancelled at release: seed 11 (one seed in 8 runs transports that cannot cancel). After corruption and
 those seeds, the others' first seeds are unchanged but for completion applied twice (5 -> 4: its ``_part_done``
-skips the digest check) and a stream READY after its first layer batch (4 -> 9); docs/simulation.md lists them."""
+skips the digest check) and a stream READY after its first layer batch (4 -> 9); docs/simulation.md lists them.
+Writers declared lost (invalidations under a push or stream write, late renewals) moved some: a lease released
+under its write 632, settled writes forgotten 279, a push timeout failing the load 138 (each also caught by a named
+test: tests/test_handoff_push_duplicate.py, tests/test_handoff_lost_writer.py); new: a P declared lost taken for
+dead under its push 44, under its stream 58."""
 
 from __future__ import annotations
 
