@@ -117,6 +117,7 @@ def _lost_while_writing(p: Pair) -> tuple[float, float]:
 def test_d_keeps_a_lost_writers_blocks_loading_until_p_cancelled_its_write_at_lease_end(pair: Pair) -> None:
     cancelled_at, failed_at = _lost_while_writing(pair)
     assert cancelled_at < failed_at, f"D failed the load {cancelled_at - failed_at:+.4f} s before P's cancel"
+    print(f"TTL {TTL_S} s: D failed the load {failed_at - cancelled_at:.3f} s after P cancelled its write")  # -s
     expired = [e for e in pair.plog if isinstance(e, ev.SrcLeaseReleased)]
     assert expired and expired[0].at <= failed_at  # P's lease ended (its write settled) before D let go
     assert "r" not in pair.cons.ledger.requests or pair.cons.ledger.requests["r"].state != TargetState.LOADING

@@ -345,7 +345,9 @@ class DecodeKVManager(KVLifecycleKVManager, role=DisaggregationMode.DECODE):
         for room in rooms:
             self._d_fail(room, reason)
         if new_epoch is not None:
-            # restarted under the same agent name: the old incarnation's loads fail in the ledger and its streams end;
+            # restarted under the same agent name, on the same bootstrap address (the old process gave that port
+            # up, so, unlike a P the control plane declared lost, it writes no more): the old incarnation's loads
+            # fail in the ledger and its streams end;
             # its link and transport peer are replaced by the next handshake (dropping them here could drop the new
             # incarnation's, which a room may be handshaking with right now)
             self.ledger.peer_restarted(rank.agent, new_epoch)
