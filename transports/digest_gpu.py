@@ -10,9 +10,13 @@ sequential per unit and per lane. So two kernels:
 
 1. ``_xxh3_rows_kernel``: every (unit, row) at once, a ``[rows, 16, 4, 2]`` tile of u64 per program reduced to
    each row's 8 additions (the last row holds the partial stripes and XXH3's overlapping last stripe, whose
-   secret differs). This is the pass over the KV bytes, at memory speed; it writes 64 bytes per 1024 read.
+   secret differs). This is the pass over the KV bytes, at memory speed; it writes 64 bytes per 1024 read. Rows
+   that lie whole in one region's slice (KV blocks of whole KiB) take ``_xxh3_rows_wide_kernel`` instead: a row
+   read as a copy reads it (4 steps of 32 contiguous words), the same additions summed in another order; 2,000
+   GB/s over 512 MiB on an H100 against 1,115 for the older kernel (docs/benchmarks/2026-12-06-gpu-h200.md).
 2. ``_xxh3_chain_kernel``: per unit and lane, the scramble chain over those additions, then XXH3's merge and
-   avalanche (the 64×64→128-bit multiply in 32-bit halves, as xxHash's portable path does it).
+   avalanche (the 64×64→128-bit multiply in 32-bit halves, as xxHash's portable path does it); by default
+   ``_xxh3_chain_deep_kernel``, its loads 24 steps ahead (20.6 ns a step on an H100, the older chain 30.4).
 
 The chain is ``(unit bytes) / 1024`` dependent steps, whatever the GPU: a request of few large units (16 blocks
 of 64 regions × 32 KiB: 2048 steps each) is bound by it, not by memory. :func:`tiled_xxh3` is the same
@@ -93,10 +97,12 @@ def _mul128_fold64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray(lower ^ upper, dtype=np.uint64)
 
 
-def tiled_xxh3(data: bytes | np.ndarray) -> int:
+def tiled_xxh3(data: bytes | np.ndarray, *, wide: bool = False) -> int:
     """XXH3-64 of ``data`` (more than 240 bytes) computed as the kernels compute it: every row's additions from a
     ``[rows, 16, 8]`` tile (positions and masks as ``_xxh3_rows_kernel`` forms them), then the chain and the merge
-    (``_xxh3_chain_kernel``). Equal to ``xxhash.xxh3_64_intdigest(data)``; the CPU proof of the kernels' math."""
+    (``_xxh3_chain_kernel``). Equal to ``xxhash.xxh3_64_intdigest(data)``; the CPU proof of the kernels' math.
+    ``wide``: the additions of whole-row inputs (``len(data) % 1024 == 0``) as ``_xxh3_rows_wide_kernel`` forms them
+    (a row as 4 steps of 32 words, each lane's 4 partial sums added after)."""
     buf = np.frombuffer(bytes(data), dtype=np.uint8) if isinstance(data, bytes) else np.asarray(data, np.uint8)
     total = int(buf.size)
     if total <= SHORT_MAX:
@@ -118,6 +124,8 @@ def tiled_xxh3(data: bytes | np.ndarray) -> int:
     key = x ^ sec
     prod = np.where(valid, (key & np.uint64(0xFFFFFFFF)) * (key >> np.uint64(32)), np.uint64(0))
     adds = prod.sum(axis=1, dtype=np.uint64) + x.sum(axis=1, dtype=np.uint64)[:, [1, 0, 3, 2, 5, 4, 7, 6]]
+    if wide:
+        adds = _wide_adds(buf)
     acc = INIT_ACC.copy()
     for n in range(nrows - 1):
         acc = acc + adds[n]
@@ -130,6 +138,23 @@ def tiled_xxh3(data: bytes | np.ndarray) -> int:
     h *= np.uint64(_PRIME_MX1)
     h ^= h >> np.uint64(32)
     return int(h[0])
+
+
+def _wide_adds(buf: np.ndarray) -> np.ndarray:
+    """Each row's 8 additions as ``_xxh3_rows_wide_kernel`` forms them (whole rows only)."""
+    if buf.size % ROW_BYTES:
+        raise ValueError(f"the wide row kernel takes whole 1024-byte rows, got {buf.size} bytes")
+    nrows = buf.size // ROW_BYTES
+    x = buf.view("<u8").astype(np.uint64).reshape(nrows, 4, 32)  # [row, step, word j of the step]
+    j = np.arange(32)
+    sec = np.broadcast_to(SECRET_TABLE[:16].reshape(4, 32), (nrows, 4, 32)).copy()
+    sec[nrows - 1, 3, 24:] = SECRET_TABLE[LAST_ROW][j[24:] % 8]  # the last row's stripe 15: the last stripe
+    key = x ^ sec
+    m = ((key & np.uint64(0xFFFFFFFF)) * (key >> np.uint64(32))).sum(axis=1, dtype=np.uint64)  # [row, 32]
+    a = x.sum(axis=1, dtype=np.uint64)
+    m8 = m.reshape(nrows, 4, 8).sum(axis=1, dtype=np.uint64)
+    a8 = a.reshape(nrows, 4, 8).sum(axis=1, dtype=np.uint64)
+    return np.asarray(m8 + a8[:, [1, 0, 3, 2, 5, 4, 7, 6]], dtype=np.uint64)
 
 
 if HAVE_TRITON:
@@ -219,6 +244,53 @@ if HAVE_TRITON:
         tl.store(out + 1, (m_odd + x_even).to(tl.int64, bitcast=True), mask=live)
 
     @triton.jit
+    def _xxh3_rows_wide_kernel(
+        anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, adds_ptr,
+        seg, pieces, stride, lo, nrows,
+        ROWS: tl.constexpr,  # rows per program
+        ALIGN: tl.constexpr,  # words per guaranteed alignment of a row's start (2: 16-byte loads)
+        COPY: tl.constexpr = False,  # also store every word read to the destination blocks (fused copy)
+    ):
+        """MODE 0 of :func:`_xxh3_rows_kernel` (rows whole in one segment, ``total % 1024 == 0``) read the way a
+        copy reads: a row is 4 steps of 32 contiguous words (256 bytes), so a warp's load is one contiguous span
+        and 16-byte vectors, not 64-byte pieces 1 KiB apart. Each thread sums stripes ``g, g + 4, g + 8, g + 12``
+        of its lanes across the 4 steps; the 4 partial sums of a lane are added across threads once per tile."""
+        unit = tl.program_id(1).to(tl.int64)
+        row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+        j = tl.arange(0, 32)[None, :].to(tl.int64)
+        live = row < nrows
+        last_row = row == nrows - 1
+        start = _src_offset(tl.where(live, row * 1024, 0), seg, pieces, ids_ptr + unit * pieces, bases_ptr,
+                            stride, lo)
+        first = tl.multiple_of(start // 8, [ALIGN, ALIGN])
+        if COPY:
+            dst = _src_offset(tl.where(live, row * 1024, 0), seg, pieces, dst_ids_ptr + unit * pieces,
+                              dst_bases_ptr, stride, lo)
+            dst_first = tl.multiple_of(dst // 8, [ALIGN, ALIGN])
+        m = tl.zeros([ROWS, 32], tl.uint64)
+        a = tl.zeros([ROWS, 32], tl.uint64)
+        for step in tl.static_range(4):
+            raw = tl.load(anchor64_ptr + first + step * 32 + j, mask=live, other=0, cache_modifier=".cg")
+            if COPY:
+                tl.store(anchor64_ptr + dst_first + step * 32 + j, raw, mask=live, cache_modifier=".cs")
+            x = raw.to(tl.uint64, bitcast=True)
+            # word 32 * step + j is stripe 4 * step + j // 8, lane j % 8: SECRET_TABLE's rows 0..15 in order
+            sec = tl.load(secret_ptr + step * 32 + j).to(tl.uint64, bitcast=True)
+            if step == 3:  # the last row's stripe 15 is XXH3's last stripe (same bytes, its own secret)
+                last_sec = tl.load(secret_ptr + 16 * 8 + (j % 8)).to(tl.uint64, bitcast=True)
+                sec = tl.where(last_row & (j >= 24), last_sec, sec)
+            key = x ^ sec
+            m += (key & 0xFFFFFFFF).to(tl.uint32).to(tl.uint64) * (key >> 32).to(tl.uint32).to(tl.uint64)
+            a += x
+        m8 = tl.sum(tl.reshape(m, [ROWS, 4, 8]), axis=1)
+        a8 = tl.sum(tl.reshape(a, [ROWS, 4, 8]), axis=1)
+        m_even, m_odd = tl.split(tl.reshape(m8, [ROWS, 4, 2]))
+        x_even, x_odd = tl.split(tl.reshape(a8, [ROWS, 4, 2]))
+        out = adds_ptr + (unit * nrows + row) * 8 + tl.arange(0, 4)[None, :] * 2
+        tl.store(out, (m_even + x_odd).to(tl.int64, bitcast=True), mask=live)
+        tl.store(out + 1, (m_odd + x_even).to(tl.int64, bitcast=True), mask=live)
+
+    @triton.jit
     def _scramble(acc, key):
         acc = acc ^ (acc >> 47)
         acc = acc ^ key
@@ -288,6 +360,46 @@ if HAVE_TRITON:
         tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
 
 
+    @triton.jit
+    def _xxh3_chain_deep_kernel(adds_ptr, secret_ptr, out_ptr, units, nrows, total, UNITS: tl.constexpr):
+        """:func:`_xxh3_chain_kernel` with its loads 24 steps ahead: four groups of 8 rows, each group's registers
+        reloaded right after the group is consumed. Nothing is rotated between registers (a rotation's moves wait
+        on the loads they move, so the older kernel waited on each chunk's loads within the iteration that issued
+        them); a load is waited for only where its row is added, three groups later."""
+        u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
+        lane = tl.arange(0, 8)[None, :]
+        base = adds_ptr + tl.minimum(u, units - 1)[:, None] * nrows * 8 + lane
+        acc = tl.zeros([UNITS, 8], tl.uint64) + tl.load(secret_ptr + 19 * 8 + lane).to(tl.uint64, bitcast=True)
+        key = tl.load(secret_ptr + 17 * 8 + lane).to(tl.uint64, bitcast=True)
+        whole = nrows - 1
+        chunks = whole // 32
+        zero = tl.program_id(0) * 0
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load8(base, zero, whole)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _load8(base, zero + 8, whole)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _load8(base, zero + 16, whole)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _load8(base, zero + 24, whole)
+        for k in range(chunks):
+            acc = _steps8(acc, key, a0, a1, a2, a3, a4, a5, a6, a7)
+            a0, a1, a2, a3, a4, a5, a6, a7 = _load8(base, k * 32 + 32, whole)
+            acc = _steps8(acc, key, b0, b1, b2, b3, b4, b5, b6, b7)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _load8(base, k * 32 + 40, whole)
+            acc = _steps8(acc, key, c0, c1, c2, c3, c4, c5, c6, c7)
+            c0, c1, c2, c3, c4, c5, c6, c7 = _load8(base, k * 32 + 48, whole)
+            acc = _steps8(acc, key, d0, d1, d2, d3, d4, d5, d6, d7)
+            d0, d1, d2, d3, d4, d5, d6, d7 = _load8(base, k * 32 + 56, whole)
+        for n in range(chunks * 32, whole):
+            acc = _scramble(acc + tl.load(base + n * 8).to(tl.uint64, bitcast=True), key)
+        acc += tl.load(base + whole * 8).to(tl.uint64, bitcast=True)
+        merge = tl.load(secret_ptr + 18 * 8 + lane).to(tl.uint64, bitcast=True)
+        acc_even, acc_odd = tl.split(tl.reshape(acc ^ merge, [UNITS, 4, 2]))
+        h = tl.sum(_mul128_fold64_tl(acc_even, acc_odd), axis=1)
+        h = h + total.to(tl.uint64) * 0x9E3779B185EBCA87
+        h = h ^ (h >> 37)
+        h = h * 0x165667919E3779F9
+        h = h ^ (h >> 32)
+        tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
+
+
 @dataclass(frozen=True, slots=True)
 class _Group:
     kind: MemoryKind
@@ -300,12 +412,15 @@ class _Group:
 class GpuDigester:
     """Digests the blocks of ``layout`` (KV in VRAM, on ``layout.device_id``) where they lie.
 
-    ``rows_per_program``/``num_warps``: the row kernel's tile (32 rows, 32 KiB a program: on an H100 over 512 MiB,
-    32 rows gave 1,060 GB/s, 64 rows 784, 128 rows 884); ``chain_units``: units per program of the chain kernel
-    (8 lanes each)."""
+    ``rows_per_program``/``num_warps``: the older row kernel's tile (32 rows, 32 KiB a program: on an H100 over 512
+    MiB, 32 rows gave 1,060 GB/s, 64 rows 784, 128 rows 884); ``wide``/``wide_rows``/``wide_warps``: the wide row
+    kernel for rows whole in one slice, and its tile (16 rows / 4 warps: 2,000 GB/s on an H100 over 512 MiB, 4 rows
+    1,913, 32 rows / 8 warps 1,995); ``chain_units``: units per program of the chain kernel (8 lanes each);
+    ``deep_chain``: the chain with its loads 24 steps ahead (False: the older chain)."""
 
     def __init__(self, layout: KVLayout, *, rows_per_program: int = 32, num_warps: int = 4,
-                 chain_units: int = 4) -> None:
+                 chain_units: int = 4, wide: bool = True, wide_rows: int = 16, wide_warps: int = 4,
+                 deep_chain: bool = True) -> None:
         if layout.kind is not MemoryKind.VRAM:
             raise ValueError(f"GPU digests need a VRAM layout, got {layout.kind}: use HostDigester")
         import torch
@@ -325,7 +440,8 @@ class GpuDigester:
         self._anchor64 = self._anchor.view(torch.int64)
         self._secret = torch.from_numpy(SECRET_TABLE.view(np.int64).copy()).to(self.device)
         self._rows, self._warps = rows_per_program, num_warps
-        self._chain_units = chain_units
+        self._wide, self._wide_rows, self._wide_warps = wide, wide_rows, wide_warps
+        self._chain_units, self._deep_chain = chain_units, deep_chain
         self._host: dict[int, list[np.ndarray]] = {}
         self._region_offsets: dict[tuple[int, ...], torch.Tensor] = {}
         self._lock = threading.Lock()  # one launch sequence at a time (P's side-channel and D's service threads)
@@ -432,11 +548,17 @@ class GpuDigester:
             ids_t = self._upload(ids)
             dst_ids = self._upload(dst_local[first:first + 65535]) if dst_local is not None else ids_t
             adds = torch.empty((n, nrows, 8), dtype=torch.int64, device=self.device)
-            _xxh3_rows_kernel[(triton.cdiv(nrows, self._rows), n)](
-                self._anchor64, self._anchor, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg, ids.shape[1],
-                stride, lo, total, nrows, last_stripes, ROWS=self._rows, MODE=mode, ALIGN=align, COPY=copy,
-                num_warps=self._warps)
-            _xxh3_chain_kernel[(triton.cdiv(n, self._chain_units),)](
+            if mode == 0 and self._wide:
+                _xxh3_rows_wide_kernel[(triton.cdiv(nrows, self._wide_rows), n)](
+                    self._anchor64, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg, ids.shape[1], stride,
+                    lo, nrows, ROWS=self._wide_rows, ALIGN=align, COPY=copy, num_warps=self._wide_warps)
+            else:
+                _xxh3_rows_kernel[(triton.cdiv(nrows, self._rows), n)](
+                    self._anchor64, self._anchor, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg,
+                    ids.shape[1], stride, lo, total, nrows, last_stripes, ROWS=self._rows, MODE=mode, ALIGN=align,
+                    COPY=copy, num_warps=self._warps)
+            chain = _xxh3_chain_deep_kernel if self._deep_chain else _xxh3_chain_kernel
+            chain[(triton.cdiv(n, self._chain_units),)](
                 adds, self._secret, out[first:], n, nrows, total, UNITS=self._chain_units, num_warps=1)
         return out
 

@@ -34,6 +34,14 @@ def test_tiled_decomposition_equals_xxhash_at_every_length_of_three_rows() -> No
         assert tiled_xxh3(data[:n]) == xxhash.xxh3_64_intdigest(data[:n].tobytes()), n
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 40, 256])
+def test_the_wide_kernels_decomposition_equals_xxhash(rows: int) -> None:
+    data = np.random.default_rng(rows).integers(0, 256, rows * 1024, dtype=np.uint8)
+    assert tiled_xxh3(data, wide=True) == xxhash.xxh3_64_intdigest(data.tobytes())
+    with pytest.raises(ValueError, match="whole 1024-byte rows"):
+        tiled_xxh3(data[:-8], wide=True)
+
+
 def test_row_shape_is_xxh3s_last_block_rule() -> None:
     # whole rows are those before the last byte's row; the last row keeps at most 15 stripes of its own
     assert row_shape(1024) == (1, 15) and row_shape(1025) == (2, 0) and row_shape(2048) == (2, 15)
@@ -143,6 +151,25 @@ def test_the_fused_copy_writes_the_blocks_and_digests_what_it_moved() -> None:
         assert torch.equal(d[[0, 9, 3]], s[[7, 2, 11]]) and not d[[1, 2, 4, 5, 6, 7, 8, 10, 11]].any()
     with pytest.raises(DigestError, match="1024-byte"):
         _digester(_layout(_regions(4, [1000], seed=6))).copy_and_digest(np.array([1]), [0], np.array([2]))
+
+
+@cuda
+@pytest.mark.parametrize(("rows", "warps"), [(4, 4), (8, 4), (16, 8), (32, 4)])
+def test_the_wide_row_kernel_equals_the_host_contract_and_copies(rows: int, warps: int) -> None:
+    from kvlifecycle.transports.digest_gpu import GpuDigester
+
+    src = _regions(40, [8192] * 5, seed=rows)  # 40 KiB units: 40 rows, a tile's last program part empty
+    dst = [torch.zeros_like(r) for r in src]
+    wide = GpuDigester(_layout(src), wide=True, wide_rows=rows, wide_warps=warps)
+    units = np.array([39, 0, 17, 5, 22])
+    want = digest_units([_host(src)], units)
+    assert np.array_equal(wide.digests(units), want)
+    assert np.array_equal(GpuDigester(_layout(src), wide=False).digests(units), want)
+    assert np.array_equal(GpuDigester(_layout(src), wide=False, deep_chain=False).digests(units), want)
+    got = wide.copy_and_digest(units, [r.data_ptr() for r in dst], np.array([1, 2, 3, 4, 6]))
+    assert np.array_equal(got.cpu().numpy().view(np.uint64), want)
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[[1, 2, 3, 4, 6]], s[units]) and not d[0].any() and not d[7:].any()
 
 
 @cuda
