@@ -1,6 +1,7 @@
 """Per-block digests over KV regions in VRAM: :class:`kvlifecycle.digest.BlockDigester` for KV on a GPU, bit-exact
 with :class:`~kvlifecycle.transports.digest_host.HostDigester` (XXH3-64, seed 0, default secret, over each unit's
-region slices concatenated in the contract's order).
+region slices concatenated in the contract's order). One concept, longer than most: XXH3 split into a row pass and a
+chain whose kernels only make sense read together.
 
 **How XXH3 splits on a GPU.** XXH3 over more than 240 bytes keeps 8 u64 accumulators and walks 1024-byte *rows* of
 16 stripes of 64 bytes. Within a row every stripe only *adds* to the accumulators (``acc[i ^ 1] += x[i]``,

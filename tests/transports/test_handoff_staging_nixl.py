@@ -49,7 +49,9 @@ class Site:
         self.log_dir, self.clock, hlc = log_dir, ManualClock(), HybridLogicalClock()
         self.p_kv = HostBuffers("random", seed=5, regions=REGIONS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
         self.d_kv = HostBuffers("zeros", regions=REGIONS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
-        pool = HostPool(self.p_kv.layout, SLOTS)
+        # kept on the site: NIXL holds only the pool's addresses, and a pool collected at the end of __init__ gives
+        # its pages back to the allocator while the agent still reads and writes them
+        self.host_pool = pool = HostPool(self.p_kv.layout, SLOTS)
         self.transports = [NixlTransport(f"{who}-{run}") for who in ("p-kv", "p-host", "d")]
         t_kv, t_host, t_d = self.transports
         t_kv.register(self.p_kv.layout)
