@@ -114,7 +114,11 @@ class KVLayout:
     request, one lease and one post span every group (SGLang's pages and its aux row: ``pages + [n_0 + row]``).
 
     Validated when made, naming the field: ``KVLayout(MemoryKind.DRAM, 0, -4, ...)`` is a ``ValueError`` about
-    ``num_blocks``; a float address a ``TypeError`` about ``base_addrs``."""
+    ``num_blocks``; a float address a ``TypeError`` about ``base_addrs``.
+
+    ``owner`` (optional, not compared, not sent) is what owns the memory: a layout built over buffers of its own
+    (:class:`~kvlifecycle.transports.host_pool.HostPool`) names them, so that a transport holding the layout it
+    registered keeps them alive; addresses alone would let the buffers go back to the allocator under the agent."""
 
     kind: MemoryKind = attrs.field(converter=MemoryKind)
     device_id: int = attrs.field(converter=v.plain_int, validator=v.integer(0))
@@ -122,6 +126,7 @@ class KVLayout:
     base_addrs: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(0))
     block_bytes: tuple[int, ...] = attrs.field(converter=v.plain_ints, validator=v.integers(1))
     groups: tuple[RegionGroup, ...] = attrs.field(default=(), converter=_region_groups)
+    owner: object = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
     @block_bytes.validator
     def _one_per_region(self, attribute: attrs.Attribute[tuple[int, ...]], value: tuple[int, ...]) -> None:
@@ -456,6 +461,24 @@ class DeviceOrderedPost(Protocol):
 def orders_on_device(transport: object) -> bool:
     """Whether ``transport`` can order a post after device work (:class:`DeviceOrderedPost`)."""
     return isinstance(transport, DeviceOrderedPost)
+
+
+@runtime_checkable
+class LandedDigests(Protocol):
+    """An optional capability of a :class:`Transport` whose copy is its own (CUDA IPC: a kernel it launches): the
+    per-block digests of what a READ wrote, computed by the copy itself as it moved the words, so that D checks
+    what landed without a second pass over its blocks. A transport that only starts the copy (NIXL) or moves host
+    memory lacks it, and D reads its blocks back (:class:`kvlifecycle.digest.BlockDigester`)."""
+
+    def landed_digests(self, handle: TransferHandle) -> np.ndarray | None:
+        """For a DONE handle still held: the :mod:`kvlifecycle.digest` contract's digest of every whole block
+        the transfer wrote (all regions, region after region), one u64 per block in the post's ``local_blocks``
+        order; None where the copy computed none (not asked to, not a whole-block READ, not DONE)."""
+
+
+def landed_digests(transport: object, handle: TransferHandle) -> np.ndarray | None:
+    """What ``transport``'s copy digested for ``handle`` (:class:`LandedDigests`), None where it offers none."""
+    return transport.landed_digests(handle) if isinstance(transport, LandedDigests) else None
 
 
 def cancels_in_flight(transport: object) -> bool:

@@ -34,7 +34,7 @@ class HostPool:
         self.kv, self.slots = kv, int(slots)
         self._buffers = [self._aligned(self.slots * b) for b in kv.block_bytes]
         self.layout = KVLayout(MemoryKind.DRAM, 0, self.slots, tuple(int(a.ctypes.data) for a in self._buffers),
-                               kv.block_bytes)
+                               kv.block_bytes, owner=self)  # a transport that registers it keeps the pool alive
 
     @staticmethod
     def _aligned(nbytes: int) -> np.ndarray:

@@ -92,7 +92,7 @@ class HostBuffers:
             for _ in range(regions)
         ]
         self.layout = KVLayout(MemoryKind.DRAM, 0, blocks, tuple(a.ctypes.data for a in self.arrays),
-                               tuple(block_bytes for _ in self.arrays))
+                               tuple(block_bytes for _ in self.arrays), owner=self.arrays)
 
     def blocks(self, region: int, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         copied: np.ndarray = self.arrays[region][np.asarray(ids, dtype=np.int64)].copy()

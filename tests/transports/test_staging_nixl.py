@@ -199,3 +199,35 @@ def test_mutant_handing_over_before_the_copy_gives_d_reused_bytes_and_the_check_
     dep.close()
     out = _replay_check(tmp_path)
     assert out.returncode == 1 and "staged-before-copy" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_registered_pool_lives_as_long_as_the_agent_holds_its_layout() -> None:
+    """NIXL is handed addresses only: the layout names the pool as its owner, so the agent that registered it keeps
+    the pool's pages alive after the caller dropped the pool (a pool collected under the agent gave D reused pages).
+    Mutant: a layout without its owner lets the pool go."""
+    import gc
+    import weakref
+
+    p_kv = HostBuffers("random", seed=3, regions=REGIONS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
+    agent = NixlTransport(f"pool-owner-{next(_names)}-{time.monotonic_ns()}")
+    try:
+        pool = HostPool(p_kv.layout, SLOTS)
+        agent.register(pool.layout)
+        alive = weakref.ref(pool)
+        del pool
+        gc.collect()
+        assert alive() is not None
+        # the mutant: the same pool whose layout forgets its owner is freed at its last reference
+        import attrs
+
+        orphan = HostPool(p_kv.layout, SLOTS)
+        orphan.layout = attrs.evolve(orphan.layout, owner=None)
+        layout, gone = orphan.layout, weakref.ref(orphan)
+        del orphan
+        gc.collect()
+        assert gone() is None and layout.owner is None
+    finally:
+        agent.close()
+    del agent
+    gc.collect()
+    assert alive() is None  # the agent was the last holder
