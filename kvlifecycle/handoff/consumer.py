@@ -63,6 +63,7 @@ from kvlifecycle.transport import (
     XferOp,
     XferStatus,
     cancels_in_flight,
+    landed_digests,
 )
 from kvlifecycle.untrusted import RateLimitedLog
 
@@ -142,6 +143,7 @@ class Consumer:
         self.digester = digester
         self.verified_parts = 0  # parts whose landed bytes matched P's digests
         self.unverified_parts = 0  # parts loaded without a check (no digests sent, a block-size split)
+        self.copy_verified_parts = 0  # of those checked, the parts whose digests the copy computed (no read-back)
         self.fast_transport = fast_transport
         self.path_selector = path_selector
         self.options = options
@@ -962,7 +964,7 @@ class Consumer:
                 # notification to P) change no block state and follow, off the request's latency path.
                 del load.handles[part]
                 try:
-                    self._part_done(load, part)
+                    self._part_done(load, part, (data, handle))
                 finally:  # a digest mismatch fails the load durably: a failed commit must not leak the handle
                     try:
                         stats = data.stats(handle)
@@ -1040,11 +1042,13 @@ class Consumer:
     def _renewal_unanswered(link: PeerLink, exc: Exception) -> None:
         log.info("heartbeat to %s failed: %s", link.address, exc)
 
-    def _verified(self, load: _Load, part: int) -> int | None:
+    def _verified(self, load: _Load, part: int, read: tuple[Transport, TransferHandle] | None) -> int | None:
         """How many units (P blocks) of what landed for ``part`` matched P's digests (its ``part_done`` records
         the number), 0 when not checked (verification off, no digests in the grant, a block-size split); None on
         a mismatch: the ledger records it and the load fails, so no block of it becomes READY_FOR_ATTENTION. Runs
-        before ``part_done``, on the service thread."""
+        before ``part_done``, on the service thread. ``read``: the part's completed READ, still held: where its
+        transport's copy digested what it wrote (:class:`~kvlifecycle.transport.LandedDigests`, whole blocks),
+        those digests are compared and D's blocks are not read again."""
         link, grant, _ = load.parts[part]
         if self.options.verify is VerifyMode.NONE or self.digester is None or grant.digests is None:
             self.unverified_parts += 1
@@ -1058,7 +1062,11 @@ class Consumer:
         try:
             expected = expected_digests(grant.digests, len(grant.block_ids), slice_index)[-remote.size:]
             view = self._planned_view(link, grant.tp_rank)
-            found = self.digester.digests(local, offset=view.offset, length=view.length)
+            found = self._landed(read, local.size) if view.offset == view.length == 0 else None
+            if found is not None:
+                self.copy_verified_parts += 1
+            else:
+                found = self.digester.digests(local, offset=view.offset, length=view.length)
         except DigestError as exc:
             self._fail(load, f"digests unusable: {exc}")
             return None
@@ -1081,10 +1089,17 @@ class Consumer:
         unit = self.options.unit_bytes
         return scale_view(read.local_view, unit) if unit else read.local_view
 
-    def _part_done(self, load: _Load, part: int) -> None:
+    @staticmethod
+    def _landed(read: tuple[Transport, TransferHandle] | None, blocks: int) -> np.ndarray | None:
+        """The digests ``read``'s copy computed of the ``blocks`` whole blocks it wrote, or None (none computed,
+        or not one per block: then D reads its blocks back)."""
+        found = None if read is None else landed_digests(*read)
+        return found if found is not None and found.shape == (blocks,) else None
+
+    def _part_done(self, load: _Load, part: int, read: tuple[Transport, TransferHandle] | None = None) -> None:
         if part in load.done:
             return
-        verified = self._verified(load, part)
+        verified = self._verified(load, part, read)
         if verified is None or not load.part_done(part):
             return
         self.ledger.part_done(load.transfer, part, verified=verified)

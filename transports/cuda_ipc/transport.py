@@ -20,6 +20,7 @@ import attrs
 import msgspec
 import numpy as np
 
+from kvlifecycle.digest import DIGEST_DTYPE
 from kvlifecycle.transport import (
     WHOLE_BLOCK,
     BackendUnavailableError,
@@ -127,6 +128,11 @@ class CudaIpcTransport:
         self.inline_ids = opts.inline_ids
         self._copier_kwargs = opts.copier_kwargs()
         self._trace = opts.trace  # per-stage post timings in rec.extra (read at register)
+        # digest_reads: a READ of whole blocks is the fused copy + digest over the peer's mapping (its digester by
+        # peer, None where its layout does not fit one); landed_digests() hands D what it wrote
+        self._digest_reads = False
+        self._read_digesters: dict[str, Any] = {}
+        self.digested_reads = 0
         self.layout: KVLayout | None = None
         self.device: Any = None
         self._stream: Any = None
@@ -223,6 +229,27 @@ class CudaIpcTransport:
             return None
         self._why_not_compiled = ""
         return CompiledPost(streams, lib, inline_ids=self.inline_ids)
+
+    def digest_reads(self, enabled: bool = True) -> None:
+        """D's check without a second pass: with ``enabled``, a READ of whole blocks (whole-block views, every
+        region, one region group on both sides whose regions share one block size of whole 1024-byte rows) is
+        launched as :meth:`~kvlifecycle.transports.digest_gpu.GpuDigester.copy_and_digest` from the peer's mapping
+        into this transport's regions: one kernel moves the words and digests them, and :meth:`landed_digests`
+        returns what it wrote. Other posts, and layouts that do not fit, take the block-copy kernel as before."""
+        with self._lock:
+            self._digest_reads = bool(enabled)
+
+    def landed_digests(self, handle: TransferHandle) -> np.ndarray | None:
+        """The digests (:data:`~kvlifecycle.digest.DIGEST_DTYPE`, one per block in ``local_blocks`` order) of
+        what a DONE READ posted under :meth:`digest_reads` wrote; None for any other handle
+        (:class:`kvlifecycle.transport.LandedDigests`)."""
+        with self._lock:
+            rec = self._handles.get(handle)
+            digests = rec.extra.get("landed")
+            if digests is None or rec.status is not XferStatus.DONE:
+                return None
+        found: np.ndarray = digests.cpu().numpy().view(DIGEST_DTYPE)  # the copy's end event fired: they are there
+        return found
 
     @property
     def compiled_post(self) -> bool:
@@ -343,6 +370,7 @@ class CudaIpcTransport:
         """Void the peer's plans, fail its pending transfers (a running one once its kernel ended), and queue its
         unmapping behind every copy that touches its memory."""
         del self._peers[peer.name]
+        self._read_digesters.pop(peer.name, None)
         self._plans = {k: p for k, p in self._plans.items() if p.plan.peer != peer.name}
         running: list[Inflight] = []
         with self._context():
@@ -469,10 +497,14 @@ class CudaIpcTransport:
         with self._lock:
             launch = self._launch_for(plan, regions)
             notify = (plan.peer, notification) if notification is not None else None
-            flight = None
+            flight = landed = None
             caller = self._streams.order_after(after) if after is not None and self._streams is not None else 0
             compiled = self._compiled
-            if compiled is not None:
+            if self._digest_reads and op is XferOp.READ and regions is None:
+                fused = self._fused_read(plan, local_blocks, remote_blocks, notify, caller)
+                if fused is not None:
+                    flight, landed, n = fused
+            if compiled is not None and flight is None:
                 # The compiled post checks the ids itself: here only what makes them a pair of integer vectors.
                 local = local_blocks if local_blocks.__class__ is np.ndarray else np.asarray(local_blocks)
                 remote = remote_blocks if remote_blocks.__class__ is np.ndarray else np.asarray(remote_blocks)
@@ -496,6 +528,8 @@ class CudaIpcTransport:
             rec.nbytes = n * launch.bytes_per_block
             rec.ndesc = n * launch.regions
             rec.native = launch.backend
+            if landed is not None:
+                rec.native, rec.extra["landed"] = "fused-digest", landed
             self._inflight[rec.handle.id] = flight
             rec.t_post_end = time.perf_counter()
             if self._settling:
@@ -594,6 +628,64 @@ class CudaIpcTransport:
         if regions is None:
             return prepared.whole if prepared.whole is not None else launch_of(plan_groups(prepared, None))
         return subset_launch(prepared, regions)
+
+    def _fused_read(self, plan: PreparedPlan, local_blocks: np.ndarray | Sequence[int],
+                    remote_blocks: np.ndarray | Sequence[int], notify: tuple[str, Notification] | None,
+                    caller: int) -> tuple[Inflight, Any, int] | None:
+        """A READ launched as the fused copy + digest (:meth:`digest_reads`) on the transfer's stream, ordered as
+        the block copy is, between the same timing events: ``(flight, digests tensor, blocks)``; None where it does
+        not apply (the block-copy kernel moves it)."""
+        digester = self._read_digester(plan)
+        if digester is None or self._streams is None or self.layout is None:
+            return None
+        local = block_ids(local_blocks, plan.local_blocks, "local")
+        remote = block_ids(remote_blocks, plan.remote_blocks, "remote")
+        n = local.size
+        if n == 0:
+            return None
+        if n != remote.size:
+            raise RemoteMismatchError(f"{n} local blocks vs {remote.size} remote blocks")
+        res, torch = self._streams, self._torch
+        drv, lib = res.driver, res.driver.fast
+        with res.context():
+            start, end = res.events()
+            try:
+                # Blocks may have been last read on the caller's current stream: order after it, as every post does.
+                drv.check(lib.cuEventRecord(res.order_event, caller or res.current_stream(res.dev_index)),
+                          "cuEventRecord(order)")
+                drv.check(lib.cuStreamWaitEvent(res.cu_stream, res.order_event, 0), "cuStreamWaitEvent(order)")
+                drv.check(lib.cuEventRecord(start.handle, res.cu_stream), "cuEventRecord(start)")
+                with torch.cuda.stream(res.stream):
+                    digests = digester.copy_and_digest(remote, self.layout.base_addrs, local)
+                drv.check(lib.cuEventRecord(end.handle, res.cu_stream), "cuEventRecord(end)")
+            except BaseException:
+                res.event_pool.append((start, end))
+                raise
+        self.digested_reads += 1
+        return Inflight(start, end, None, [], notify, time.perf_counter()), digests, n
+
+    def _read_digester(self, plan: PreparedPlan) -> Any:
+        """The fused copy's digester over ``plan``'s peer mapping (made once per peer), or None where the plan or
+        the two layouts do not fit it."""
+        if plan.local_view != WHOLE_BLOCK or plan.remote_view != WHOLE_BLOCK:
+            return None
+        if plan.peer in self._read_digesters:
+            return self._read_digesters[plan.peer]
+        from ..digest_gpu import ROW_BYTES, GpuDigester
+
+        peer, local = self._peers[plan.peer], self.layout
+        assert local is not None  # a live plan: registered
+        sizes = {*local.block_bytes, *peer.layout.block_bytes}
+        digester = None
+        if (len(local.region_groups) == len(peer.layout.region_groups) == 1 and len(sizes) == 1
+                and local.num_regions == peer.layout.num_regions and next(iter(sizes)) % ROW_BYTES == 0
+                and all(a % 8 == 0 for a in (*local.base_addrs, *peer.mapped.base_addrs))):
+            try:
+                digester = GpuDigester(peer.mapped)
+            except ValueError as exc:  # no Triton: the block copy, and D reads its blocks back
+                log.info("cuda_ipc: reads from %s are not digested by the copy: %s", plan.peer, exc)
+        self._read_digesters[plan.peer] = digester
+        return digester
 
     def _launch_python(self, op: XferOp, launch: Launch, local: np.ndarray, remote: np.ndarray, n: int,
                        notify: tuple[str, Notification] | None, caller: int = 0) -> Inflight:
