@@ -175,8 +175,6 @@ class WorkerSide:
                                       worker=f"d-{self.rank_name}",
                                       failure_policy=self.failure_policy)
             self.loads = DecodeLoads(self.target, self.config, tp_rank=self.tp_rank, tp_size=self.tp_size)
-            if digester is not None and hasattr(self.fast_transport, "digest_reads"):  # CUDA IPC: D's check is the
-                self.fast_transport.digest_reads(True)  # copy's own digests of what it wrote, not a read-back pass
             consumer_options = HandoffOptions(
                 secret=self.options.secret, host=self.options.host, port=0,
                 request_timeout_s=self.options.request_timeout_s, load_timeout_s=self.options.load_timeout_s,
