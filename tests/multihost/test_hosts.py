@@ -84,14 +84,29 @@ def site(cluster: nh.Cluster, tmp_path: Path) -> Iterator[Site]:
         server.close()
 
 
-def shape(host: nh.Host, rate: str | None) -> None:
-    """Slow the host's uplink to ``rate`` (a token bucket on its veth), or lift that (None)."""
+def shape(host: nh.Host, rate: str | None, *, exempt: str | None = None) -> None:
+    """Slow the host's uplink to ``rate`` (a token bucket on its veth), or lift that (None). ``exempt``: an address
+    whose traffic bypasses the bucket (etcd's, where a test slows the KV and not the control plane: a link kept
+    full for a minute otherwise queues and drops the member's keep-alives until its etcd lease lapses)."""
+    dev = host.device
     if rate is None:
-        host.run(["tc", "qdisc", "del", "dev", host.device, "root"])
+        host.run(["tc", "qdisc", "del", "dev", dev, "root"])
         return
-    out = host.run(["tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", rate, "burst", "64kb",
-                    "latency", "500ms"])
-    assert out.returncode == 0, out.stderr
+    bucket = ["tbf", "rate", rate, "burst", "64kb", "latency", "500ms"]
+    if exempt is None:
+        commands = [["tc", "qdisc", "add", "dev", dev, "root", *bucket]]
+    else:  # htb only sorts (two unlimited classes; this kernel has no prio qdisc): the bucket holds class 1:20,
+        # where everything goes but what the filter sends to 1:10
+        unlimited = ["htb", "rate", "10gbit", "quantum", "60000"]
+        commands = [["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"],
+                    ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", *unlimited],
+                    ["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", *unlimited],
+                    ["tc", "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", *bucket],
+                    ["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                     "match", "ip", "dst", f"{exempt}/32", "flowid", "1:10"]]
+    for command in commands:
+        out = host.run(command)
+        assert out.returncode == 0, f"{' '.join(command)}: {out.stderr}"
 
 
 def serving_agents(d: HostWorker) -> list[tuple[str, int]]:
