@@ -49,7 +49,7 @@ def completion_applied_twice(mp: Any) -> None:
         self._record(ev.TgtPartDone(hlc, at, transfer, part))
         return True
 
-    def consumer_part_done(self: Consumer, load: Any, part: int) -> None:
+    def consumer_part_done(self: Consumer, load: Any, part: int, read: Any = None) -> None:
         for _ in range(2):
             if load.transfer in self.ledger.loads:
                 self.ledger.part_done(load.transfer, part)

@@ -103,13 +103,13 @@ if _CORRUPT is not None:
     _corrupt_left = [int(_CORRUPT)]
     _verified = _consumer.Consumer._verified
 
-    def verified(self, load, part):  # type: ignore[no-untyped-def]
+    def verified(self, load, part, read=None):  # type: ignore[no-untyped-def]
         _, grant, _ = load.parts[part]
         mapped = load.mapped.get(part)
         if _corrupt_left[0] > 0 and mapped is not None and grant.digests is not None and self.digester is not None:
             _corrupt_left[0] -= 1
             block = int(_np.asarray(mapped[0]).reshape(-1)[0])
             self.digester._groups[0][0][block, 0] ^= 0x10  # D's own KV cache, where the bytes landed
-        return _verified(self, load, part)
+        return _verified(self, load, part, read)
 
     _consumer.Consumer._verified = verified
