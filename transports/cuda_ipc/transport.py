@@ -244,7 +244,10 @@ class CudaIpcTransport:
         what a DONE READ posted under :meth:`digest_reads` wrote; None for any other handle
         (:class:`kvlifecycle.transport.LandedDigests`)."""
         with self._lock:
-            rec = self._handles.get(handle)
+            try:
+                rec = self._handles.get(handle)
+            except TransportError:  # released, or another transport's: it offers nothing
+                return None
             digests = rec.extra.get("landed")
             if digests is None or rec.status is not XferStatus.DONE:
                 return None
