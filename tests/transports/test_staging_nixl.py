@@ -7,13 +7,16 @@ names it. Every wait is bounded."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -205,9 +208,6 @@ def test_a_registered_pool_lives_as_long_as_the_agent_holds_its_layout() -> None
     """NIXL is handed addresses only: the layout names the pool as its owner, so the agent that registered it keeps
     the pool's pages alive after the caller dropped the pool (a pool collected under the agent gave D reused pages).
     Mutant: a layout without its owner lets the pool go."""
-    import gc
-    import weakref
-
     p_kv = HostBuffers("random", seed=3, regions=REGIONS, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
     agent = NixlTransport(f"pool-owner-{next(_names)}-{time.monotonic_ns()}")
     try:
@@ -218,8 +218,6 @@ def test_a_registered_pool_lives_as_long_as_the_agent_holds_its_layout() -> None
         gc.collect()
         assert alive() is not None
         # the mutant: the same pool whose layout forgets its owner is freed at its last reference
-        import attrs
-
         orphan = HostPool(p_kv.layout, SLOTS)
         orphan.layout = attrs.evolve(orphan.layout, owner=None)
         layout, gone = orphan.layout, weakref.ref(orphan)
