@@ -4,20 +4,28 @@ P digests each granted block as each D consumer will read it and sends the diges
 landed in its own blocks and refuses the load on any mismatch *before* ``part_done`` lets attention read a byte
 (:meth:`kvlifecycle.ledger.TargetLedger.digest_mismatch`).
 
-**The digest of a block** is XXH3-64 over the block's bytes in every region of its region group, region after
-region, each region contributing its slice of the block (``offset``/``length`` in the first group, as a
-:class:`~kvlifecycle.transport.BlockView` cuts a rank's heads; the other groups whole). No address, slot index or
-block id enters it, so it is the same wherever the block sits in either pool: a block written into the wrong slot
-arrives under the wrong digest. A unit may be made of several pieces (D's sub-blocks of one P block under a block
-size split): their slices are concatenated per region, which is the byte order of the one P block.
+**The digest of a block** is a two-level hash. Each region of the block's region group gives a *leaf*: XXH3-64
+over the block's slice in that region (``offset``/``length`` in the first group, as a
+:class:`~kvlifecycle.transport.BlockView` cuts a rank's heads; the other groups whole). The block's digest is
+XXH64 over its leaves, region after region, as little-endian u64. No address, slot index or block id enters it, so
+it is the same wherever the block sits in either pool: a block written into the wrong slot arrives under the wrong
+digest, and a region's slice landed in another region changes the order of the leaves. A unit may be made of
+several pieces (D's sub-blocks of one P block under a block size split): a leaf hashes the pieces' slices of its
+region concatenated, which is the byte order of the one P block.
 
-**Why XXH3-64.** A 64-bit non-cryptographic hash runs at memory speed (XXH3 hashes >20 GB/s on one x86 core from
-cache, so a pass over host DRAM is bound by the memory, not the hash), has full avalanche (every flipped bit changes
-half the output bits), and misses a random corruption with probability 2^-64 per block. Adler-32 (SGLang's P/D
-checksum) is 32 bits with weak mixing on short inputs and blind to some reorderings; CRC32C is fast in hardware but
-32 bits, and detects reordered equal-sized pieces poorly. The digest is not a MAC: it catches faults, not an
-adversary (the side channel's HMAC covers the digests in transit). The binding is ``xxhash`` (the reference C
-library's Python wrapper, maintained upstream, wheels for every platform): a core dependency, with no torch.
+**Why XXH3-64, and why two levels.** A 64-bit non-cryptographic hash runs at memory speed (XXH3 hashes >20 GB/s on
+one x86 core from cache, so a pass over host DRAM is bound by the memory, not the hash), has full avalanche (every
+flipped bit changes half the output bits), and misses a random corruption with probability 2^-64 per block (2^-63
+here: a corruption must collide in a leaf or in the root). Adler-32 (SGLang's P/D checksum) is 32 bits with weak
+mixing on short inputs and blind to some reorderings; CRC32C is fast in hardware but 32 bits, and detects reordered
+equal-sized pieces poorly. XXH3 is a chain of one dependent step per KiB: over a whole block across every region
+(2 MiB in 64 regions of 32 KiB) that is 2,048 steps in a row, 42 µs on a GPU whatever its bandwidth, longer than the
+copy of a small request. Per region, the chain is the slice's KiB (32 steps) and every leaf runs at once; the root,
+XXH64 over one word per region, is a short loop a GPU thread runs for any count of regions (XXH3 would need its
+short-input paths below 241 bytes, i.e. 30 regions). The host pays nothing for the split: it hashed a block region
+by region already. The digest is not a MAC: it catches faults, not an adversary (the side channel's HMAC covers the
+digests in transit). The binding is ``xxhash`` (the reference C library's Python wrapper, maintained upstream,
+wheels for every platform): a core dependency, with no torch.
 
 **Head slices.** A lease read by ``consumers`` D ranks (D TP > P TP) is read in ``consumers`` equal slices of the
 first region group's blocks; P sends a digest per (slice, block), so each D rank checks exactly the heads it read,
@@ -36,7 +44,7 @@ import xxhash
 
 from kvlifecycle.choices import Choice
 
-DIGEST_ALGO = "xxh3-64"
+DIGEST_ALGO = "xxh3-64/xxh64"  # leaves per region / the root over them: a peer of the flat XXH3 digest is refused
 DIGEST_DTYPE = np.dtype("<u8")
 # one transfer in this many is checked under ``verify: sample``; the choice is a function of the transfer id, so
 # P (which computes) and D (which checks) agree without a word
@@ -129,16 +137,26 @@ def digest_units(regions: Sequence[Sequence[np.ndarray]], units: np.ndarray, *, 
                 not (pieces < starts[group + 1]).all():
             raise DigestError(f"unit {pieces.tolist()} is not within one region group of {int(starts[-1])} blocks")
         local = pieces - starts[group]
-        h = xxhash.xxh3_64()
         first = sum(len(g) for g in regions[:group])  # the group's first region, over every group's regions
         chosen = regions[group] if only is None else \
             [regions[group][r - first] for r in only if first <= r < first + len(regions[group])]
-        for region in chosen:
+        leaves = np.empty(len(chosen), dtype=DIGEST_DTYPE)
+        for i, region in enumerate(chosen):
             lo, hi = (offset, offset + length if length else region.shape[1]) if group == 0 else (0, region.shape[1])
-            for block in local:
-                h.update(region[block, lo:hi].data)  # a view: no copy of the block's bytes
-        out[row] = h.intdigest()
+            if local.size == 1:
+                leaves[i] = xxhash.xxh3_64_intdigest(region[local[0], lo:hi].data)  # a view: no copy of the bytes
+            else:
+                h = xxhash.xxh3_64()
+                for block in local:
+                    h.update(region[block, lo:hi].data)
+                leaves[i] = h.intdigest()
+        out[row] = root_digest(leaves)
     return out
+
+
+def root_digest(leaves: np.ndarray) -> int:
+    """A unit's digest from its leaves (one XXH3-64 per region, in order): XXH64 over them as little-endian u64."""
+    return xxhash.xxh64_intdigest(np.ascontiguousarray(leaves, dtype=DIGEST_DTYPE).data)
 
 
 def batch_digest(digests: np.ndarray) -> int:

@@ -54,6 +54,32 @@ def test_a_block_keeps_its_digest_in_another_slot_and_loses_it_to_one_flipped_by
     assert digest_units(dst, np.array([5])) != want
 
 
+def _two_level(slices: list[bytes]) -> int:
+    """The contract spelled out: XXH3-64 per region's slice (a leaf), XXH64 over the leaves as little-endian u64."""
+    import xxhash
+
+    leaves = b"".join(xxhash.xxh3_64_intdigest(s).to_bytes(8, "little") for s in slices)
+    return int(xxhash.xxh64_intdigest(leaves))
+
+
+def test_the_digest_is_xxh64_over_each_regions_xxh3_leaf_and_pieces_concatenate_per_region() -> None:
+    """The wire contract (``DIGEST_ALGO``): a leaf per region, in order, the root over them; a unit of two pieces
+    (D's sub-blocks of one P block) hashes each region's pieces in order, the byte order of the one P block. Swapping
+    two regions' slices (equal bytes, other order) changes the digest; the flat XXH3 of the concatenation (the
+    digest of before, whose peers are refused by name) is not what is computed."""
+    import xxhash
+
+    assert DIGEST_ALGO == "xxh3-64/xxh64"
+    src = pool(block_bytes=1024, regions=3)
+    want = _two_level([src[0][r][3].tobytes() for r in range(3)])
+    assert digest_units(src, np.array([3]))[0] == want
+    assert want != xxhash.xxh3_64_intdigest(b"".join(src[0][r][3].tobytes() for r in range(3)))
+    two = _two_level([src[0][r][5].tobytes() + src[0][r][1].tobytes() for r in range(3)])
+    assert digest_units(src, np.array([[5, 1]]))[0] == two
+    swapped = [[src[0][1], src[0][0], src[0][2]]]
+    assert digest_units(swapped, np.array([3]))[0] != want
+
+
 def test_a_region_subset_reads_each_units_own_group_in_order_and_combines_into_one_batch_digest() -> None:
     """A stream's layer batch digests only its layer's regions (indexed over every group's regions): a unit of
     the first group reads the chosen regions of that group, one of the second group (SGLang's aux row) those of
@@ -63,8 +89,8 @@ def test_a_region_subset_reads_each_units_own_group_in_order_and_combines_into_o
     groups = [[RNG.integers(0, 256, (4, 32), dtype=np.uint8) for _ in range(3)],
               [RNG.integers(0, 256, (2, 8), dtype=np.uint8)]]
     page, aux = digest_units(groups, np.array([1, 4]), only=[2, 0, 3])  # block 4: the second group's row 0
-    assert page == xxhash.xxh3_64_intdigest(groups[0][2][1].tobytes() + groups[0][0][1].tobytes())
-    assert aux == xxhash.xxh3_64_intdigest(groups[1][0][0].tobytes())
+    assert page == _two_level([groups[0][2][1].tobytes(), groups[0][0][1].tobytes()])
+    assert aux == _two_level([groups[1][0][0].tobytes()])
     assert digest_units(groups, np.array([1]), only=[1])[0] != digest_units(groups, np.array([1]))[0]
     both = digest_units(groups, np.array([1, 4]), only=[2, 0, 3])
     assert batch_digest(both) == xxhash.xxh3_64_intdigest(both.astype("<u8").tobytes())

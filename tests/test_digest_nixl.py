@@ -160,6 +160,22 @@ def test_mutant_verification_skipped_accepts_the_corruption() -> None:
     assert not np.array_equal(dst.kv[2][5], src.kv[2][p_blocks[d_blocks.index(5)]])
 
 
+def test_digests_of_another_algorithm_load_unchecked_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A P whose digests this D does not compute (a rolling upgrade across a change of the digest) is treated as a P
+    that sends none: the load is not refused, and it is counted as unchecked (the log has no verified blocks)."""
+    from kvlifecycle.digest import BlockDigests
+
+    def older(digests: np.ndarray) -> BlockDigests:
+        arr = np.asarray(digests, dtype="<u8").reshape(1, -1)
+        return BlockDigests("xxh3-64", 1, arr.tobytes())
+
+    monkeypatch.setattr(BlockDigests, "of", staticmethod(older))
+    _, _, tl, cons, released, _, _ = handoff(flip=None, mode="pull")
+    assert tl.requests["r"].state == TargetState.READY_FOR_ATTENTION and released == ["completed"]
+    assert cons.unverified_parts == 1 and cons.verified_parts == 0 and "digest_mismatches" not in tl.stats
+    assert "verified_blocks" not in tl.stats
+
+
 @pytest.mark.parametrize("wrong_heads", [False, True], ids=["right-heads", "rank-1-into-rank-0-heads"])
 def test_p_tp_2_to_d_tp_1_checks_each_rank_slice(wrong_heads: bool) -> None:
     """D TP 1 reads each of two P ranks' whole blocks into its half of the heads; each part is checked where the

@@ -26,7 +26,7 @@ from kvlifecycle.choices import TransferModeName
 from kvlifecycle.claims import TOKEN_BYTES
 from kvlifecycle.clock import StepTimer
 from kvlifecycle.control import Claimed, GrantReply, Heartbeat, LoadFailed, PushRequest
-from kvlifecycle.digest import BlockDigester, DigestError, VerifyMode, expected_digests, mismatched
+from kvlifecycle.digest import DIGEST_ALGO, BlockDigester, DigestError, VerifyMode, expected_digests, mismatched
 from kvlifecycle.handoff.block_mapping import BlockMappingError, map_blocks
 from kvlifecycle.handoff.held_grants import RENEWALS_PER_TTL, GrantCountError, HeldGrants
 from kvlifecycle.handoff.links import REPLY_TYPES, PeerLink, compat_fields
@@ -1051,6 +1051,11 @@ class Consumer:
         those digests are compared and D's blocks are not read again."""
         link, grant, _ = load.parts[part]
         if self.options.verify is VerifyMode.NONE or self.digester is None or grant.digests is None:
+            self.unverified_parts += 1
+            return 0
+        if grant.digests.algo != DIGEST_ALGO:  # a P of another digest (a rolling upgrade): unchecked, as one of none
+            log.info("%s: P's digests are %r, this D computes %r: part %d loads unchecked", load.transfer,
+                     grant.digests.algo, DIGEST_ALGO, part)
             self.unverified_parts += 1
             return 0
         mapped = load.mapped.get(part)
