@@ -1,46 +1,52 @@
 """Per-block digests over KV regions in VRAM: :class:`kvlifecycle.digest.BlockDigester` for KV on a GPU, bit-exact
-with :class:`~kvlifecycle.transports.digest_host.HostDigester` (XXH3-64, seed 0, default secret, over each unit's
-region slices concatenated in the contract's order). One concept, longer than most: XXH3 split into a row pass and a
-chain whose kernels only make sense read together.
+with :class:`~kvlifecycle.transports.digest_host.HostDigester` (the contract of :mod:`kvlifecycle.digest`: XXH3-64,
+seed 0, default secret, over each region's slice of a unit, a *leaf*; XXH64 over the leaves). One concept, longer
+than most: XXH3 split into a row pass and a chain, and the root, whose kernels only make sense read together.
 
 **How XXH3 splits on a GPU.** XXH3 over more than 240 bytes keeps 8 u64 accumulators and walks 1024-byte *rows* of
 16 stripes of 64 bytes. Within a row every stripe only *adds* to the accumulators (``acc[i ^ 1] += x[i]``,
 ``acc[i] += lo32(x[i] ^ k) * hi32(x[i] ^ k)``), so a row's contribution is a sum that any number of threads can
 take in any order; between rows the accumulators are scrambled (xorshift, xor, multiply), a chain that is
-sequential per unit and per lane. So two kernels:
+sequential per leaf and per lane. So three kernels:
 
-1. ``_xxh3_rows_kernel``: every (unit, row) at once, a ``[rows, 16, 4, 2]`` tile of u64 per program reduced to
+1. ``_xxh3_rows_kernel``: every (leaf, row) at once, a ``[rows, 16, 4, 2]`` tile of u64 per program reduced to
    each row's 8 additions (the last row holds the partial stripes and XXH3's overlapping last stripe, whose
    secret differs). This is the pass over the KV bytes, at memory speed; it writes 64 bytes per 1024 read. Rows
-   that lie whole in one region's slice (KV blocks of whole KiB) take ``_xxh3_rows_wide_kernel`` instead: a row
+   that lie whole in one piece's slice (KV blocks of whole KiB) take ``_xxh3_rows_wide_kernel`` instead: a row
    read as a copy reads it (4 steps of 32 contiguous words), the same additions summed in another order; 2,000
    GB/s over 512 MiB on an H100 against 1,115 for the older kernel (docs/benchmarks/2026-12-06-gpu-h200.md).
-2. ``_xxh3_chain_kernel``: per unit and lane, the scramble chain over those additions, then XXH3's merge and
-   avalanche (the 64×64→128-bit multiply in 32-bit halves, as xxHash's portable path does it); by default
-   ``_xxh3_chain_deep_kernel``, its loads 24 steps ahead (20.6 ns a step on an H100, the older chain 30.4).
+2. ``_xxh3_chain_short_kernel``: per leaf and lane, the scramble chain over those additions, then XXH3's merge and
+   avalanche (the 64×64→128-bit multiply in 32-bit halves, as xxHash's portable path does it), its rows unrolled
+   for leaves of up to 64 rows; longer leaves take ``_xxh3_chain_deep_kernel``, its loads 24 steps ahead.
+3. ``_xxh64_root_kernel``: per unit, XXH64 over its leaves, a thread each.
 
-The chain is ``(unit bytes) / 1024`` dependent steps, whatever the GPU: a request of few large units (16 blocks
-of 64 regions × 32 KiB: 2048 steps each) is bound by it, not by memory. :func:`tiled_xxh3` is the same
-decomposition in numpy, checked against ``xxhash`` on the CPU, so CI proves the arithmetic without a GPU.
+The chain is ``(leaf bytes) / 1024`` dependent steps: 32 for a 32 KiB slice, every leaf of a request at once. (The
+digest of before, XXH3 over a whole block across its regions, was one chain of 2,048 steps for a 2 MiB block: 42 µs
+on any GPU, more than the copy of a 16-block request.) :func:`tiled_xxh3` and :func:`tiled_root` are the same
+decompositions in numpy, checked against ``xxhash`` on the CPU, so CI proves the arithmetic without a GPU.
 
-**What runs where.** Units of more than 240 bytes whose regions share one block size run the kernels; smaller
-units (XXH3's short-input paths) and groups of mixed block sizes are gathered on the device, copied to the host
+**What runs where.** Leaves of more than 240 bytes whose regions share one block size run the kernels; smaller
+leaves (XXH3's short-input paths) and groups of mixed block sizes are gathered on the device, copied to the host
 and hashed there with ``xxhash``; groups in host memory (SGLang's aux rows) are read in place. Launches go to the
 device's current stream and the call waits for its result, as the host digester returns its values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import os
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
-from kvlifecycle.digest import DIGEST_DTYPE, DigestError, digest_units
+from kvlifecycle.digest import DIGEST_DTYPE, DigestError, digest_units, root_digest
 from kvlifecycle.transport import KVLayout, MemoryKind
 
 if TYPE_CHECKING:
@@ -67,6 +73,9 @@ _P64_1, _P64_2, _P64_3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E377
 _P64_4, _P64_5, _PRIME_MX1 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5, 0x165667919E3779F9
 INIT_ACC = np.array([_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1], dtype=np.uint64)
 LAST_ROW, SCRAMBLE_ROW, MERGE_ROW, INIT_ROW = 16, 17, 18, 19
+SHORT_CHAIN_ROWS = 64  # leaves of up to this many rows take the unrolled chain (a region's slice: 32 KiB is 32)
+ROOT_UNITS = 32  # units per program of the root kernel (a thread each)
+MERGED_ROOT_REGIONS = 256  # up to this many regions, one kernel runs a unit's chains and its root
 
 
 def _secret_words(start: int) -> list[int]:
@@ -77,6 +86,12 @@ def _secret_words(start: int) -> list[int]:
 # (byte 121: XXH_SECRET_LASTACC_START), the scramble's (byte 128), the merge's (byte 11) and the initial accumulators
 SECRET_TABLE = np.array([_secret_words(8 * s) for s in range(16)] + [_secret_words(121), _secret_words(128),
                         _secret_words(11), [int(v) for v in INIT_ACC]], dtype=np.uint64)
+
+
+_MASK64 = (1 << 64) - 1
+# XXH64's primes and its first and fourth initial accumulators (seed 0) as the root kernel reads them
+XXH64_TABLE = np.array([_P64_1, _P64_2, _P64_3, _P64_4, _P64_5, (_P64_1 + _P64_2) & _MASK64, -_P64_1 & _MASK64],
+                       dtype=np.uint64)
 
 
 def row_shape(total: int) -> tuple[int, int]:
@@ -141,6 +156,37 @@ def tiled_xxh3(data: bytes | np.ndarray, *, wide: bool = False) -> int:
     return int(h[0])
 
 
+def tiled_root(leaves: np.ndarray) -> int:
+    """XXH64 (seed 0) of ``leaves`` as little-endian u64, computed as ``_xxh64_root_kernel`` computes it (stripes of
+    4 words, the merge whatever their count, the start chosen after). Equal to ``xxhash.xxh64_intdigest`` of the
+    words' bytes: the CPU proof of the root kernel's math."""
+    words = [int(w) for w in np.asarray(leaves, dtype=np.uint64)]
+    p1, p2, p3, p4, p5, v1_init, v4_init = (int(v) for v in XXH64_TABLE)
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (64 - r))) & _MASK64
+
+    def rnd(acc: int, word: int) -> int:
+        return rotl((acc + word * p2) & _MASK64, 31) * p1 & _MASK64
+
+    v = [v1_init, p2, 0, v4_init]
+    stripes = len(words) // 4
+    for s in range(stripes):
+        v = [rnd(v[i], words[4 * s + i]) for i in range(4)]
+    h = (rotl(v[0], 1) + rotl(v[1], 7) + rotl(v[2], 12) + rotl(v[3], 18)) & _MASK64
+    for lane in v:
+        h = ((h ^ rnd(0, lane)) * p1 + p4) & _MASK64
+    h = h if stripes else p5
+    h = (h + 8 * len(words)) & _MASK64
+    for w in words[4 * stripes:]:
+        h = (rotl(h ^ rnd(0, w), 27) * p1 + p4) & _MASK64
+    h ^= h >> 33
+    h = h * p2 & _MASK64
+    h ^= h >> 29
+    h = h * p3 & _MASK64
+    return h ^ (h >> 32)
+
+
 def _wide_adds(buf: np.ndarray) -> np.ndarray:
     """Each row's 8 additions as ``_xxh3_rows_wide_kernel`` forms them (whole rows only)."""
     if buf.size % ROW_BYTES:
@@ -161,13 +207,20 @@ def _wide_adds(buf: np.ndarray) -> np.ndarray:
 if HAVE_TRITON:
 
     @triton.jit
-    def _src_offset(pos, seg, pieces, unit_ids, bases_ptr, stride, lo):
-        """Byte offset from the anchor of byte ``pos`` of a unit's stream: stream segment ``k = pos // seg`` is
-        piece ``k % pieces`` of region ``k // pieces`` (regions in order, each contributing every piece's slice)."""
+    def _src_offset(pos, seg, unit_ids, region_base, stride, lo):
+        """Byte offset from the anchor of byte ``pos`` of a leaf (one region's slices of a unit's pieces, in order):
+        segment ``k = pos // seg`` is piece ``k``'s slice, in the region at ``region_base``."""
         k = pos // seg
-        region = k // pieces
-        piece = k - region * pieces
-        return tl.load(bases_ptr + region) + tl.load(unit_ids + piece) * stride + lo + (pos - k * seg)
+        return region_base + tl.load(unit_ids + k) * stride + lo + (pos - k * seg)
+
+    @triton.jit
+    def _leaf_of(regions, ROWS: tl.constexpr):
+        """A row kernel's program: its leaf (axis 0: unit × region, region fastest), the leaf's unit and region,
+        and its tile of the leaf's rows (axis 1)."""
+        leaf = tl.program_id(0).to(tl.int64)
+        unit = leaf // regions
+        row = (tl.program_id(1).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+        return leaf, unit, leaf - unit * regions, row
 
     @triton.jit
     def _xxh3_rows_kernel(
@@ -178,8 +231,8 @@ if HAVE_TRITON:
         dst_bases_ptr,  # COPY: int64[R], the destination regions (same block bytes) from the anchor
         dst_ids_ptr,  # COPY: int64[U, pieces], the destination block ids
         secret_ptr,  # int64[20, 8]: SECRET_TABLE
-        adds_ptr,  # int64[U, nrows, 8] out: each row's additions to the 8 accumulators
-        seg, pieces, stride, lo, total, nrows, last_stripes,
+        adds_ptr,  # int64[U × R, nrows, 8] out: each leaf row's additions to the 8 accumulators
+        seg, pieces, stride, lo, total, nrows, last_stripes, regions,  # total, nrows, last_stripes: of one leaf
         ROWS: tl.constexpr,  # rows per program
         MODE: tl.constexpr,  # 0: rows lie whole in one segment; 1: 8-byte words gathered; 2: bytes gathered
         ALIGN: tl.constexpr,  # MODE 0: words per guaranteed alignment of a row's start (2: 16-byte loads)
@@ -187,19 +240,19 @@ if HAVE_TRITON:
     ):
         """A ``[ROWS, 8]`` tile per stripe, the 16 stripes summed in registers (no cross-thread reduction): each
         thread keeps its rows' sums, and the 16 loads of a tile are independent, so they are all in flight."""
-        unit = tl.program_id(1).to(tl.int64)
-        row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+        leaf, unit, region, row = _leaf_of(regions, ROWS)
         lane = tl.arange(0, 8)[None, :].to(tl.int64)
         live = row < nrows
         last_row = row == nrows - 1
         unit_ids = ids_ptr + unit * pieces
+        base = tl.load(bases_ptr + region)
         if MODE == 0:
             # seg % 1024 == 0: a row is contiguous, and the last stripe is its slot 15 (total % 1024 == 0)
-            start = _src_offset(tl.where(live, row * 1024, 0), seg, pieces, unit_ids, bases_ptr, stride, lo)
+            start = _src_offset(tl.where(live, row * 1024, 0), seg, unit_ids, base, stride, lo)
             first = tl.multiple_of(start // 8, [ALIGN, ALIGN])
             if COPY:
-                dst = _src_offset(tl.where(live, row * 1024, 0), seg, pieces, dst_ids_ptr + unit * pieces,
-                                  dst_bases_ptr, stride, lo)
+                dst = _src_offset(tl.where(live, row * 1024, 0), seg, dst_ids_ptr + unit * pieces,
+                                  tl.load(dst_bases_ptr + region), stride, lo)
                 dst_first = tl.multiple_of(dst // 8, [ALIGN, ALIGN])
         m = tl.zeros([ROWS, 8], tl.uint64)
         a = tl.zeros([ROWS, 8], tl.uint64)
@@ -221,12 +274,12 @@ if HAVE_TRITON:
                     pos = tl.where(last_row, total - 64 + lane * 8, pos)
                 pos = tl.where(valid, pos, 0)
                 if MODE == 1:
-                    off = _src_offset(pos, seg, pieces, unit_ids, bases_ptr, stride, lo)
+                    off = _src_offset(pos, seg, unit_ids, base, stride, lo)
                     x = tl.load(anchor64_ptr + off // 8, mask=valid, other=0).to(tl.uint64, bitcast=True)
                 else:
                     x = tl.zeros([ROWS, 8], tl.uint64)
-                    for b in tl.static_range(8):  # a word may straddle two regions' slices
-                        off = _src_offset(pos + b, seg, pieces, unit_ids, bases_ptr, stride, lo)
+                    for b in tl.static_range(8):  # a word may straddle two pieces' slices
+                        off = _src_offset(pos + b, seg, unit_ids, base, stride, lo)
                         byte = tl.load(anchor8_ptr + off, mask=valid, other=0).to(tl.uint64)
                         x = x | (byte << (8 * b))
             sec = tl.load(secret_ptr + s * 8 + lane).to(tl.uint64, bitcast=True)
@@ -240,40 +293,39 @@ if HAVE_TRITON:
         m_even, m_odd = tl.split(tl.reshape(m, [ROWS, 4, 2]))
         x_even, x_odd = tl.split(tl.reshape(a, [ROWS, 4, 2]))
         # acc[i ^ 1] += x[i]: lane 2i takes the odd words, lane 2i + 1 the even ones
-        out = adds_ptr + (unit * nrows + row) * 8 + tl.arange(0, 4)[None, :] * 2
-        tl.store(out, (m_even + x_odd).to(tl.int64, bitcast=True), mask=live)
-        tl.store(out + 1, (m_odd + x_even).to(tl.int64, bitcast=True), mask=live)
+        _store_adds(adds_ptr, leaf, nrows, row, m_even + x_odd, m_odd + x_even)
 
     @triton.jit
-    def _xxh3_rows_wide_kernel(
-        anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, adds_ptr,
-        seg, pieces, stride, lo, nrows,
-        ROWS: tl.constexpr,  # rows per program
-        ALIGN: tl.constexpr,  # words per guaranteed alignment of a row's start (2: 16-byte loads)
-        COPY: tl.constexpr = False,  # also store every word read to the destination blocks (fused copy)
-    ):
-        """MODE 0 of :func:`_xxh3_rows_kernel` (rows whole in one segment, ``total % 1024 == 0``) read the way a
-        copy reads: a row is 4 steps of 32 contiguous words (256 bytes), so a warp's load is one contiguous span
-        and 16-byte vectors, not 64-byte pieces 1 KiB apart. Each thread sums stripes ``g, g + 4, g + 8, g + 12``
-        of its lanes across the 4 steps; the 4 partial sums of a lane are added across threads once per tile."""
-        unit = tl.program_id(1).to(tl.int64)
-        row = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+    def _wide_tile(anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, seg, pieces, stride,
+                   lo, nrows, unit, region, row, ROWS: tl.constexpr, ALIGN: tl.constexpr, COPY: tl.constexpr,
+                   CACHE: tl.constexpr):
+        """The wide read of ``row``'s rows of one leaf (and, with ``COPY``, their store to the destination): the
+        rows' additions to the even and the odd accumulators, ``[ROWS, 4]`` each. A row is 4 steps of 32
+        contiguous words (256 bytes), so a warp's load is one contiguous span and 16-byte vectors, not 64-byte
+        pieces 1 KiB apart. Each thread sums stripes ``g, g + 4, g + 8, g + 12`` of its lanes across the 4 steps;
+        the 4 partial sums of a lane are added across threads once per tile."""
         j = tl.arange(0, 32)[None, :].to(tl.int64)
         live = row < nrows
         last_row = row == nrows - 1
-        start = _src_offset(tl.where(live, row * 1024, 0), seg, pieces, ids_ptr + unit * pieces, bases_ptr,
-                            stride, lo)
+        start = _src_offset(tl.where(live, row * 1024, 0), seg, ids_ptr + unit * pieces,
+                            tl.load(bases_ptr + region), stride, lo)
         first = tl.multiple_of(start // 8, [ALIGN, ALIGN])
         if COPY:
-            dst = _src_offset(tl.where(live, row * 1024, 0), seg, pieces, dst_ids_ptr + unit * pieces,
-                              dst_bases_ptr, stride, lo)
+            dst = _src_offset(tl.where(live, row * 1024, 0), seg, dst_ids_ptr + unit * pieces,
+                              tl.load(dst_bases_ptr + region), stride, lo)
             dst_first = tl.multiple_of(dst // 8, [ALIGN, ALIGN])
         m = tl.zeros([ROWS, 32], tl.uint64)
         a = tl.zeros([ROWS, 32], tl.uint64)
         for step in tl.static_range(4):
-            raw = tl.load(anchor64_ptr + first + step * 32 + j, mask=live, other=0, cache_modifier=".cg")
+            if CACHE == 1:
+                raw = tl.load(anchor64_ptr + first + step * 32 + j, mask=live, other=0, cache_modifier=".cg")
+            else:
+                raw = tl.load(anchor64_ptr + first + step * 32 + j, mask=live, other=0)
             if COPY:
-                tl.store(anchor64_ptr + dst_first + step * 32 + j, raw, mask=live, cache_modifier=".cs")
+                if CACHE == 1:
+                    tl.store(anchor64_ptr + dst_first + step * 32 + j, raw, mask=live, cache_modifier=".cs")
+                else:
+                    tl.store(anchor64_ptr + dst_first + step * 32 + j, raw, mask=live)
             x = raw.to(tl.uint64, bitcast=True)
             # word 32 * step + j is stripe 4 * step + j // 8, lane j % 8: SECRET_TABLE's rows 0..15 in order
             sec = tl.load(secret_ptr + step * 32 + j).to(tl.uint64, bitcast=True)
@@ -287,9 +339,30 @@ if HAVE_TRITON:
         a8 = tl.sum(tl.reshape(a, [ROWS, 4, 8]), axis=1)
         m_even, m_odd = tl.split(tl.reshape(m8, [ROWS, 4, 2]))
         x_even, x_odd = tl.split(tl.reshape(a8, [ROWS, 4, 2]))
-        out = adds_ptr + (unit * nrows + row) * 8 + tl.arange(0, 4)[None, :] * 2
-        tl.store(out, (m_even + x_odd).to(tl.int64, bitcast=True), mask=live)
-        tl.store(out + 1, (m_odd + x_even).to(tl.int64, bitcast=True), mask=live)
+        # acc[i ^ 1] += x[i]: lane 2i takes the odd words, lane 2i + 1 the even ones
+        return m_even + x_odd, m_odd + x_even
+
+    @triton.jit
+    def _store_adds(adds_ptr, leaf, nrows, row, even, odd):
+        out = adds_ptr + (leaf * nrows + row) * 8 + tl.arange(0, 4)[None, :] * 2
+        tl.store(out, even.to(tl.int64, bitcast=True), mask=row < nrows)
+        tl.store(out + 1, odd.to(tl.int64, bitcast=True), mask=row < nrows)
+
+    @triton.jit
+    def _xxh3_rows_wide_kernel(
+        anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, adds_ptr,
+        seg, pieces, stride, lo, nrows, regions,
+        ROWS: tl.constexpr,  # rows per program
+        ALIGN: tl.constexpr,  # words per guaranteed alignment of a row's start (2: 16-byte loads)
+        COPY: tl.constexpr = False,  # also store every word read to the destination blocks (fused copy)
+        CACHE: tl.constexpr = 1,  # 1: .cg loads, .cs stores (streaming, as the block copy); 0: default caching
+    ):
+        """MODE 0 of :func:`_xxh3_rows_kernel` (rows whole in one segment, ``total % 1024 == 0``) read the way a
+        copy reads (:func:`_wide_tile`)."""
+        leaf, unit, region, row = _leaf_of(regions, ROWS)
+        even, odd = _wide_tile(anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, seg,
+                               pieces, stride, lo, nrows, unit, region, row, ROWS, ALIGN, COPY, CACHE)
+        _store_adds(adds_ptr, leaf, nrows, row, even, odd)
 
     @triton.jit
     def _scramble(acc, key):
@@ -351,13 +424,7 @@ if HAVE_TRITON:
         for n in range(chunks * 8, whole):
             acc = _scramble(acc + tl.load(base + n * 8).to(tl.uint64, bitcast=True), key)
         acc += tl.load(base + whole * 8).to(tl.uint64, bitcast=True)
-        merge = tl.load(secret_ptr + 18 * 8 + lane).to(tl.uint64, bitcast=True)
-        acc_even, acc_odd = tl.split(tl.reshape(acc ^ merge, [UNITS, 4, 2]))
-        h = tl.sum(_mul128_fold64_tl(acc_even, acc_odd), axis=1)
-        h = h + total.to(tl.uint64) * 0x9E3779B185EBCA87
-        h = h ^ (h >> 37)
-        h = h * 0x165667919E3779F9
-        h = h ^ (h >> 32)
+        h = _xxh3_finish(acc, secret_ptr, lane, total, UNITS)
         tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
 
 
@@ -391,14 +458,161 @@ if HAVE_TRITON:
         for n in range(chunks * 32, whole):
             acc = _scramble(acc + tl.load(base + n * 8).to(tl.uint64, bitcast=True), key)
         acc += tl.load(base + whole * 8).to(tl.uint64, bitcast=True)
+        h = _xxh3_finish(acc, secret_ptr, lane, total, UNITS)
+        tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
+
+
+    @triton.jit
+    def _xxh3_chain_short_kernel(adds_ptr, secret_ptr, out_ptr, units, total, NROWS: tl.constexpr,
+                                 UNITS: tl.constexpr):
+        """:func:`_xxh3_chain_kernel` for leaves of at most 64 rows (a region's slice of a block: 32 rows for 32
+        KiB), the rows unrolled: no load waits on the chain, so all of them are in flight before its first step."""
+        u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
+        lane = tl.arange(0, 8)[None, :]
+        base = adds_ptr + tl.minimum(u, units - 1)[:, None] * NROWS * 8 + lane
+        h = _chain_unrolled(base, secret_ptr, lane, total, UNITS, NROWS)
+        tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
+
+    @triton.jit
+    def _chain_unrolled(base, secret_ptr, lane, total, N: tl.constexpr, NROWS: tl.constexpr):
+        """XXH3's digests of ``N`` leaves of ``NROWS`` rows whose additions are at ``base`` (``[N, 8]`` pointers,
+        a row 8 words on): the chain with its rows unrolled, so no load waits on it, then the merge."""
+        acc = tl.zeros([N, 8], tl.uint64) + tl.load(secret_ptr + 19 * 8 + lane).to(tl.uint64, bitcast=True)
+        key = tl.load(secret_ptr + 17 * 8 + lane).to(tl.uint64, bitcast=True)
+        for n in tl.static_range(NROWS - 1):
+            acc = _scramble(acc + tl.load(base + n * 8).to(tl.uint64, bitcast=True), key)
+        acc += tl.load(base + (NROWS - 1) * 8).to(tl.uint64, bitcast=True)
+        return _xxh3_finish(acc, secret_ptr, lane, total, N)
+
+    @triton.jit
+    def _xxh3_finish(acc, secret_ptr, lane, total, N: tl.constexpr):
+        """XXH3's merge of the 8 accumulators of ``N`` leaves of ``total`` bytes, and its avalanche."""
         merge = tl.load(secret_ptr + 18 * 8 + lane).to(tl.uint64, bitcast=True)
-        acc_even, acc_odd = tl.split(tl.reshape(acc ^ merge, [UNITS, 4, 2]))
+        acc_even, acc_odd = tl.split(tl.reshape(acc ^ merge, [N, 4, 2]))
         h = tl.sum(_mul128_fold64_tl(acc_even, acc_odd), axis=1)
         h = h + total.to(tl.uint64) * 0x9E3779B185EBCA87
         h = h ^ (h >> 37)
         h = h * 0x165667919E3779F9
-        h = h ^ (h >> 32)
+        return h ^ (h >> 32)
+
+    @triton.jit
+    def _rotl(x, r: tl.constexpr):
+        return (x << r) | (x >> (64 - r))
+
+    @triton.jit
+    def _xxh64_round(acc, word, p1, p2):
+        return _rotl(acc + word * p2, 31) * p1
+
+    @triton.jit
+    def _word(ptr, L2: tl.constexpr):
+        if L2:  # from L2, past this SM's L1: words other SMs wrote in this launch
+            return tl.load(ptr, cache_modifier=".cg").to(tl.uint64, bitcast=True)
+        return tl.load(ptr).to(tl.uint64, bitcast=True)
+
+    @triton.jit
+    def _xxh64_words(base, zero, primes_ptr, REGIONS: tl.constexpr, L2: tl.constexpr = False):
+        """XXH64 (seed 0) over the ``REGIONS`` u64 words at ``base`` (a pointer per unit, or one), unrolled so every
+        load is issued before the first round: 32-byte stripes of 4 words into 4 accumulators, the words left one at
+        a time, then the avalanche. ``primes_ptr``: :data:`XXH64_TABLE`; ``zero``: a u64 zero of the result's shape;
+        ``L2``: the words are read from L2 (written by other programs of the same launch)."""
+        p1 = tl.load(primes_ptr + 0).to(tl.uint64, bitcast=True)
+        p2 = tl.load(primes_ptr + 1).to(tl.uint64, bitcast=True)
+        p3 = tl.load(primes_ptr + 2).to(tl.uint64, bitcast=True)
+        p4 = tl.load(primes_ptr + 3).to(tl.uint64, bitcast=True)
+        if REGIONS >= 4:
+            v1 = zero + tl.load(primes_ptr + 5).to(tl.uint64, bitcast=True)  # p1 + p2, as u64
+            v2 = zero + p2
+            v3 = zero
+            v4 = zero + tl.load(primes_ptr + 6).to(tl.uint64, bitcast=True)  # 0 - p1, as u64
+            for s in tl.static_range(REGIONS // 4):
+                v1 = _xxh64_round(v1, _word(base + 4 * s, L2), p1, p2)
+                v2 = _xxh64_round(v2, _word(base + 4 * s + 1, L2), p1, p2)
+                v3 = _xxh64_round(v3, _word(base + 4 * s + 2, L2), p1, p2)
+                v4 = _xxh64_round(v4, _word(base + 4 * s + 3, L2), p1, p2)
+            h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+            h = (h ^ _xxh64_round(zero, v1, p1, p2)) * p1 + p4
+            h = (h ^ _xxh64_round(zero, v2, p1, p2)) * p1 + p4
+            h = (h ^ _xxh64_round(zero, v3, p1, p2)) * p1 + p4
+            h = (h ^ _xxh64_round(zero, v4, p1, p2)) * p1 + p4
+        else:  # under 32 bytes XXH64 starts from its fifth prime
+            h = zero + tl.load(primes_ptr + 4).to(tl.uint64, bitcast=True)
+        h = h + REGIONS * 8
+        for w in tl.static_range(REGIONS // 4 * 4, REGIONS):
+            h = h ^ _xxh64_round(zero, _word(base + w, L2), p1, p2)
+            h = _rotl(h, 27) * p1 + p4
+        h = h ^ (h >> 33)
+        h = h * p2
+        h = h ^ (h >> 29)
+        h = h * p3
+        return h ^ (h >> 32)
+
+    @triton.jit
+    def _xxh64_root_kernel(leaves_ptr, primes_ptr, out_ptr, units, REGIONS: tl.constexpr, UNITS: tl.constexpr):
+        """Per unit, a thread each: XXH64 over its ``REGIONS`` leaf digests (the root of the digest,
+        :func:`kvlifecycle.digest.root_digest`), after a chain kernel wrote the leaves."""
+        u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
+        base = leaves_ptr + tl.minimum(u, units - 1) * REGIONS
+        h = _xxh64_words(base, tl.zeros([UNITS], tl.uint64), primes_ptr, REGIONS)
         tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
+
+    @triton.jit
+    def _xxh3_leaves_root_kernel(adds_ptr, secret_ptr, primes_ptr, leaves_ptr, out_ptr, total, NROWS: tl.constexpr,
+                                 REGIONS: tl.constexpr, RP2: tl.constexpr):
+        """One unit per program, the chain and the root in one launch: every leaf's chain at once (a ``[RP2, 8]``
+        tile, the rows unrolled as in :func:`_xxh3_chain_short_kernel`), the leaves stored, a barrier (the CTA's
+        global writes are visible to its threads after it), then XXH64 over them."""
+        u = tl.program_id(0).to(tl.int64)
+        leaf = tl.arange(0, RP2)
+        lane = tl.arange(0, 8)[None, :]
+        base = adds_ptr + (u * REGIONS + tl.minimum(leaf, REGIONS - 1))[:, None] * NROWS * 8 + lane
+        h = _chain_unrolled(base, secret_ptr, lane, total, RP2, NROWS)
+        tl.store(leaves_ptr + u * REGIONS + leaf, h.to(tl.int64, bitcast=True), mask=leaf < REGIONS)
+        tl.debug_barrier()
+        root = _xxh64_words(leaves_ptr + u * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS)
+        tl.store(out_ptr + u + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
+
+    @triton.jit
+    def _xxh3_one_launch_kernel(
+        anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, primes_ptr,
+        adds_ptr,  # int64[U × R, NROWS, 8]: scratch, each leaf's row additions
+        leaves_ptr,  # int64[U × R]: scratch, the leaf digests
+        arrived_ptr,  # int32[>= U]: zero on entry, and left zero: per unit, how many of its leaves are done
+        out_ptr,  # int64[U]: the digests
+        seg, pieces, stride, lo, total,
+        ROWS: tl.constexpr,  # NROWS to a power of two: the program's tile is its whole leaf
+        NROWS: tl.constexpr,
+        REGIONS: tl.constexpr,
+        ALIGN: tl.constexpr,
+        COPY: tl.constexpr,
+        CACHE: tl.constexpr,
+    ):
+        """The whole digest in one launch, a program per leaf of at most 64 rows: the wide read of the leaf
+        (:func:`_wide_tile`, with the fused copy's stores), its chain (the row additions through L1 past a barrier,
+        as :func:`_xxh3_leaves_root_kernel` reads them), and the root by the unit's last leaf to finish: each
+        program counts itself in (a barrier orders its leaf's store before the count, which is acquire-release at
+        GPU scope), and the one that counts the unit complete reads its leaves from L2, writes the root and sets the
+        count back to zero for the next launch on the stream. No second launch waits for the last row pass."""
+        leaf, unit, region, row = _leaf_of(REGIONS, ROWS)
+        even, odd = _wide_tile(anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, seg,
+                               pieces, stride, lo, NROWS, unit, region, row, ROWS, ALIGN, COPY, CACHE)
+        _store_adds(adds_ptr, leaf, NROWS, row, even, odd)
+        tl.debug_barrier()
+        lane = tl.arange(0, 8)[None, :]
+        h = _chain_unrolled(adds_ptr + leaf * NROWS * 8 + lane, secret_ptr, lane, total, 1, NROWS)
+        tl.store(leaves_ptr + leaf + tl.arange(0, 1), h.to(tl.int64, bitcast=True))
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrived_ptr + unit, 1, sem="acq_rel", scope="gpu")
+        if arrived == REGIONS - 1:
+            root = _xxh64_words(leaves_ptr + unit * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS, True)
+            tl.store(out_ptr + unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
+            tl.store(arrived_ptr + unit, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _alignment(words: tuple[int, ...]) -> int:
+    """16, 8 or 1: the bytes every address and offset of a launch is a multiple of (one request's launch checks the
+    same regions' 130-odd words again: cached)."""
+    return 16 if all(v % 16 == 0 for v in words) else 8 if all(v % 8 == 0 for v in words) else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,20 +630,27 @@ class GpuDigester:
     ``rows_per_program``/``num_warps``: the older row kernel's tile (32 rows, 32 KiB a program: on an H100 over 512
     MiB, 32 rows gave 1,060 GB/s, 64 rows 784, 128 rows 884); ``wide``/``wide_rows``/``wide_warps``: the wide row
     kernel for rows whole in one slice, and its tile (16 rows / 4 warps: 2,000 GB/s on an H100 over 512 MiB, 4 rows
-    1,913, 32 rows / 8 warps 1,995); ``chain_units``: units per program of the chain kernel (8 lanes each);
-    ``deep_chain``: the chain with its loads 24 steps ahead (False: the older chain)."""
+    1,913, 32 rows / 8 warps 1,995; figures of the flat digest, whose rows the same kernels read); ``chain_units``:
+    leaves per program of the chain kernels (8 lanes each); ``deep_chain``: leaves past 64 rows take the chain with
+    its loads 24 steps ahead (False: the older chain); ``wide_cache``: the wide kernel's cache hints (1: streaming
+    loads and stores, as the block copy's; 0: none); ``one_launch``: leaves of whole KiB rows, at most 64 of them,
+    take the one-launch kernel (a program per leaf, ``leaf_warps`` warps; False: the row pass, then the chains and
+    the roots in a second launch)."""
 
     def __init__(self, layout: KVLayout, *, rows_per_program: int = 32, num_warps: int = 4,
                  chain_units: int = 4, wide: bool = True, wide_rows: int = 16, wide_warps: int = 4,
-                 deep_chain: bool = True) -> None:
+                 deep_chain: bool = True, wide_cache: int = 1, one_launch: bool = True,
+                 leaf_warps: int = 4) -> None:
         if layout.kind is not MemoryKind.VRAM:
             raise ValueError(f"GPU digests need a VRAM layout, got {layout.kind}: use HostDigester")
         import torch
 
-        if not HAVE_TRITON or not torch.cuda.is_available():
+        # Triton's interpreter runs the kernels on the CPU over host memory (how CI checks them without a GPU)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if not HAVE_TRITON or not (interpreted or torch.cuda.is_available()):
             raise ValueError("GPU digests need Triton and a CUDA device")
         self._torch = torch
-        self.device = torch.device("cuda", layout.device_id)
+        self.device = torch.device("cpu") if interpreted else torch.device("cuda", layout.device_id)
         self._groups: list[_Group] = []
         first = region = 0
         for group, kind in zip(layout.region_groups, layout.group_kinds, strict=True):
@@ -440,9 +661,12 @@ class GpuDigester:
         self._anchor = torch.empty(64, dtype=torch.uint8, device=self.device)
         self._anchor64 = self._anchor.view(torch.int64)
         self._secret = torch.from_numpy(SECRET_TABLE.view(np.int64).copy()).to(self.device)
+        self._primes = torch.from_numpy(XXH64_TABLE.view(np.int64).copy()).to(self.device)
         self._rows, self._warps = rows_per_program, num_warps
         self._wide, self._wide_rows, self._wide_warps = wide, wide_rows, wide_warps
-        self._chain_units, self._deep_chain = chain_units, deep_chain
+        self._chain_units, self._deep_chain, self._wide_cache = chain_units, deep_chain, wide_cache
+        self._one_launch, self._leaf_warps = one_launch, leaf_warps
+        self._arrived: dict[int, torch.Tensor] = {}  # per stream: the one-launch kernel's counts, left zero
         self._host: dict[int, list[np.ndarray]] = {}
         self._region_offsets: dict[tuple[int, ...], torch.Tensor] = {}
         self._lock = threading.Lock()  # one launch sequence at a time (P's side-channel and D's service threads)
@@ -487,81 +711,133 @@ class GpuDigester:
                                                                     .from_address(b)).reshape(group.blocks, w)
                                               for b, w in zip(group.bases, group.block_bytes, strict=True)])
             return digest_units([[views[r] for r in picked]], local, offset=offset, length=length)
-        total = len(bases) * local.shape[1] * segs[0]
-        if len(set(widths)) != 1 or len(set(segs)) != 1 or total <= SHORT_MAX:
+        leaf = local.shape[1] * segs[0]
+        if not bases or len(set(widths)) != 1 or len(set(segs)) != 1 or leaf <= SHORT_MAX:
             return self._gathered(bases, widths, group.blocks, local, offset, segs)
-        with self._lock, self._torch.cuda.device(self.device):
-            result: np.ndarray = self._launch(bases, widths[0], local, offset, segs[0], total).cpu().numpy()
+        with self._lock, self._on_device():
+            result: np.ndarray = self._launch(bases, widths[0], local, offset, segs[0]).cpu().numpy()
         return result.view(DIGEST_DTYPE)
 
     def enqueue(self, units: np.ndarray, *, offset: int = 0, length: int = 0) -> torch.Tensor:
         """The kernels' digests of ``units`` (blocks of a one-group layout whose regions share one block size, more
-        than 240 bytes a unit) as an int64 device tensor, launched on the current stream and not waited for: for a
+        than 240 bytes a region) as an int64 device tensor, launched on the current stream and not waited for: for a
         caller that overlaps the pass with other work (and for timing the device pass alone)."""
-        ids, width, seg, total = self._one_group(units, offset, length)
-        with self._lock, self._torch.cuda.device(self.device):
-            return self._launch(list(self._groups[0].bases), width, ids, offset, seg, total)
+        ids, width, seg = self._one_group(units, offset, length)
+        with self._lock, self._on_device():
+            return self._launch(list(self._groups[0].bases), width, ids, offset, seg)
 
-    def copy_and_digest(self, units: np.ndarray, dst_bases: Sequence[int], dst_units: np.ndarray) -> torch.Tensor:
+    def copy_and_digest(self, units: np.ndarray, dst_bases: Sequence[int], dst_units: np.ndarray, *,
+                        device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Copy whole blocks ``units`` of every region to blocks ``dst_units`` of the regions at ``dst_bases`` (the
         same block bytes, on this device or mapped into it) and digest the words as they are moved: one pass over
         the bytes, the digests (int64, on the device, not waited for) those of what was written. For units of whole
-        1024-byte multiples; a fused check for a copy path that is ours (CUDA IPC)."""
-        ids, width, seg, total = self._one_group(units, 0, 0)
+        1024-byte multiples; a fused check for a copy path that is ours (CUDA IPC). ``device_ids``: the same two id
+        arrays already on this device as int64 (a caller that keeps them there: no upload); checked here on the
+        host copies."""
+        ids, width, seg = self._one_group(units, 0, 0)
         dst = np.asarray(dst_units, dtype=np.int64).reshape(ids.shape)
         if seg % ROW_BYTES or len(dst_bases) != len(self._groups[0].bases):
             raise DigestError(f"a fused copy takes blocks of whole 1024-byte rows in every region, got {seg} bytes")
-        with self._lock, self._torch.cuda.device(self.device):
-            return self._launch(list(self._groups[0].bases), width, ids, 0, seg, total, list(dst_bases), dst)
+        if device_ids is not None:
+            if any(t.numel() != ids.size or t.dtype != self._torch.int64 or t.device != self.device
+                   for t in device_ids):
+                raise DigestError(f"device ids: {ids.size} int64 on {self.device} each expected")
+            device_ids = (device_ids[0].reshape(ids.shape), device_ids[1].reshape(ids.shape))
+        with self._lock, self._on_device():
+            return self._launch(list(self._groups[0].bases), width, ids, 0, seg, list(dst_bases), dst, device_ids)
 
-    def _one_group(self, units: np.ndarray, offset: int, length: int) -> tuple[np.ndarray, int, int, int]:
+    def _one_group(self, units: np.ndarray, offset: int, length: int) -> tuple[np.ndarray, int, int]:
         group = self._groups[0]
         ids = np.asarray(units, dtype=np.int64)
         ids = ids.reshape(-1, 1) if ids.ndim == 1 else ids
         width = group.block_bytes[0]
         seg = length or width - offset
-        total = len(group.bases) * ids.shape[1] * seg
-        if len(self._groups) != 1 or len(set(group.block_bytes)) != 1 or total <= SHORT_MAX or \
+        if len(self._groups) != 1 or len(set(group.block_bytes)) != 1 or ids.shape[1] * seg <= SHORT_MAX or \
                 not 0 <= offset < offset + seg <= width or ids.min(initial=0) < 0 or \
                 ids.max(initial=0) >= group.blocks:
             raise DigestError(f"the kernels' direct calls take one group of equal blocks and units within it of "
-                              f"over {SHORT_MAX} bytes")
-        return ids, width, seg, total
+                              f"over {SHORT_MAX} bytes a region")
+        return ids, width, seg
 
-    def _launch(self, bases: list[int], stride: int, local: np.ndarray, lo: int, seg: int, total: int,
-                dst_bases: list[int] | None = None, dst_local: np.ndarray | None = None) -> torch.Tensor:
+    def _launch(self, bases: list[int], stride: int, local: np.ndarray, lo: int, seg: int,
+                dst_bases: list[int] | None = None, dst_local: np.ndarray | None = None,
+                device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The row pass over every leaf's rows (every (unit, region) at once; with ``dst_*``, the fused copy), then
+        each unit's chains and root in one launch (leaves past 64 rows or units past 256 regions: the chains, then
+        the roots)."""
         torch = self._torch
         anchor = self._anchor.data_ptr()
-        words = (anchor, stride, lo, seg, *bases, *(dst_bases or ()))
-        aligned = all(v % 8 == 0 for v in words)
-        mode = (0 if seg % ROW_BYTES == 0 else 1) if aligned else 2
-        align = 2 if all(v % 16 == 0 for v in words) else 1
+        aligned_to = _alignment((anchor, stride, lo, seg, *bases, *(dst_bases or ())))
+        mode = (0 if seg % ROW_BYTES == 0 else 1) if aligned_to >= 8 else 2
+        align = 2 if aligned_to >= 16 else 1
         copy = dst_bases is not None and dst_local is not None
         if copy and mode != 0:
             raise DigestError("a fused copy needs 8-byte aligned regions of whole 1024-byte rows")
-        nrows, last_stripes = row_shape(total)
+        n, pieces, regions = local.shape[0], local.shape[1], len(bases)
+        leaf_bytes = pieces * seg
+        nrows, last_stripes = row_shape(leaf_bytes)
         bases_t = self._offsets(bases)
         dst_t = self._offsets(dst_bases) if dst_bases is not None else bases_t
-        out = torch.empty(local.shape[0], dtype=torch.int64, device=self.device)
-        for first in range(0, local.shape[0], 65535):  # the grid's second axis holds at most 65535 units
-            ids = np.ascontiguousarray(local[first:first + 65535])
-            n = ids.shape[0]
-            ids_t = self._upload(ids)
-            dst_ids = self._upload(dst_local[first:first + 65535]) if dst_local is not None else ids_t
-            adds = torch.empty((n, nrows, 8), dtype=torch.int64, device=self.device)
-            if mode == 0 and self._wide:
-                _xxh3_rows_wide_kernel[(triton.cdiv(nrows, self._wide_rows), n)](
-                    self._anchor64, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg, ids.shape[1], stride,
-                    lo, nrows, ROWS=self._wide_rows, ALIGN=align, COPY=copy, num_warps=self._wide_warps)
-            else:
-                _xxh3_rows_kernel[(triton.cdiv(nrows, self._rows), n)](
-                    self._anchor64, self._anchor, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg,
-                    ids.shape[1], stride, lo, total, nrows, last_stripes, ROWS=self._rows, MODE=mode, ALIGN=align,
-                    COPY=copy, num_warps=self._warps)
+        if device_ids is not None:
+            ids_t, dst_ids = device_ids
+        elif dst_local is not None:  # both id sets in one copy
+            pair = self._upload(np.stack([local, np.asarray(dst_local, dtype=np.int64).reshape(local.shape)]))
+            ids_t, dst_ids = pair[0], pair[1]
+        else:
+            ids_t = dst_ids = self._upload(local)
+        leaves = n * regions
+        adds = torch.empty((leaves, nrows, 8), dtype=torch.int64, device=self.device)
+        leaf_digests = torch.empty(leaves, dtype=torch.int64, device=self.device)
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        if mode == 0 and self._wide and self._one_launch and nrows <= SHORT_CHAIN_ROWS and \
+                regions <= MERGED_ROOT_REGIONS:
+            _xxh3_one_launch_kernel[(leaves,)](
+                self._anchor64, bases_t, ids_t, dst_t, dst_ids, self._secret, self._primes, adds, leaf_digests,
+                self._arrived_counts(n), out, seg, pieces, stride, lo, leaf_bytes, ROWS=triton.next_power_of_2(nrows),
+                NROWS=nrows, REGIONS=regions, ALIGN=align, COPY=copy, CACHE=self._wide_cache,
+                num_warps=self._leaf_warps)
+            return out
+        if mode == 0 and self._wide:
+            _xxh3_rows_wide_kernel[(leaves, triton.cdiv(nrows, self._wide_rows))](
+                self._anchor64, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg, pieces, stride, lo, nrows,
+                regions, ROWS=self._wide_rows, ALIGN=align, COPY=copy, CACHE=self._wide_cache,
+                num_warps=self._wide_warps)
+        else:
+            _xxh3_rows_kernel[(leaves, triton.cdiv(nrows, self._rows))](
+                self._anchor64, self._anchor, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg, pieces,
+                stride, lo, leaf_bytes, nrows, last_stripes, regions, ROWS=self._rows, MODE=mode, ALIGN=align,
+                COPY=copy, num_warps=self._warps)
+        if nrows <= SHORT_CHAIN_ROWS and regions <= MERGED_ROOT_REGIONS:
+            rp2 = triton.next_power_of_2(regions)
+            _xxh3_leaves_root_kernel[(n,)](adds, self._secret, self._primes, leaf_digests, out, leaf_bytes,
+                                           NROWS=nrows, REGIONS=regions, RP2=rp2,
+                                           num_warps=min(16, max(1, rp2 // 4)))  # a (leaf, lane) a thread
+            return out
+        grid = (triton.cdiv(leaves, self._chain_units),)
+        if nrows <= SHORT_CHAIN_ROWS:
+            _xxh3_chain_short_kernel[grid](adds, self._secret, leaf_digests, leaves, leaf_bytes, NROWS=nrows,
+                                           UNITS=self._chain_units, num_warps=1)
+        else:
             chain = _xxh3_chain_deep_kernel if self._deep_chain else _xxh3_chain_kernel
-            chain[(triton.cdiv(n, self._chain_units),)](
-                adds, self._secret, out[first:], n, nrows, total, UNITS=self._chain_units, num_warps=1)
+            chain[grid](adds, self._secret, leaf_digests, leaves, nrows, leaf_bytes, UNITS=self._chain_units,
+                        num_warps=1)
+        _xxh64_root_kernel[(triton.cdiv(n, ROOT_UNITS),)](leaf_digests, self._primes, out, n, REGIONS=regions,
+                                                          UNITS=ROOT_UNITS, num_warps=1)
         return out
+
+    def _arrived_counts(self, units: int) -> torch.Tensor:
+        """The one-launch kernel's per-unit counts for the current stream: zeroed once, left zero by every launch
+        (launches on one stream run in order; another stream has its own)."""
+        torch = self._torch
+        stream = 0 if self.device.type == "cpu" else torch.cuda.current_stream(self.device).cuda_stream
+        counts = self._arrived.get(stream)
+        if counts is None or counts.numel() < units:
+            counts = torch.zeros(max(units, 1024), dtype=torch.int32, device=self.device)
+            self._arrived[stream] = counts
+        return counts
+
+    def _on_device(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext() if self.device.type == "cpu" else self._torch.cuda.device(self.device)
 
     def _offsets(self, bases: Sequence[int]) -> torch.Tensor:
         """Regions' byte offsets from the anchor, on the device, made once per region list (an upload is a
@@ -576,7 +852,10 @@ class GpuDigester:
 
     def _upload(self, ids: np.ndarray) -> torch.Tensor:
         """Block ids to the device through pinned memory, not waited for: the kernels follow on the same stream."""
-        host = self._torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).pin_memory()
+        host = self._torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        if self.device.type == "cpu":  # interpreted
+            return host
+        host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
     def _gathered(self, bases: list[int], widths: list[int], blocks: int, local: np.ndarray, lo: int,
@@ -587,12 +866,16 @@ class GpuDigester:
         from .cuda_ipc.triton_copy import _RawCudaArray
 
         ids = torch.from_numpy(np.ascontiguousarray(local)).to(self.device)
-        parts = []
-        for base, width, seg in zip(bases, widths, segs, strict=True):
-            view = torch.as_tensor(_RawCudaArray(base, (blocks, width), (width, 1)), device=self.device)
-            parts.append(view[ids][:, :, lo:lo + seg].reshape(ids.shape[0], -1))
-        rows = torch.cat(parts, dim=1).cpu().numpy()
-        return np.array([xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows], dtype=DIGEST_DTYPE)
+        leaves = np.empty((local.shape[0], len(bases)), dtype=DIGEST_DTYPE)
+        for r, (base, width, seg) in enumerate(zip(bases, widths, segs, strict=True)):
+            if self.device.type == "cpu":  # interpreted: the regions are host memory
+                view = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * (blocks * width)).from_address(base))
+                                        .reshape(blocks, width))
+            else:
+                view = torch.as_tensor(_RawCudaArray(base, (blocks, width), (width, 1)), device=self.device)
+            rows = view[ids][:, :, lo:lo + seg].reshape(ids.shape[0], -1).cpu().numpy()
+            leaves[:, r] = [xxhash.xxh3_64_intdigest(row.data) for row in rows]
+        return np.array([root_digest(unit) for unit in leaves], dtype=DIGEST_DTYPE)
 
 
 
