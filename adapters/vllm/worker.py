@@ -187,6 +187,9 @@ class WorkerSide:
             self.consumer = Consumer(self.target, self.transport, compat, tp_rank=self.tp_rank,
                                      options=consumer_options, fast_transport=self.fast_transport,
                                      path_selector=SameNodeSelector(), digester=digester)
+            if digester is not None and self.fast_transport is not None:
+                # D's check over CUDA IPC is the copy itself (one kernel moves and digests the words): no read-back
+                self.fast_transport.digest_reads(True)
         self.streaming = LayerStreaming(
             producer=self.producer, consumer=self.consumer, layers=caches.num_layers,
             regions_per_layer=2 if caches.kv_outer else 1, stream_timeout_s=self.config.load_timeout_s,
