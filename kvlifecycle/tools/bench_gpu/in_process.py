@@ -33,7 +33,7 @@ class InProcess:
         d = torch.from_numpy(dst_ids).to(self.device).long()
         return bool(torch.equal(self.dst[:, d], self.src[:, s]))
 
-    def time_events(self, fn: Any, sets: list[Any], warmup: int = 3) -> list[float]:
+    def time_events(self, fn: Any, sets: list[Any], warmup: int = 3, busy_cycles: int = 200_000) -> list[float]:
         torch = self.torch
         for i in range(warmup):
             fn(*sets[i % len(sets)])
@@ -41,12 +41,26 @@ class InProcess:
         out = []
         for args in sets:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            busy(torch)  # keep the GPU busy while Python launches, so the events time the device work alone
+            busy(torch, busy_cycles)  # keep the GPU busy while Python launches: the events time the device work alone
             start.record()
             fn(*args)
             end.record()
             end.synchronize()
             out.append(start.elapsed_time(end) / 1e3)
+        return out
+
+    def time_host(self, fn: Any, sets: list[Any], busy_cycles: int = 20_000_000) -> list[float]:
+        """What each call costs the calling thread (launches, uploads): timed while a ~10 ms GPU spin runs ahead, so
+        no launch waits on the device."""
+        torch = self.torch
+        out = []
+        for args in sets:
+            torch.cuda.synchronize(self.device)
+            busy(torch, busy_cycles)
+            t0 = time.perf_counter()
+            fn(*args)
+            out.append(time.perf_counter() - t0)
+        torch.cuda.synchronize(self.device)
         return out
 
     def time_wall(self, fn: Any, sets: list[Any]) -> list[float]:
