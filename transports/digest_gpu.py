@@ -7,18 +7,24 @@ than most: XXH3 split into a row pass and a chain, and the root, whose kernels o
 16 stripes of 64 bytes. Within a row every stripe only *adds* to the accumulators (``acc[i ^ 1] += x[i]``,
 ``acc[i] += lo32(x[i] ^ k) * hi32(x[i] ^ k)``), so a row's contribution is a sum that any number of threads can
 take in any order; between rows the accumulators are scrambled (xorshift, xor, multiply), a chain that is
-sequential per leaf and per lane. So three kernels:
+sequential per leaf and per lane. So three parts:
 
-1. ``_xxh3_rows_kernel``: every (leaf, row) at once, a ``[rows, 16, 4, 2]`` tile of u64 per program reduced to
-   each row's 8 additions (the last row holds the partial stripes and XXH3's overlapping last stripe, whose
-   secret differs). This is the pass over the KV bytes, at memory speed; it writes 64 bytes per 1024 read. Rows
-   that lie whole in one piece's slice (KV blocks of whole KiB) take ``_xxh3_rows_wide_kernel`` instead: a row
-   read as a copy reads it (4 steps of 32 contiguous words), the same additions summed in another order; 2,000
-   GB/s over 512 MiB on an H100 against 1,115 for the older kernel (docs/benchmarks/2026-12-06-gpu-h200.md).
-2. ``_xxh3_chain_short_kernel``: per leaf and lane, the scramble chain over those additions, then XXH3's merge and
-   avalanche (the 64×64→128-bit multiply in 32-bit halves, as xxHash's portable path does it), its rows unrolled
-   for leaves of up to 64 rows; longer leaves take ``_xxh3_chain_deep_kernel``, its loads 24 steps ahead.
-3. ``_xxh64_root_kernel``: per unit, XXH64 over its leaves, a thread each.
+1. The row pass, every (leaf, row) at once: a tile of rows per program reduced to each row's 8 additions (the
+   last row holds the partial stripes and XXH3's overlapping last stripe, whose secret differs). This is the pass
+   over the KV bytes, at memory speed; it writes 64 bytes per 1024 read. Rows that lie whole in one piece's slice
+   (KV blocks of whole KiB) are read as a copy reads them (``_wide_tile``: 4 steps of 32 contiguous words);
+   others take ``_xxh3_rows_kernel`` (8-byte words or bytes gathered across pieces).
+2. The chain, per leaf and lane: the scramble over those additions, then XXH3's merge and avalanche (the
+   64×64→128-bit multiply in 32-bit halves, as xxHash's portable path does it), its rows unrolled for leaves of
+   up to 64 rows; longer leaves take ``_xxh3_chain_deep_kernel``, its loads 24 steps ahead.
+3. The root, per unit: XXH64 over its leaves.
+
+For leaves of whole KiB rows, at most 64 of them (a 32 KiB region slice is 32), ``_xxh3_one_launch_kernel`` runs
+all three in one launch: the programs of a leaf read its rows, the last of them to finish runs the leaf's chain,
+and the last leaf of a unit to finish its root, each found by an acquire-release count (a second launch would wait
+for the slowest row program of the whole request, and costs the 16-block request more than its chains do). Other
+leaves take the row pass, then ``_xxh3_leaves_root_kernel`` (a unit's chains and root) or the chain and root
+kernels apart.
 
 The chain is ``(leaf bytes) / 1024`` dependent steps: 32 for a 32 KiB slice, every leaf of a request at once. (The
 digest of before, XXH3 over a whole block across its regions, was one chain of 2,048 steps for a 2 MiB block: 42 µs
@@ -474,14 +480,16 @@ if HAVE_TRITON:
         tl.store(out_ptr + u, h.to(tl.int64, bitcast=True), mask=u < units)
 
     @triton.jit
-    def _chain_unrolled(base, secret_ptr, lane, total, N: tl.constexpr, NROWS: tl.constexpr):
+    def _chain_unrolled(base, secret_ptr, lane, total, N: tl.constexpr, NROWS: tl.constexpr,
+                        L2: tl.constexpr = False):
         """XXH3's digests of ``N`` leaves of ``NROWS`` rows whose additions are at ``base`` (``[N, 8]`` pointers,
-        a row 8 words on): the chain with its rows unrolled, so no load waits on it, then the merge."""
+        a row 8 words on): the chain with its rows unrolled, so no load waits on it, then the merge. ``L2``: the
+        additions are read from L2 (other programs of the launch wrote some)."""
         acc = tl.zeros([N, 8], tl.uint64) + tl.load(secret_ptr + 19 * 8 + lane).to(tl.uint64, bitcast=True)
         key = tl.load(secret_ptr + 17 * 8 + lane).to(tl.uint64, bitcast=True)
         for n in tl.static_range(NROWS - 1):
-            acc = _scramble(acc + tl.load(base + n * 8).to(tl.uint64, bitcast=True), key)
-        acc += tl.load(base + (NROWS - 1) * 8).to(tl.uint64, bitcast=True)
+            acc = _scramble(acc + _word(base + n * 8, L2), key)
+        acc += _word(base + (NROWS - 1) * 8, L2)
         return _xxh3_finish(acc, secret_ptr, lane, total, N)
 
     @triton.jit
@@ -576,36 +584,46 @@ if HAVE_TRITON:
         anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, primes_ptr,
         adds_ptr,  # int64[U × R, NROWS, 8]: scratch, each leaf's row additions
         leaves_ptr,  # int64[U × R]: scratch, the leaf digests
-        arrived_ptr,  # int32[>= U]: zero on entry, and left zero: per unit, how many of its leaves are done
+        arrived_ptr,  # int32[U + U × R]: zero on entry, and left zero: the units' leaves done, the leaves' parts done
         out_ptr,  # int64[U]: the digests
-        seg, pieces, stride, lo, total,
-        ROWS: tl.constexpr,  # NROWS to a power of two: the program's tile is its whole leaf
+        seg, pieces, stride, lo, total, units,
+        ROWS: tl.constexpr,  # rows per program: NROWS / SPLIT to a power of two
         NROWS: tl.constexpr,
         REGIONS: tl.constexpr,
+        SPLIT: tl.constexpr,  # programs per leaf
         ALIGN: tl.constexpr,
         COPY: tl.constexpr,
         CACHE: tl.constexpr,
     ):
-        """The whole digest in one launch, a program per leaf of at most 64 rows: the wide read of the leaf
-        (:func:`_wide_tile`, with the fused copy's stores), its chain (the row additions through L1 past a barrier,
-        as :func:`_xxh3_leaves_root_kernel` reads them), and the root by the unit's last leaf to finish: each
-        program counts itself in (a barrier orders its leaf's store before the count, which is acquire-release at
-        GPU scope), and the one that counts the unit complete reads its leaves from L2, writes the root and sets the
-        count back to zero for the next launch on the stream. No second launch waits for the last row pass."""
-        leaf, unit, region, row = _leaf_of(REGIONS, ROWS)
+        """The whole digest in one launch, ``SPLIT`` programs per leaf of at most 64 rows: the wide read of the
+        program's rows (:func:`_wide_tile`, with the fused copy's stores), then the leaf's chain by its last part to
+        finish, and the unit's root by its last leaf to finish. A part counts itself in after a barrier (its
+        additions stored before the count, which is acquire-release at GPU scope); the one that completes the count
+        reads what the others wrote from L2, and sets the count back to zero for the next launch on the stream. No
+        second launch waits for the last row pass."""
+        program = tl.program_id(0).to(tl.int64)
+        leaf = program // SPLIT
+        unit = leaf // REGIONS
+        row = ((program - leaf * SPLIT) * ROWS + tl.arange(0, ROWS))[:, None]
         even, odd = _wide_tile(anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, seg,
-                               pieces, stride, lo, NROWS, unit, region, row, ROWS, ALIGN, COPY, CACHE)
+                               pieces, stride, lo, NROWS, unit, leaf - unit * REGIONS, row, ROWS, ALIGN, COPY, CACHE)
         _store_adds(adds_ptr, leaf, NROWS, row, even, odd)
         tl.debug_barrier()
-        lane = tl.arange(0, 8)[None, :]
-        h = _chain_unrolled(adds_ptr + leaf * NROWS * 8 + lane, secret_ptr, lane, total, 1, NROWS)
-        tl.store(leaves_ptr + leaf + tl.arange(0, 1), h.to(tl.int64, bitcast=True))
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrived_ptr + unit, 1, sem="acq_rel", scope="gpu")
-        if arrived == REGIONS - 1:
-            root = _xxh64_words(leaves_ptr + unit * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS, True)
-            tl.store(out_ptr + unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
-            tl.store(arrived_ptr + unit, 0)
+        chain = True
+        if SPLIT > 1:
+            chain = tl.atomic_add(arrived_ptr + units + leaf, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if chain:
+            lane = tl.arange(0, 8)[None, :]
+            h = _chain_unrolled(adds_ptr + leaf * NROWS * 8 + lane, secret_ptr, lane, total, 1, NROWS, SPLIT > 1)
+            tl.store(leaves_ptr + leaf + tl.arange(0, 1), h.to(tl.int64, bitcast=True))
+            if SPLIT > 1:
+                tl.store(arrived_ptr + units + leaf, 0)
+            tl.debug_barrier()
+            if tl.atomic_add(arrived_ptr + unit, 1, sem="acq_rel", scope="gpu") == REGIONS - 1:
+                root = _xxh64_words(leaves_ptr + unit * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS,
+                                    True)
+                tl.store(out_ptr + unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
+                tl.store(arrived_ptr + unit, 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -634,13 +652,13 @@ class GpuDigester:
     leaves per program of the chain kernels (8 lanes each); ``deep_chain``: leaves past 64 rows take the chain with
     its loads 24 steps ahead (False: the older chain); ``wide_cache``: the wide kernel's cache hints (1: streaming
     loads and stores, as the block copy's; 0: none); ``one_launch``: leaves of whole KiB rows, at most 64 of them,
-    take the one-launch kernel (a program per leaf, ``leaf_warps`` warps; False: the row pass, then the chains and
-    the roots in a second launch)."""
+    take the one-launch kernel (``leaf_split`` programs per leaf of ``leaf_warps`` warps each; False: the row
+    pass, then the chains and the roots in a second launch)."""
 
     def __init__(self, layout: KVLayout, *, rows_per_program: int = 32, num_warps: int = 4,
                  chain_units: int = 4, wide: bool = True, wide_rows: int = 16, wide_warps: int = 4,
                  deep_chain: bool = True, wide_cache: int = 1, one_launch: bool = True,
-                 leaf_warps: int = 4) -> None:
+                 leaf_warps: int = 4, leaf_split: int = 1) -> None:
         if layout.kind is not MemoryKind.VRAM:
             raise ValueError(f"GPU digests need a VRAM layout, got {layout.kind}: use HostDigester")
         import torch
@@ -665,7 +683,7 @@ class GpuDigester:
         self._rows, self._warps = rows_per_program, num_warps
         self._wide, self._wide_rows, self._wide_warps = wide, wide_rows, wide_warps
         self._chain_units, self._deep_chain, self._wide_cache = chain_units, deep_chain, wide_cache
-        self._one_launch, self._leaf_warps = one_launch, leaf_warps
+        self._one_launch, self._leaf_warps, self._leaf_split = one_launch, leaf_warps, leaf_split
         self._arrived: dict[int, torch.Tensor] = {}  # per stream: the one-launch kernel's counts, left zero
         self._host: dict[int, list[np.ndarray]] = {}
         self._region_offsets: dict[tuple[int, ...], torch.Tensor] = {}
@@ -791,11 +809,12 @@ class GpuDigester:
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         if mode == 0 and self._wide and self._one_launch and nrows <= SHORT_CHAIN_ROWS and \
                 regions <= MERGED_ROOT_REGIONS:
-            _xxh3_one_launch_kernel[(leaves,)](
+            split = min(self._leaf_split, nrows)
+            _xxh3_one_launch_kernel[(leaves * split,)](
                 self._anchor64, bases_t, ids_t, dst_t, dst_ids, self._secret, self._primes, adds, leaf_digests,
-                self._arrived_counts(n), out, seg, pieces, stride, lo, leaf_bytes, ROWS=triton.next_power_of_2(nrows),
-                NROWS=nrows, REGIONS=regions, ALIGN=align, COPY=copy, CACHE=self._wide_cache,
-                num_warps=self._leaf_warps)
+                self._arrived_counts(n + leaves), out, seg, pieces, stride, lo, leaf_bytes, n,
+                ROWS=triton.next_power_of_2(triton.cdiv(nrows, split)), NROWS=nrows, REGIONS=regions, SPLIT=split,
+                ALIGN=align, COPY=copy, CACHE=self._wide_cache, num_warps=self._leaf_warps)
             return out
         if mode == 0 and self._wide:
             _xxh3_rows_wide_kernel[(leaves, triton.cdiv(nrows, self._wide_rows))](

@@ -41,7 +41,8 @@ for count, width, pieces, slices in SHAPES:
     regs = regions(6, width, count)
     rng = np.random.default_rng(width)
     units = np.stack([rng.choice(6, pieces, replace=False) for _ in range(3)])
-    for kwargs in ({}, {"one_launch": False}, {"wide": False}, {"deep_chain": False}, {"wide_cache": 0}):
+    for kwargs in ({}, {"leaf_split": 2}, {"leaf_split": 3}, {"one_launch": False}, {"wide": False},
+                   {"deep_chain": False}, {"wide_cache": 0}):
         d = digester(regs, **kwargs)
         for index in range(slices):
             offset, length = slice_view(width, slices, index) if slices > 1 else (0, 0)
@@ -59,6 +60,7 @@ for count in (1, 2, 3, 4, 5, 7, 9, 33):
     want = digest_units(host(regs), units)
     assert np.array_equal(digester(regs).digests(units), want), count
     assert np.array_equal(digester(regs, one_launch=False).digests(units), want), count
+    assert np.array_equal(digester(regs, leaf_split=4).digests(units), want), count
     merged, digest_gpu.MERGED_ROOT_REGIONS = digest_gpu.MERGED_ROOT_REGIONS, 0
     try:
         assert np.array_equal(digester(regs).digests(units), want), count

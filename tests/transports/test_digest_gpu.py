@@ -196,14 +196,15 @@ def test_the_wide_row_kernel_equals_the_host_contract_and_copies(rows: int, warp
 
 
 @cuda
-@pytest.mark.parametrize("warps", [4, 8, 16])
-def test_the_one_launch_kernel_launch_after_launch_and_on_two_streams(warps: int) -> None:
-    """The one-launch kernel's roots are written by each unit's last leaf to finish, counted in across programs:
-    right on every launch of a stream (the counts left zero) and on two streams at once (a set of counts each)."""
+@pytest.mark.parametrize(("warps", "split"), [(4, 1), (8, 1), (2, 2), (4, 2), (4, 4)])
+def test_the_one_launch_kernel_launch_after_launch_and_on_two_streams(warps: int, split: int) -> None:
+    """The one-launch kernel's chains and roots are run by each leaf's last part and each unit's last leaf to
+    finish, counted in across programs: right on every launch of a stream (the counts left zero) and on two streams
+    at once (a set of counts each)."""
     from kvlifecycle.transports.digest_gpu import GpuDigester
 
     src = _regions(48, [32768] * 64, seed=warps)  # a vLLM-like unit: 64 leaves of 32 rows
-    digester = GpuDigester(_layout(src), leaf_warps=warps)
+    digester = GpuDigester(_layout(src), leaf_warps=warps, leaf_split=split)
     host = _host(src)
     rng = np.random.default_rng(warps)
     for _ in range(6):

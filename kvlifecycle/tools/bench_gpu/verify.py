@@ -116,7 +116,8 @@ def bench_verify(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], copie
     # name -> GpuDigester's arguments: the one-launch kernel's warps and cache hints; the two-launch path (the row
     # pass, then the chains and roots) with the wide row kernel's tiles, the older row kernel (with the deep chain),
     # the older chain, and both older kernels
-    variants: dict[str, dict[str, Any]] = {f"one launch {w}w": {"leaf_warps": w} for w in (2, 4, 8)}
+    variants: dict[str, dict[str, Any]] = {f"one launch {w}w x{k}": {"leaf_warps": w, "leaf_split": k}
+                                           for w, k in ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4))}
     variants |= {"one launch 4w, no cache hints": {"wide_cache": 0}}
     two: dict[str, Any] = {"one_launch": False}
     variants |= {f"two launches, wide {r}r/{w}w": {**two, "wide_rows": r, "wide_warps": w}
