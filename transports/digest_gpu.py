@@ -24,7 +24,11 @@ all three in one launch: the programs of a leaf read its rows, the last of them 
 and the last leaf of a unit to finish its root, each found by an acquire-release count (a second launch would wait
 for the slowest row program of the whole request, and costs the 16-block request more than its chains do). Other
 leaves take the row pass, then ``_xxh3_leaves_root_kernel`` (a unit's chains and root) or the chain and root
-kernels apart.
+kernels apart. A program issues every load of its tile before its first store: source and destination are both
+addressed from one anchor, so the compiler cannot rule out that a store feeds a later load and would otherwise keep
+each step's stores ahead of the next step's loads (four memory round trips a tile instead of one; the machine code's
+order is a CPU test). Up to 16 one-block units pass their block ids as launch parameters, as the block copy does,
+instead of an upload ahead of the launch.
 
 The chain is ``(leaf bytes) / 1024`` dependent steps: 32 for a 32 KiB slice, every leaf of a request at once. (The
 digest of before, XXH3 over a whole block across its regions, was one chain of 2,048 steps for a 2 MiB block: 42 µs
@@ -55,12 +59,16 @@ import xxhash
 from kvlifecycle.digest import DIGEST_DTYPE, DigestError, digest_units, root_digest
 from kvlifecycle.transport import KVLayout, MemoryKind
 
+from .cuda_ipc.triton_copy import INLINE_IDS
+
 if TYPE_CHECKING:
     import torch
 
 try:  # Triton is optional: without it the digester refuses to be built (the adapter says what to set)
     import triton
     import triton.language as tl
+
+    from .cuda_ipc.triton_copy import _pick16
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover - depends on the environment
@@ -302,47 +310,82 @@ if HAVE_TRITON:
         _store_adds(adds_ptr, leaf, nrows, row, m_even + x_odd, m_odd + x_even)
 
     @triton.jit
-    def _wide_tile(anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, seg, pieces, stride,
-                   lo, nrows, unit, region, row, ROWS: tl.constexpr, ALIGN: tl.constexpr, COPY: tl.constexpr,
-                   CACHE: tl.constexpr):
-        """The wide read of ``row``'s rows of one leaf (and, with ``COPY``, their store to the destination): the
-        rows' additions to the even and the odd accumulators, ``[ROWS, 4]`` each. A row is 4 steps of 32
-        contiguous words (256 bytes), so a warp's load is one contiguous span and 16-byte vectors, not 64-byte
-        pieces 1 KiB apart. Each thread sums stripes ``g, g + 4, g + 8, g + 12`` of its lanes across the 4 steps;
-        the 4 partial sums of a lane are added across threads once per tile."""
+    def _row_words(unit_ids, region_base, seg, stride, lo, row, nrows, ALIGN: tl.constexpr):
+        """The 8-byte word (from the anchor) where each of ``row``'s rows of a leaf starts, for rows whole in one
+        piece's slice (``seg % 1024 == 0``); rows past ``nrows`` are pointed at the first (their accesses are
+        masked)."""
+        start = _src_offset(tl.where(row < nrows, row * 1024, 0), seg, unit_ids, region_base, stride, lo)
+        return tl.multiple_of(start // 8, [ALIGN, ALIGN])
+
+    @triton.jit
+    def _block_row_words(block, region_base, stride, lo, row, nrows, ALIGN: tl.constexpr):
+        """:func:`_row_words` for a unit of one block whose id the program already holds (a launch parameter)."""
+        start = region_base + block * stride + lo + tl.where(row < nrows, row * 1024, 0)
+        return tl.multiple_of(start // 8, [ALIGN, ALIGN])
+
+    @triton.jit
+    def _wide_load(ptr, live, CACHE: tl.constexpr):
+        if CACHE == 1:
+            return tl.load(ptr, mask=live, other=0, cache_modifier=".cg")
+        return tl.load(ptr, mask=live, other=0)
+
+    @triton.jit
+    def _wide_store(ptr, raw, live, CACHE: tl.constexpr):
+        if CACHE == 1:
+            tl.store(ptr, raw, mask=live, cache_modifier=".cs")
+        else:
+            tl.store(ptr, raw, mask=live)
+
+    @triton.jit
+    def _wide_step(raw, step: tl.constexpr, secret_ptr, j, last_row):
+        """One step's 32 words of a row: their secret products and the words themselves, per thread."""
+        x = raw.to(tl.uint64, bitcast=True)
+        # word 32 * step + j is stripe 4 * step + j // 8, lane j % 8: SECRET_TABLE's rows 0..15 in order
+        sec = tl.load(secret_ptr + step * 32 + j).to(tl.uint64, bitcast=True)
+        if step == 3:  # the last row's stripe 15 is XXH3's last stripe (same bytes, its own secret)
+            last_sec = tl.load(secret_ptr + 16 * 8 + (j % 8)).to(tl.uint64, bitcast=True)
+            sec = tl.where(last_row & (j >= 24), last_sec, sec)
+        key = x ^ sec
+        return (key & 0xFFFFFFFF).to(tl.uint32).to(tl.uint64) * (key >> 32).to(tl.uint32).to(tl.uint64), x
+
+    @triton.jit
+    def _wide_tile(anchor64_ptr, first, dst_first, secret_ptr, nrows, row, ROWS: tl.constexpr, COPY: tl.constexpr,
+                   CACHE: tl.constexpr, LOADS_FIRST: tl.constexpr = True):
+        """The wide read of ``row``'s rows of one leaf, which start at words ``first`` (and, with ``COPY``, their
+        store to the rows at ``dst_first``): the rows' additions to the even and the odd accumulators, ``[ROWS,
+        4]`` each. A row is 4 steps of 32 contiguous words (256 bytes), so a warp's load is one contiguous span and
+        16-byte vectors, not 64-byte pieces 1 KiB apart. Each thread sums stripes ``g, g + 4, g + 8, g + 12`` of its
+        lanes across the 4 steps; the 4 partial sums of a lane are added across threads once per tile.
+        ``LOADS_FIRST``: the 4 steps' loads are issued before the first store. The source and the destination are
+        both addressed from one anchor, so the compiler cannot tell a store from a later load's address and keeps
+        their order: stored step by step, each step's load would wait for the one before it to land."""
         j = tl.arange(0, 32)[None, :].to(tl.int64)
         live = row < nrows
         last_row = row == nrows - 1
-        start = _src_offset(tl.where(live, row * 1024, 0), seg, ids_ptr + unit * pieces,
-                            tl.load(bases_ptr + region), stride, lo)
-        first = tl.multiple_of(start // 8, [ALIGN, ALIGN])
+        src = anchor64_ptr + first + j
+        dst = anchor64_ptr + dst_first + j
+        r0 = _wide_load(src, live, CACHE)
+        if COPY and not LOADS_FIRST:
+            _wide_store(dst, r0, live, CACHE)
+        r1 = _wide_load(src + 32, live, CACHE)
+        if COPY and not LOADS_FIRST:
+            _wide_store(dst + 32, r1, live, CACHE)
+        r2 = _wide_load(src + 64, live, CACHE)
+        if COPY and not LOADS_FIRST:
+            _wide_store(dst + 64, r2, live, CACHE)
+        r3 = _wide_load(src + 96, live, CACHE)
         if COPY:
-            dst = _src_offset(tl.where(live, row * 1024, 0), seg, dst_ids_ptr + unit * pieces,
-                              tl.load(dst_bases_ptr + region), stride, lo)
-            dst_first = tl.multiple_of(dst // 8, [ALIGN, ALIGN])
-        m = tl.zeros([ROWS, 32], tl.uint64)
-        a = tl.zeros([ROWS, 32], tl.uint64)
-        for step in tl.static_range(4):
-            if CACHE == 1:
-                raw = tl.load(anchor64_ptr + first + step * 32 + j, mask=live, other=0, cache_modifier=".cg")
-            else:
-                raw = tl.load(anchor64_ptr + first + step * 32 + j, mask=live, other=0)
-            if COPY:
-                if CACHE == 1:
-                    tl.store(anchor64_ptr + dst_first + step * 32 + j, raw, mask=live, cache_modifier=".cs")
-                else:
-                    tl.store(anchor64_ptr + dst_first + step * 32 + j, raw, mask=live)
-            x = raw.to(tl.uint64, bitcast=True)
-            # word 32 * step + j is stripe 4 * step + j // 8, lane j % 8: SECRET_TABLE's rows 0..15 in order
-            sec = tl.load(secret_ptr + step * 32 + j).to(tl.uint64, bitcast=True)
-            if step == 3:  # the last row's stripe 15 is XXH3's last stripe (same bytes, its own secret)
-                last_sec = tl.load(secret_ptr + 16 * 8 + (j % 8)).to(tl.uint64, bitcast=True)
-                sec = tl.where(last_row & (j >= 24), last_sec, sec)
-            key = x ^ sec
-            m += (key & 0xFFFFFFFF).to(tl.uint32).to(tl.uint64) * (key >> 32).to(tl.uint32).to(tl.uint64)
-            a += x
-        m8 = tl.sum(tl.reshape(m, [ROWS, 4, 8]), axis=1)
-        a8 = tl.sum(tl.reshape(a, [ROWS, 4, 8]), axis=1)
+            if LOADS_FIRST:
+                _wide_store(dst, r0, live, CACHE)
+                _wide_store(dst + 32, r1, live, CACHE)
+                _wide_store(dst + 64, r2, live, CACHE)
+            _wide_store(dst + 96, r3, live, CACHE)
+        m0, x0 = _wide_step(r0, 0, secret_ptr, j, last_row)
+        m1, x1 = _wide_step(r1, 1, secret_ptr, j, last_row)
+        m2, x2 = _wide_step(r2, 2, secret_ptr, j, last_row)
+        m3, x3 = _wide_step(r3, 3, secret_ptr, j, last_row)
+        m8 = tl.sum(tl.reshape(m0 + m1 + m2 + m3, [ROWS, 4, 8]), axis=1)
+        a8 = tl.sum(tl.reshape(x0 + x1 + x2 + x3, [ROWS, 4, 8]), axis=1)
         m_even, m_odd = tl.split(tl.reshape(m8, [ROWS, 4, 2]))
         x_even, x_odd = tl.split(tl.reshape(a8, [ROWS, 4, 2]))
         # acc[i ^ 1] += x[i]: lane 2i takes the odd words, lane 2i + 1 the even ones
@@ -362,12 +405,18 @@ if HAVE_TRITON:
         ALIGN: tl.constexpr,  # words per guaranteed alignment of a row's start (2: 16-byte loads)
         COPY: tl.constexpr = False,  # also store every word read to the destination blocks (fused copy)
         CACHE: tl.constexpr = 1,  # 1: .cg loads, .cs stores (streaming, as the block copy); 0: default caching
+        LOADS_FIRST: tl.constexpr = True,  # every step's load before the first store (:func:`_wide_tile`)
     ):
         """MODE 0 of :func:`_xxh3_rows_kernel` (rows whole in one segment, ``total % 1024 == 0``) read the way a
         copy reads (:func:`_wide_tile`)."""
         leaf, unit, region, row = _leaf_of(regions, ROWS)
-        even, odd = _wide_tile(anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, seg,
-                               pieces, stride, lo, nrows, unit, region, row, ROWS, ALIGN, COPY, CACHE)
+        first = _row_words(ids_ptr + unit * pieces, tl.load(bases_ptr + region), seg, stride, lo, row, nrows, ALIGN)
+        dst_first = first
+        if COPY:
+            dst_first = _row_words(dst_ids_ptr + unit * pieces, tl.load(dst_bases_ptr + region), seg, stride, lo,
+                                   row, nrows, ALIGN)
+        even, odd = _wide_tile(anchor64_ptr, first, dst_first, secret_ptr, nrows, row, ROWS, COPY, CACHE,
+                               LOADS_FIRST)
         _store_adds(adds_ptr, leaf, nrows, row, even, odd)
 
     @triton.jit
@@ -580,33 +629,16 @@ if HAVE_TRITON:
         tl.store(out_ptr + u + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
 
     @triton.jit
-    def _xxh3_one_launch_kernel(
-        anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, primes_ptr,
-        adds_ptr,  # int64[U × R, NROWS, 8]: scratch, each leaf's row additions
-        leaves_ptr,  # int64[U × R]: scratch, the leaf digests
-        arrived_ptr,  # int32[U + U × R]: zero on entry, and left zero: the units' leaves done, the leaves' parts done
-        out_ptr,  # int64[U]: the digests
-        seg, pieces, stride, lo, total, units,
-        ROWS: tl.constexpr,  # rows per program: NROWS / SPLIT to a power of two
-        NROWS: tl.constexpr,
-        REGIONS: tl.constexpr,
-        SPLIT: tl.constexpr,  # programs per leaf
-        ALIGN: tl.constexpr,
-        COPY: tl.constexpr,
-        CACHE: tl.constexpr,
-    ):
-        """The whole digest in one launch, ``SPLIT`` programs per leaf of at most 64 rows: the wide read of the
-        program's rows (:func:`_wide_tile`, with the fused copy's stores), then the leaf's chain by its last part to
-        finish, and the unit's root by its last leaf to finish. A part counts itself in after a barrier (its
-        additions stored before the count, which is acquire-release at GPU scope); the one that completes the count
-        reads what the others wrote from L2, and sets the count back to zero for the next launch on the stream. No
-        second launch waits for the last row pass."""
-        program = tl.program_id(0).to(tl.int64)
-        leaf = program // SPLIT
-        unit = leaf // REGIONS
-        row = ((program - leaf * SPLIT) * ROWS + tl.arange(0, ROWS))[:, None]
-        even, odd = _wide_tile(anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, seg,
-                               pieces, stride, lo, NROWS, unit, leaf - unit * REGIONS, row, ROWS, ALIGN, COPY, CACHE)
+    def _one_launch_leaf(anchor64_ptr, first, dst_first, secret_ptr, primes_ptr, adds_ptr, leaves_ptr, arrived_ptr,
+                         out_ptr, total, units, leaf, unit, row, ROWS: tl.constexpr, NROWS: tl.constexpr,
+                         REGIONS: tl.constexpr, SPLIT: tl.constexpr, COPY: tl.constexpr, CACHE: tl.constexpr,
+                         LOADS_FIRST: tl.constexpr):
+        """One program of the one-launch kernels: the wide read of its rows of ``leaf`` (:func:`_wide_tile`, with the
+        fused copy's stores), then the leaf's chain if it is the leaf's last part to finish, then the unit's root if
+        that leaf is the unit's last. A part counts itself in after a barrier (its additions stored before the count,
+        which is acquire-release at GPU scope); the one that completes the count reads what the others wrote from
+        L2, and sets the count back to zero for the next launch on the stream."""
+        even, odd = _wide_tile(anchor64_ptr, first, dst_first, secret_ptr, NROWS, row, ROWS, COPY, CACHE, LOADS_FIRST)
         _store_adds(adds_ptr, leaf, NROWS, row, even, odd)
         tl.debug_barrier()
         chain = True
@@ -624,6 +656,67 @@ if HAVE_TRITON:
                                     True)
                 tl.store(out_ptr + unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
                 tl.store(arrived_ptr + unit, 0)
+
+    @triton.jit
+    def _xxh3_one_launch_kernel(
+        anchor64_ptr, bases_ptr, ids_ptr, dst_bases_ptr, dst_ids_ptr, secret_ptr, primes_ptr,
+        adds_ptr,  # int64[U × R, NROWS, 8]: scratch, each leaf's row additions
+        leaves_ptr,  # int64[U × R]: scratch, the leaf digests
+        arrived_ptr,  # int32[U + U × R]: zero on entry, and left zero: the units' leaves done, the leaves' parts done
+        out_ptr,  # int64[U]: the digests
+        seg, pieces, stride, lo, total, units,
+        ROWS: tl.constexpr,  # rows per program: NROWS / SPLIT to a power of two
+        NROWS: tl.constexpr,
+        REGIONS: tl.constexpr,
+        SPLIT: tl.constexpr,  # programs per leaf
+        ALIGN: tl.constexpr,
+        COPY: tl.constexpr,
+        CACHE: tl.constexpr,
+        LOADS_FIRST: tl.constexpr = True,
+    ):
+        """The whole digest in one launch, ``SPLIT`` programs per leaf of at most 64 rows (:func:`_one_launch_leaf`),
+        the units' block ids read from ``ids_ptr`` (and ``dst_ids_ptr``). No second launch waits for the last row
+        pass."""
+        program = tl.program_id(0).to(tl.int64)
+        leaf = program // SPLIT
+        unit = leaf // REGIONS
+        region = leaf - unit * REGIONS
+        row = ((program - leaf * SPLIT) * ROWS + tl.arange(0, ROWS))[:, None]
+        first = _row_words(ids_ptr + unit * pieces, tl.load(bases_ptr + region), seg, stride, lo, row, NROWS, ALIGN)
+        dst_first = first
+        if COPY:
+            dst_first = _row_words(dst_ids_ptr + unit * pieces, tl.load(dst_bases_ptr + region), seg, stride, lo,
+                                   row, NROWS, ALIGN)
+        _one_launch_leaf(anchor64_ptr, first, dst_first, secret_ptr, primes_ptr, adds_ptr, leaves_ptr, arrived_ptr,
+                         out_ptr, total, units, leaf, unit, row, ROWS, NROWS, REGIONS, SPLIT, COPY, CACHE, LOADS_FIRST)
+
+    # The same with the block ids of up to INLINE_IDS one-block units as launch parameters (s_i -> d_i), as the block
+    # copy takes a small request's: no id upload ahead of the kernel, which for the 16-block request is a driver
+    # call and a DMA worth a tenth of the copy. Never specialised on the ids' values (one compiled kernel whatever
+    # they are).
+    @triton.jit(do_not_specialize=[f"{side}{i}" for side in "sd" for i in range(INLINE_IDS)])
+    def _xxh3_one_launch_inline_kernel(
+        anchor64_ptr, bases_ptr, dst_bases_ptr, secret_ptr, primes_ptr, adds_ptr, leaves_ptr, arrived_ptr, out_ptr,
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15,
+        stride, lo, total, units,
+        ROWS: tl.constexpr, NROWS: tl.constexpr, REGIONS: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
+        COPY: tl.constexpr, CACHE: tl.constexpr, LOADS_FIRST: tl.constexpr = True,
+    ):
+        program = tl.program_id(0).to(tl.int64)
+        leaf = program // SPLIT
+        unit = leaf // REGIONS
+        region = leaf - unit * REGIONS
+        row = ((program - leaf * SPLIT) * ROWS + tl.arange(0, ROWS))[:, None]
+        block = _pick16(unit, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15).to(tl.int64)
+        first = _block_row_words(block, tl.load(bases_ptr + region), stride, lo, row, NROWS, ALIGN)
+        dst_first = first
+        if COPY:
+            dst_block = _pick16(unit, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14,
+                                d15).to(tl.int64)
+            dst_first = _block_row_words(dst_block, tl.load(dst_bases_ptr + region), stride, lo, row, NROWS, ALIGN)
+        _one_launch_leaf(anchor64_ptr, first, dst_first, secret_ptr, primes_ptr, adds_ptr, leaves_ptr, arrived_ptr,
+                         out_ptr, total, units, leaf, unit, row, ROWS, NROWS, REGIONS, SPLIT, COPY, CACHE, LOADS_FIRST)
 
 
 @functools.lru_cache(maxsize=64)
@@ -655,12 +748,17 @@ class GpuDigester:
     take the one-launch kernel (``leaf_split`` programs per leaf of ``leaf_warps`` warps each; False: the row
     pass, then the chains and the roots in a second launch). On an H100 the fused copy at 1 program of 2 / 4 / 8
     warps ran 0.921 / 0.921 / 0.899 × the unverified copy over 512 MiB and 0.741 / 0.763 / 0.678 × for 16 blocks;
-    2 programs of 4 warps 0.912 / 0.736 (docs/benchmarks/2026-12-06-gpu-one-launch-h100.md)."""
+    2 programs of 4 warps 0.912 / 0.736 (docs/benchmarks/2026-12-06-gpu-one-launch-h100.md). ``inline_ids``:
+    up to 16 one-block units whose ids the caller holds on the host pass them to the one-launch kernel as launch
+    parameters, as the block copy does (False: uploaded through pinned memory, 2.4 µs of the 16-block request's
+    37.1 on that H100). ``loads_first``: the wide kernels issue a tile's loads before its stores (False: step by
+    step, as before)."""
 
     def __init__(self, layout: KVLayout, *, rows_per_program: int = 32, num_warps: int = 4,
                  chain_units: int = 4, wide: bool = True, wide_rows: int = 16, wide_warps: int = 4,
                  deep_chain: bool = True, wide_cache: int = 1, one_launch: bool = True,
-                 leaf_warps: int = 4, leaf_split: int = 1) -> None:
+                 leaf_warps: int = 4, leaf_split: int = 1, inline_ids: bool = True,
+                 loads_first: bool = True) -> None:
         if layout.kind is not MemoryKind.VRAM:
             raise ValueError(f"GPU digests need a VRAM layout, got {layout.kind}: use HostDigester")
         import torch
@@ -686,6 +784,7 @@ class GpuDigester:
         self._wide, self._wide_rows, self._wide_warps = wide, wide_rows, wide_warps
         self._chain_units, self._deep_chain, self._wide_cache = chain_units, deep_chain, wide_cache
         self._one_launch, self._leaf_warps, self._leaf_split = one_launch, leaf_warps, leaf_split
+        self._inline_ids, self._loads_first = inline_ids, loads_first
         self._arrived: dict[int, torch.Tensor] = {}  # per stream: the one-launch kernel's counts, left zero
         self._host: dict[int, list[np.ndarray]] = {}
         self._region_offsets: dict[tuple[int, ...], torch.Tensor] = {}
@@ -798,34 +897,44 @@ class GpuDigester:
         nrows, last_stripes = row_shape(leaf_bytes)
         bases_t = self._offsets(bases)
         dst_t = self._offsets(dst_bases) if dst_bases is not None else bases_t
-        if device_ids is not None:
-            ids_t, dst_ids = device_ids
-        elif dst_local is not None:  # both id sets in one copy
-            pair = self._upload(np.stack([local, np.asarray(dst_local, dtype=np.int64).reshape(local.shape)]))
-            ids_t, dst_ids = pair[0], pair[1]
-        else:
-            ids_t = dst_ids = self._upload(local)
         leaves = n * regions
         adds = torch.empty((leaves, nrows, 8), dtype=torch.int64, device=self.device)
         leaf_digests = torch.empty(leaves, dtype=torch.int64, device=self.device)
         out = torch.empty(n, dtype=torch.int64, device=self.device)
-        if mode == 0 and self._wide and self._one_launch and nrows <= SHORT_CHAIN_ROWS and \
-                regions <= MERGED_ROOT_REGIONS:
-            split = min(self._leaf_split, nrows)
+        one_launch = mode == 0 and self._wide and self._one_launch and nrows <= SHORT_CHAIN_ROWS and \
+            regions <= MERGED_ROOT_REGIONS
+        split = min(self._leaf_split, nrows)
+        shape = {"ROWS": triton.next_power_of_2(triton.cdiv(nrows, split)), "NROWS": nrows, "REGIONS": regions,
+                 "SPLIT": split, "ALIGN": align, "COPY": copy, "CACHE": self._wide_cache,
+                 "LOADS_FIRST": self._loads_first, "num_warps": self._leaf_warps}
+        if one_launch and self._inline_ids and device_ids is None and pieces == 1 and n <= INLINE_IDS:
+            src_ids = [int(b) for b in local[:, 0]] + [0] * (INLINE_IDS - n)
+            dst_ids = [int(b) for b in np.asarray(dst_local).reshape(-1)] + [0] * (INLINE_IDS - n) if copy \
+                else src_ids
+            _xxh3_one_launch_inline_kernel[(leaves * split,)](
+                self._anchor64, bases_t, dst_t, self._secret, self._primes, adds, leaf_digests,
+                self._arrived_counts(n + leaves), out, *src_ids, *dst_ids, stride, lo, leaf_bytes, n, **shape)
+            return out
+        if device_ids is not None:
+            ids_t, dst_ids_t = device_ids
+        elif dst_local is not None:  # both id sets in one copy
+            pair = self._upload(np.stack([local, np.asarray(dst_local, dtype=np.int64).reshape(local.shape)]))
+            ids_t, dst_ids_t = pair[0], pair[1]
+        else:
+            ids_t = dst_ids_t = self._upload(local)
+        if one_launch:
             _xxh3_one_launch_kernel[(leaves * split,)](
-                self._anchor64, bases_t, ids_t, dst_t, dst_ids, self._secret, self._primes, adds, leaf_digests,
-                self._arrived_counts(n + leaves), out, seg, pieces, stride, lo, leaf_bytes, n,
-                ROWS=triton.next_power_of_2(triton.cdiv(nrows, split)), NROWS=nrows, REGIONS=regions, SPLIT=split,
-                ALIGN=align, COPY=copy, CACHE=self._wide_cache, num_warps=self._leaf_warps)
+                self._anchor64, bases_t, ids_t, dst_t, dst_ids_t, self._secret, self._primes, adds, leaf_digests,
+                self._arrived_counts(n + leaves), out, seg, pieces, stride, lo, leaf_bytes, n, **shape)
             return out
         if mode == 0 and self._wide:
             _xxh3_rows_wide_kernel[(leaves, triton.cdiv(nrows, self._wide_rows))](
-                self._anchor64, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg, pieces, stride, lo, nrows,
+                self._anchor64, bases_t, ids_t, dst_t, dst_ids_t, self._secret, adds, seg, pieces, stride, lo, nrows,
                 regions, ROWS=self._wide_rows, ALIGN=align, COPY=copy, CACHE=self._wide_cache,
-                num_warps=self._wide_warps)
+                LOADS_FIRST=self._loads_first, num_warps=self._wide_warps)
         else:
             _xxh3_rows_kernel[(leaves, triton.cdiv(nrows, self._rows))](
-                self._anchor64, self._anchor, bases_t, ids_t, dst_t, dst_ids, self._secret, adds, seg, pieces,
+                self._anchor64, self._anchor, bases_t, ids_t, dst_t, dst_ids_t, self._secret, adds, seg, pieces,
                 stride, lo, leaf_bytes, nrows, last_stripes, regions, ROWS=self._rows, MODE=mode, ALIGN=align,
                 COPY=copy, num_warps=self._warps)
         if nrows <= SHORT_CHAIN_ROWS and regions <= MERGED_ROOT_REGIONS:

@@ -41,8 +41,8 @@ for count, width, pieces, slices in SHAPES:
     regs = regions(6, width, count)
     rng = np.random.default_rng(width)
     units = np.stack([rng.choice(6, pieces, replace=False) for _ in range(3)])
-    for kwargs in ({}, {"leaf_split": 2}, {"leaf_split": 3}, {"one_launch": False}, {"wide": False},
-                   {"deep_chain": False}, {"wide_cache": 0}):
+    for kwargs in ({}, {"inline_ids": False}, {"loads_first": False}, {"leaf_split": 2}, {"leaf_split": 3},
+                   {"one_launch": False}, {"wide": False}, {"deep_chain": False}, {"wide_cache": 0}):
         d = digester(regs, **kwargs)
         for index in range(slices):
             offset, length = slice_view(width, slices, index) if slices > 1 else (0, 0)
@@ -86,6 +86,22 @@ got = digester(src, one_launch=False).copy_and_digest(np.array([7, 2, 1]), [r.da
                                                       np.array([0, 5, 3]))
 assert np.array_equal(got.numpy().view(np.uint64), digest_units(host(src), np.array([7, 2, 1])))
 assert all(torch.equal(a, t) for a, t in zip(two, dst, strict=True))
+uploaded = [torch.zeros_like(r) for r in src]  # the ids through memory, stores step by step: the same
+got = digester(src, inline_ids=False, loads_first=False).copy_and_digest(
+    np.array([7, 2, 1]), [r.data_ptr() for r in uploaded], np.array([0, 5, 3]))
+assert np.array_equal(got.numpy().view(np.uint64), digest_units(host(src), np.array([7, 2, 1])))
+assert all(torch.equal(a, t) for a, t in zip(uploaded, dst, strict=True))
+# 16 units, the most the launch parameters hold, and 17, one past them
+many = regions(40, 1024, 2)
+rng = np.random.default_rng(16)
+for n in (16, 17):
+    s_ids, d_ids = rng.choice(40, n, replace=False), rng.choice(40, n, replace=False)
+    out = [torch.zeros_like(r) for r in many]
+    got = digester(many).copy_and_digest(s_ids, [r.data_ptr() for r in out], d_ids)
+    assert np.array_equal(got.numpy().view(np.uint64), digest_units(host(many), s_ids)), n
+    assert all(torch.equal(t[d_ids], r[s_ids]) for r, t in zip(many, out, strict=True)), n
+    assert all(int(t.count_nonzero()) == int(t[d_ids].count_nonzero()) for t in out), n  # nothing else written
+    assert np.array_equal(digester(many).digests(s_ids), digest_units(host(many), s_ids)), n
 try:
     d.copy_and_digest(np.array([7]), [r.data_ptr() for r in again], np.array([0]),
                       device_ids=(torch.tensor([7], dtype=torch.int32), torch.tensor([0])))

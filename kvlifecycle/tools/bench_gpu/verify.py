@@ -83,9 +83,16 @@ def bench_verify(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], copie
         copier.copy(s, d)
         return d_digester.enqueue(d_ids)
 
+    uploading = GpuDigester(vram(ip.dst), **kw, inline_ids=False)
+
+    def readback_uploaded(s: Any, d: Any, d_ids: np.ndarray) -> Any:
+        copier.copy(s, d)
+        return uploading.enqueue(d_ids)
+
     copier.copy(*dev[0][:2])  # through Triton's JIT once
     copy_s = median(ip.time_events(unverified, dev, busy_cycles=BUSY_CYCLES))
     readback_s = median(ip.time_events(readback, dev, busy_cycles=BUSY_CYCLES))
+    readback_uploaded_s = median(ip.time_events(readback_uploaded, dev, busy_cycles=BUSY_CYCLES))
     ip.poison(sets[0][1])
     readback_exact = exact(readback(*dev[0])) and ip.check(*sets[0])
 
@@ -102,12 +109,14 @@ def bench_verify(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], copie
         "gbps_fused_event": gbps(nb, fused_s), "fused_exact": fused_exact,
         "unverified_copy_event_s": copy_s, "gbps_unverified_copy": gbps(nb, copy_s),
         "readback_event_s": readback_s, "gbps_readback_event": gbps(nb, readback_s), "readback_exact": readback_exact,
+        "readback_uploaded_ids_event_s": readback_uploaded_s,
     }
     out["ratio_fused_to_kernel"] = out["gbps_fused_event"] / out["gbps_kernel_event"]
     # D's check, verified / unverified throughput (the goals: fused >= 0.9, read-back >= 0.6)
     out["ratio_fused_to_unverified"] = copy_s / fused_s
     out["ratio_readback_to_unverified"] = copy_s / readback_s
     out["ratio_fused_device_ids_to_unverified"] = copy_s / fused_device_ids_s
+    out["ratio_readback_uploaded_ids_to_unverified"] = copy_s / readback_uploaded_s
 
     out["parts"] = _parts(torch, ip, digester, units, nb)
     all_exact_parts = bool(out["parts"]["chains_agree"])
@@ -118,7 +127,9 @@ def bench_verify(torch: Any, ip: InProcess, shape: Shape, sets: list[Any], copie
     # the older chain, and both older kernels
     variants: dict[str, dict[str, Any]] = {f"one launch {w}w x{k}": {"leaf_warps": w, "leaf_split": k}
                                            for w, k in ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4))}
-    variants |= {"one launch 4w, no cache hints": {"wide_cache": 0}}
+    variants |= {"one launch 4w, no cache hints": {"wide_cache": 0},
+                 "one launch 4w, ids uploaded": {"inline_ids": False},
+                 "one launch 4w, stores step by step": {"loads_first": False}}
     two: dict[str, Any] = {"one_launch": False}
     variants |= {f"two launches, wide {r}r/{w}w": {**two, "wide_rows": r, "wide_warps": w}
                  for r, w in ((8, 4), (16, 4), (32, 8))}
@@ -232,7 +243,9 @@ def print_verify(res: dict[str, Any]) -> None:
               f"{v['ratio_fused_to_unverified']:.3f}x ({v['ratio_fused_device_ids_to_unverified']:.3f}x with its ids "
               f"on the device as the copy's are; {v['fused_host_s'] * 1e6:.1f} us of host time a call), "
               f"read-back {v['gbps_readback_event']:.1f} GB/s "
-              f"({v['ratio_readback_to_unverified']:.3f}x, exact {v['readback_exact']}); fused per tile "
+              f"({v['ratio_readback_to_unverified']:.3f}x, exact {v['readback_exact']}; "
+              f"{v.get('ratio_readback_uploaded_ids_to_unverified', float('nan')):.3f}x with D's ids uploaded); "
+              "fused per tile "
               "(x unverified): " + ", ".join(f"{k} {g.get('x_unverified', float('nan')):.3f}"
                                              for k, g in v.get("fused_variants", {}).items()))
         parts = v.get("parts", {})
