@@ -324,6 +324,17 @@ if HAVE_TRITON:
         return tl.multiple_of(start // 8, [ALIGN, ALIGN])
 
     @triton.jit
+    def _unit_row_words(ids_ptr, dst_ids_ptr, bases_ptr, dst_bases_ptr, unit, region, seg, pieces, stride, lo, row,
+                        nrows, ALIGN: tl.constexpr, COPY: tl.constexpr):
+        """:func:`_row_words` of a unit's rows in ``region``, and (``COPY``) of its destination's: the ids in memory."""
+        first = _row_words(ids_ptr + unit * pieces, tl.load(bases_ptr + region), seg, stride, lo, row, nrows, ALIGN)
+        dst_first = first
+        if COPY:
+            dst_first = _row_words(dst_ids_ptr + unit * pieces, tl.load(dst_bases_ptr + region), seg, stride, lo,
+                                   row, nrows, ALIGN)
+        return first, dst_first
+
+    @triton.jit
     def _wide_load(ptr, live, CACHE: tl.constexpr):
         if CACHE == 1:
             return tl.load(ptr, mask=live, other=0, cache_modifier=".cg")
@@ -410,11 +421,8 @@ if HAVE_TRITON:
         """MODE 0 of :func:`_xxh3_rows_kernel` (rows whole in one segment, ``total % 1024 == 0``) read the way a
         copy reads (:func:`_wide_tile`)."""
         leaf, unit, region, row = _leaf_of(regions, ROWS)
-        first = _row_words(ids_ptr + unit * pieces, tl.load(bases_ptr + region), seg, stride, lo, row, nrows, ALIGN)
-        dst_first = first
-        if COPY:
-            dst_first = _row_words(dst_ids_ptr + unit * pieces, tl.load(dst_bases_ptr + region), seg, stride, lo,
-                                   row, nrows, ALIGN)
+        first, dst_first = _unit_row_words(ids_ptr, dst_ids_ptr, bases_ptr, dst_bases_ptr, unit, region, seg, pieces,
+                                           stride, lo, row, nrows, ALIGN, COPY)
         even, odd = _wide_tile(anchor64_ptr, first, dst_first, secret_ptr, nrows, row, ROWS, COPY, CACHE,
                                LOADS_FIRST)
         _store_adds(adds_ptr, leaf, nrows, row, even, odd)
@@ -629,6 +637,16 @@ if HAVE_TRITON:
         tl.store(out_ptr + u + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
 
     @triton.jit
+    def _part_of(SPLIT: tl.constexpr, REGIONS: tl.constexpr, ROWS: tl.constexpr):
+        """A one-launch program's leaf (``SPLIT`` programs each, in order), the leaf's unit and region, and its
+        rows."""
+        program = tl.program_id(0).to(tl.int64)
+        leaf = program // SPLIT
+        unit = leaf // REGIONS
+        row = ((program - leaf * SPLIT) * ROWS + tl.arange(0, ROWS))[:, None]
+        return leaf, unit, leaf - unit * REGIONS, row
+
+    @triton.jit
     def _one_launch_leaf(anchor64_ptr, first, dst_first, secret_ptr, primes_ptr, adds_ptr, leaves_ptr, arrived_ptr,
                          out_ptr, total, units, leaf, unit, row, ROWS: tl.constexpr, NROWS: tl.constexpr,
                          REGIONS: tl.constexpr, SPLIT: tl.constexpr, COPY: tl.constexpr, CACHE: tl.constexpr,
@@ -677,16 +695,9 @@ if HAVE_TRITON:
         """The whole digest in one launch, ``SPLIT`` programs per leaf of at most 64 rows (:func:`_one_launch_leaf`),
         the units' block ids read from ``ids_ptr`` (and ``dst_ids_ptr``). No second launch waits for the last row
         pass."""
-        program = tl.program_id(0).to(tl.int64)
-        leaf = program // SPLIT
-        unit = leaf // REGIONS
-        region = leaf - unit * REGIONS
-        row = ((program - leaf * SPLIT) * ROWS + tl.arange(0, ROWS))[:, None]
-        first = _row_words(ids_ptr + unit * pieces, tl.load(bases_ptr + region), seg, stride, lo, row, NROWS, ALIGN)
-        dst_first = first
-        if COPY:
-            dst_first = _row_words(dst_ids_ptr + unit * pieces, tl.load(dst_bases_ptr + region), seg, stride, lo,
-                                   row, NROWS, ALIGN)
+        leaf, unit, region, row = _part_of(SPLIT, REGIONS, ROWS)
+        first, dst_first = _unit_row_words(ids_ptr, dst_ids_ptr, bases_ptr, dst_bases_ptr, unit, region, seg, pieces,
+                                           stride, lo, row, NROWS, ALIGN, COPY)
         _one_launch_leaf(anchor64_ptr, first, dst_first, secret_ptr, primes_ptr, adds_ptr, leaves_ptr, arrived_ptr,
                          out_ptr, total, units, leaf, unit, row, ROWS, NROWS, REGIONS, SPLIT, COPY, CACHE, LOADS_FIRST)
 
@@ -703,11 +714,7 @@ if HAVE_TRITON:
         ROWS: tl.constexpr, NROWS: tl.constexpr, REGIONS: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
         COPY: tl.constexpr, CACHE: tl.constexpr, LOADS_FIRST: tl.constexpr = True,
     ):
-        program = tl.program_id(0).to(tl.int64)
-        leaf = program // SPLIT
-        unit = leaf // REGIONS
-        region = leaf - unit * REGIONS
-        row = ((program - leaf * SPLIT) * ROWS + tl.arange(0, ROWS))[:, None]
+        leaf, unit, region, row = _part_of(SPLIT, REGIONS, ROWS)
         block = _pick16(unit, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15).to(tl.int64)
         first = _block_row_words(block, tl.load(bases_ptr + region), stride, lo, row, NROWS, ALIGN)
         dst_first = first
