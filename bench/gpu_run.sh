@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh driver             # bench/driver_costs.py: one post's driver calls, and alternatives
 #   bash bench/gpu_run.sh layerwise          # kvlifecycle bench gpu-layerwise: streaming vs post-prefill, T_visible
 #   bash bench/gpu_run.sh sglang-paths       # bench/sglang_gpu_paths.py: SGLang's layout, NIXL alone vs the split path
+#   bash bench/gpu_run.sh ablation           # bench/digest_ablation.py: the 16-block fused copy + digest in stages
 # Env: BENCH_ARGS (e.g. "--json --reps 30"), LAYERWISE_ARGS, TESTS (replaces the two CUDA IPC test files), TEST_TIMEOUT,
 #      BENCH_TIMEOUT, LAYERWISE_TIMEOUT, OUT (where logs go; default /tmp/out).
 R=$(pwd)
@@ -28,6 +29,7 @@ for step in "$@"; do
              --out "$OUT/layerwise.json" 2>&1 | tee "$OUT/layerwise.txt" ;;
     sglang-paths) timeout "${PATHS_TIMEOUT:-180}" python3 "$R/bench/sglang_gpu_paths.py" ${PATHS_ARGS} 2>&1 \
              | tee "$OUT/sglang_paths.txt" ;;
+    ablation) timeout "${ABLATION_TIMEOUT:-150}" python3 "$R/bench/digest_ablation.py" 2>&1 | tee "$OUT/ablation.txt" ;;
     driver) timeout "${DRIVER_TIMEOUT:-180}" python3 "$R/bench/driver_costs.py" ${DRIVER_ARGS} 2>&1 | tee "$OUT/driver.txt" ;;
     *) echo "unknown step $step" ;;
   esac
