@@ -29,12 +29,12 @@ from kvlifecycle.transports.digest_gpu import (
     _block_row_words,
     _chain_unrolled,
     _part_of,
+    _root_if_last,
     _store_adds,
     _wide_load,
-    _wide_step,
     _wide_store,
+    _wide_sums,
     _wide_tile,
-    _xxh64_words,
 )
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,23 +68,7 @@ def stage_kernel(anchor64_ptr, bases_ptr, dst_bases_ptr, secret_ptr, primes_ptr,
         tl.store(leaves_ptr + leaf + tl.arange(0, 1), h.to(tl.int64, bitcast=True))
     if STAGE >= 3:
         tl.debug_barrier()
-        if tl.atomic_add(arrived_ptr + unit, 1, sem="acq_rel", scope="gpu") == REGIONS - 1:
-            root = _xxh64_words(leaves_ptr + unit * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS, True)
-            tl.store(out_ptr + unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
-            tl.store(arrived_ptr + unit, 0)
-
-
-@triton.jit
-def _math(r0, r1, r2, r3, secret_ptr, j, last_row, ROWS: tl.constexpr):
-    m0, x0 = _wide_step(r0, 0, secret_ptr, j, last_row)
-    m1, x1 = _wide_step(r1, 1, secret_ptr, j, last_row)
-    m2, x2 = _wide_step(r2, 2, secret_ptr, j, last_row)
-    m3, x3 = _wide_step(r3, 3, secret_ptr, j, last_row)
-    m8 = tl.sum(tl.reshape(m0 + m1 + m2 + m3, [ROWS, 4, 8]), axis=1)
-    a8 = tl.sum(tl.reshape(x0 + x1 + x2 + x3, [ROWS, 4, 8]), axis=1)
-    m_even, m_odd = tl.split(tl.reshape(m8, [ROWS, 4, 2]))
-    x_even, x_odd = tl.split(tl.reshape(a8, [ROWS, 4, 2]))
-    return m_even + x_odd, m_odd + x_even
+        _root_if_last(leaves_ptr, arrived_ptr, out_ptr, primes_ptr, unit, REGIONS)
 
 
 @triton.jit
@@ -120,7 +104,7 @@ def persist_kernel(anchor64_ptr, bases_ptr, dst_bases_ptr, secret_ptr, primes_pt
         _wide_store(dst + 32, r1, live, 1)
         _wide_store(dst + 64, r2, live, 1)
         _wide_store(dst + 96, r3, live, 1)
-        even, odd = _math(r0, r1, r2, r3, secret_ptr, j, last_row, NROWS)
+        even, odd = _wide_sums(r0, r1, r2, r3, secret_ptr, j, last_row, NROWS)
         _store_adds(adds_ptr, leaf, NROWS, row, even, odd)
         this_leaf, this_unit = leaf, unit
         # the next leaf's loads, before this leaf's chain
@@ -141,11 +125,7 @@ def persist_kernel(anchor64_ptr, bases_ptr, dst_bases_ptr, secret_ptr, primes_pt
         h = _chain_unrolled(adds_ptr + this_leaf * NROWS * 8 + lane, secret_ptr, lane, total, 1, NROWS, False)
         tl.store(leaves_ptr + this_leaf + tl.arange(0, 1), h.to(tl.int64, bitcast=True))
         tl.debug_barrier()
-        if tl.atomic_add(arrived_ptr + this_unit, 1, sem="acq_rel", scope="gpu") == REGIONS - 1:
-            root = _xxh64_words(leaves_ptr + this_unit * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS,
-                                True)
-            tl.store(out_ptr + this_unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
-            tl.store(arrived_ptr + this_unit, 0)
+        _root_if_last(leaves_ptr, arrived_ptr, out_ptr, primes_ptr, this_unit, REGIONS)
 
 
 Launch = Callable[[np.ndarray, np.ndarray], Any]

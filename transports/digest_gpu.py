@@ -391,6 +391,12 @@ if HAVE_TRITON:
                 _wide_store(dst + 32, r1, live, CACHE)
                 _wide_store(dst + 64, r2, live, CACHE)
             _wide_store(dst + 96, r3, live, CACHE)
+        return _wide_sums(r0, r1, r2, r3, secret_ptr, j, last_row, ROWS)
+
+    @triton.jit
+    def _wide_sums(r0, r1, r2, r3, secret_ptr, j, last_row, ROWS: tl.constexpr):
+        """The additions of a wide tile's rows from their 4 steps' words: to the even and the odd accumulators,
+        ``[ROWS, 4]`` each."""
         m0, x0 = _wide_step(r0, 0, secret_ptr, j, last_row)
         m1, x1 = _wide_step(r1, 1, secret_ptr, j, last_row)
         m2, x2 = _wide_step(r2, 2, secret_ptr, j, last_row)
@@ -669,11 +675,16 @@ if HAVE_TRITON:
             if SPLIT > 1:
                 tl.store(arrived_ptr + units + leaf, 0)
             tl.debug_barrier()
-            if tl.atomic_add(arrived_ptr + unit, 1, sem="acq_rel", scope="gpu") == REGIONS - 1:
-                root = _xxh64_words(leaves_ptr + unit * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS,
-                                    True)
-                tl.store(out_ptr + unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
-                tl.store(arrived_ptr + unit, 0)
+            _root_if_last(leaves_ptr, arrived_ptr, out_ptr, primes_ptr, unit, REGIONS)
+
+    @triton.jit
+    def _root_if_last(leaves_ptr, arrived_ptr, out_ptr, primes_ptr, unit, REGIONS: tl.constexpr):
+        """A leaf's digest stored (and a barrier passed): count it in to ``unit``, and if it completes the count,
+        the unit's root over its leaves (from L2: other programs wrote them), and the count set back to zero."""
+        if tl.atomic_add(arrived_ptr + unit, 1, sem="acq_rel", scope="gpu") == REGIONS - 1:
+            root = _xxh64_words(leaves_ptr + unit * REGIONS, tl.zeros([1], tl.uint64), primes_ptr, REGIONS, True)
+            tl.store(out_ptr + unit + tl.arange(0, 1), root.to(tl.int64, bitcast=True))
+            tl.store(arrived_ptr + unit, 0)
 
     @triton.jit
     def _xxh3_one_launch_kernel(
