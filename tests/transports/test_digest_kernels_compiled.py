@@ -13,19 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_digest_kernels_interpreted import REPO_ROOT, TRITON_PYTHON, require_triton_python
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("digest_kernels_compiled.py")
-TRITON_PYTHON = Path(os.environ.get("KVL_VLLM_VENV", REPO_ROOT / ".venv-vllm")) / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, Any]:
-    if not TRITON_PYTHON.exists():
-        reason = f"no Python with Triton ({TRITON_PYTHON}); create it with scripts/setup-vllm-env.sh"
-        if os.environ.get("KVL_REQUIRE_ALL") == "1":
-            pytest.fail(reason + " [KVL_REQUIRE_ALL=1: not skipping]")
-        pytest.skip(reason)
+    require_triton_python()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([str(TRITON_PYTHON), str(RUNNER)], env=env, capture_output=True, text=True, timeout=600,

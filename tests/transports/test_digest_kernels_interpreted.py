@@ -15,12 +15,17 @@ RUNNER = Path(__file__).with_name("digest_kernels_interpreted.py")
 TRITON_PYTHON = Path(os.environ.get("KVL_VLLM_VENV", REPO_ROOT / ".venv-vllm")) / "bin" / "python"
 
 
-def _run(*extra: str) -> subprocess.CompletedProcess[str]:
+def require_triton_python() -> None:
+    """Skip where the vLLM venv (the Python with Triton) is absent; fail instead under ``KVL_REQUIRE_ALL=1`` (CI)."""
     if not TRITON_PYTHON.exists():
         reason = f"no Python with Triton ({TRITON_PYTHON}); create it with scripts/setup-vllm-env.sh"
         if os.environ.get("KVL_REQUIRE_ALL") == "1":
             pytest.fail(reason + " [KVL_REQUIRE_ALL=1: not skipping]")
         pytest.skip(reason)
+
+
+def _run(*extra: str) -> subprocess.CompletedProcess[str]:
+    require_triton_python()
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([str(TRITON_PYTHON), *extra], env=env, capture_output=True, text=True, timeout=600,
                           cwd=REPO_ROOT, check=False)
